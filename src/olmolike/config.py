@@ -1,0 +1,478 @@
+"""Dataclass configs that round-trip through dicts, YAML, JSON and command-line overrides.
+
+Every config is a ``@dataclass`` subclass of :class:`Config`. Values coming from a file or the
+command line are checked against the field's type annotation and converted where the
+conversion is lossless (``"1e-3"`` -> ``0.001`` for a float field, ``"steps"`` -> an enum member).
+A mistake raises :class:`~olmolike.exceptions.ConfigurationError` naming the dotted path of the
+field, so ``--trainer.max_duraton.value=5`` fails with the list of valid keys instead of being
+silently ignored.
+
+Polymorphic fields (e.g. a dict of callbacks) carry a ``_CLASS_`` key. It is resolved through an
+explicit registry of classes that were imported and registered by the program itself: a config
+file can name a registered class, but never import one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import functools
+import json
+import logging
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from .exceptions import ConfigurationError
+
+__all__ = ["CLASS_KEY", "Config", "StrEnum", "lookup_registered_class", "register_config_class"]
+
+log = logging.getLogger(__name__)
+
+CLASS_KEY = "_CLASS_"
+
+C = TypeVar("C", bound="Config")
+
+
+class StrEnum(str, enum.Enum):
+    """A string-valued enum (``enum.StrEnum`` exists only from Python 3.11).
+
+    Members compare equal to their values, so ``LoadStrategy.always == "always"``, which makes
+    command-line overrides and YAML files need no special syntax.
+    """
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register_config_class(cls: type, *aliases: str) -> None:
+    """Allow ``cls`` to be named by ``_CLASS_`` in a config file.
+
+    It is registered under its qualified name (``module.QualName``) and any ``aliases``.
+    """
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"only dataclasses can be registered as config classes, not {cls!r}")
+    _REGISTRY[registered_name(cls)] = cls
+    for alias in aliases:
+        existing = _REGISTRY.get(alias)
+        if existing is not None and registered_name(existing) != registered_name(cls):
+            raise ValueError(f"config class alias {alias!r} is already registered to {existing!r}")
+        _REGISTRY[alias] = cls
+
+
+def lookup_registered_class(name: str, base: type, path: str = "") -> type:
+    """Resolve a ``_CLASS_`` name to a registered class that is a subclass of ``base``."""
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        known = sorted(k for k, v in _REGISTRY.items() if _is_subclass(v, base))
+        raise ConfigurationError(
+            f"unknown class {name!r}; registered {base.__name__} classes are: "
+            f"{', '.join(known) or '(none)'}. Import the module that defines it before loading "
+            "the config (config files cannot import code).",
+            path=path,
+        )
+    if not _is_subclass(cls, base):
+        raise ConfigurationError(f"class {name!r} is not a {base.__name__}", path=path)
+    return cls
+
+
+def registered_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_subclass(cls: Any, base: Any) -> bool:
+    return isinstance(cls, type) and isinstance(base, type) and issubclass(cls, base)
+
+
+@dataclasses.dataclass
+class Config:
+    """Base class for configuration dataclasses.
+
+    Subclasses override :meth:`validate` to reject impossible values; it runs on construction
+    and again whenever a config is rebuilt (``from_dict``, ``merge``) or built into an object.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # The class exists because the program defined or imported it, so naming it in a file
+        # never runs new code. Re-definition (a reloaded module) replaces the old entry.
+        _REGISTRY[registered_name(cls)] = cls
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigurationError` (use :meth:`_invalid`) if a value is impossible."""
+
+    def _invalid(self, field: str, reason: str) -> ConfigurationError:
+        return ConfigurationError(reason, path=field)
+
+    # -- serialization ---------------------------------------------------------------------
+
+    def as_dict(
+        self,
+        *,
+        exclude_none: bool = False,
+        exclude_private_fields: bool = False,
+        include_class_name: bool = False,
+        json_safe: bool = False,
+        recurse: bool = True,
+    ) -> dict[str, Any]:
+        """Convert to a dict. ``recurse=False`` leaves nested configs as objects."""
+        options = _DictOptions(exclude_none, exclude_private_fields, include_class_name, json_safe)
+        if not recurse:
+            return {
+                f.name: getattr(self, f.name)
+                for f in _init_fields(type(self))
+                if _keep_field(f.name, getattr(self, f.name), options)
+            }
+        out = _to_plain(self, options, type(self).__name__)
+        assert isinstance(out, dict)
+        return out
+
+    def as_config_dict(self) -> dict[str, Any]:
+        """A JSON/YAML-safe dict with ``_CLASS_`` names, which :meth:`from_dict` rebuilds exactly."""
+        return self.as_dict(exclude_private_fields=True, include_class_name=True, json_safe=True)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.as_config_dict(), sort_keys=False)
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_config_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls: type[C], data: Mapping[str, Any], *, path: str = "") -> C:
+        """Build from a (possibly nested) mapping, checking keys and types on the way."""
+        built = _coerce(data, cls, path)
+        assert isinstance(built, cls)
+        return built
+
+    @classmethod
+    def from_yaml(cls: type[C], path: str | Path, overrides: Sequence[str] = ()) -> C:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+        return cls._from_file_data(data, path).merge(overrides)
+
+    @classmethod
+    def from_json(cls: type[C], path: str | Path, overrides: Sequence[str] = ()) -> C:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return cls._from_file_data(data, path).merge(overrides)
+
+    @classmethod
+    def _from_file_data(cls: type[C], data: Any, source: str | Path) -> C:
+        if not isinstance(data, Mapping):
+            raise ConfigurationError(f"{source} must hold a mapping at the top level")
+        return cls.from_dict(data)
+
+    def replace(self: C, **changes: Any) -> C:
+        """A copy with some fields changed (validated like any construction)."""
+        return dataclasses.replace(self, **changes)
+
+    def merge(self: C, dotlist: Sequence[str]) -> C:
+        """Return a copy with dotted overrides applied.
+
+        Each item is ``[--]dotted.key=value``; the value is parsed with ``yaml.safe_load`` (so
+        ``true``, ``5``, ``[1, 2]`` and ``{value: 5, unit: steps}`` all work), and a bare
+        ``--dotted.key`` means ``true``. String fields receive the raw text, so ``--name=on``
+        stays the string ``"on"``.
+        """
+        if not dotlist:
+            return self
+        data = self.as_dict(include_class_name=True)
+        for item in dotlist:
+            keys, value = _parse_override(item)
+            _set_in(data, keys, value)
+        return type(self).from_dict(data)
+
+
+# -- conversion to plain data ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _DictOptions:
+    exclude_none: bool
+    exclude_private_fields: bool
+    include_class_name: bool
+    json_safe: bool
+
+
+def _keep_field(name: str, value: Any, options: _DictOptions) -> bool:
+    if options.exclude_none and value is None:
+        return False
+    return not (options.exclude_private_fields and name.startswith("_"))
+
+
+def _to_plain(value: Any, options: _DictOptions, path: str) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out: dict[str, Any] = {}
+        if options.include_class_name:
+            out[CLASS_KEY] = registered_name(type(value))
+        for f in _init_fields(type(value)):
+            item = getattr(value, f.name)
+            if _keep_field(f.name, item, options):
+                out[f.name] = _to_plain(item, options, f"{path}.{f.name}")
+        return out
+    if isinstance(value, Mapping):
+        return {k: _to_plain(v, options, f"{path}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_to_plain(v, options, f"{path}[{i}]") for i, v in enumerate(value)]
+        return items if options.json_safe or isinstance(value, list) else tuple(items)
+    if not options.json_safe:
+        return value
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise ConfigurationError(
+        f"a {type(value).__name__} cannot be written to a config file; give it a Config form "
+        "(a dataclass of plain values) that builds the object",
+        path=path,
+    )
+
+
+# -- conversion from plain data ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _CliValue:
+    """An override from the command line: the raw text and its YAML parse."""
+
+    raw: str
+    parsed: Any
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    text = item.lstrip("-")
+    if not text:
+        raise ConfigurationError(f"empty override {item!r}; expected --dotted.key=value")
+    key, sep, raw = text.partition("=")
+    if not sep:
+        return key.split("."), True
+    try:
+        parsed = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError as e:
+        raise ConfigurationError(f"cannot parse the value {raw!r}: {e}", path=key) from None
+    return key.split("."), _CliValue(raw, parsed)
+
+
+def _set_in(data: dict[str, Any], keys: list[str], value: Any) -> None:
+    node = data
+    for i, key in enumerate(keys[:-1]):
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        elif dataclasses.is_dataclass(child) and not isinstance(child, type):
+            child = node[key] = _to_plain(child, _DictOptions(False, False, True, False), key)
+        elif not isinstance(child, dict):
+            raise ConfigurationError(
+                f"is a {type(child).__name__}, it has no field {keys[i + 1]!r}",
+                path=".".join(keys[: i + 1]),
+            )
+        node = child
+    last = node.get(keys[-1])
+    parsed = value.parsed if isinstance(value, _CliValue) else value
+    if isinstance(last, dict) and isinstance(parsed, Mapping):
+        last.update(parsed)
+    else:
+        node[keys[-1]] = value
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _init_fields(cls: type) -> tuple[dataclasses.Field, ...]:
+    return tuple(f for f in dataclasses.fields(cls) if f.init)
+
+
+def _join(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against the annotation ``tp``, converting losslessly where needed."""
+    if isinstance(value, _CliValue):
+        value = value.raw if _accepts_raw_string(tp) else value.parsed
+    if tp is Any or tp is object:
+        return value
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return _coerce_union(value, typing.get_args(tp), path)
+    if origin is typing.Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigurationError(f"must be one of {typing.get_args(tp)}, got {value!r}", path=path)
+    if origin in (list, Sequence, tuple, dict, Mapping):
+        return _coerce_container(value, tp, origin, path)
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigurationError(f"must be null, got {value!r}", path=path)
+    if isinstance(tp, type):
+        return _coerce_class(value, tp, path)
+    return value
+
+
+def _accepts_raw_string(tp: Any) -> bool:
+    if tp is str:
+        return True
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return str in typing.get_args(tp)
+    return False
+
+
+def _coerce_union(value: Any, options: tuple[Any, ...], path: str) -> Any:
+    if value is None and type(None) in options:
+        return None
+    errors = []
+    for option in options:
+        if option is type(None):
+            continue
+        try:
+            return _coerce(value, option, path)
+        except ConfigurationError as e:
+            errors.append(e)
+    if len(errors) == 1:
+        raise errors[0]
+    names = " or ".join(_type_name(o) for o in options)
+    raise ConfigurationError(f"expected {names}, got {value!r}", path=path)
+
+
+def _coerce_container(value: Any, tp: Any, origin: Any, path: str) -> Any:
+    args = typing.get_args(tp)
+    if origin in (dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise ConfigurationError(f"expected a mapping, got {value!r}", path=path)
+        key_tp, val_tp = args or (Any, Any)
+        return {
+            _coerce(k, key_tp, path): _coerce(v, val_tp, _join(path, str(k)))
+            for k, v in value.items()
+        }
+    if not isinstance(value, (list, tuple)):
+        raise ConfigurationError(f"expected a list, got {value!r}", path=path)
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        if len(args) != len(value):
+            raise ConfigurationError(f"expected {len(args)} items, got {len(value)}", path=path)
+        return tuple(_coerce(v, t, _join(path, i)) for i, (v, t) in enumerate(zip(args, value)))
+    item_tp = args[0] if args else Any
+    items = [_coerce(v, item_tp, _join(path, i)) for i, v in enumerate(value)]
+    return tuple(items) if origin is tuple else items
+
+
+def _coerce_class(value: Any, tp: type, path: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return _coerce_dataclass(value, tp, path)
+    if issubclass(tp, enum.Enum):
+        if isinstance(value, tp):
+            return value
+        try:
+            return tp(value)
+        except ValueError:
+            valid = ", ".join(str(m.value) for m in tp)
+            raise ConfigurationError(
+                f"{value!r} is not a valid {tp.__name__}; choose one of: {valid}", path=path
+            ) from None
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigurationError(f"expected true or false, got {value!r}", path=path)
+    if tp is int:
+        return _coerce_number(value, int, path)
+    if tp is float:
+        return _coerce_number(value, float, path)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float, Path)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigurationError(f"expected a string, got {value!r}", path=path)
+    if tp is Path:
+        if isinstance(value, (str, Path)):
+            return Path(value)
+        raise ConfigurationError(f"expected a path, got {value!r}", path=path)
+    if tp is datetime.timedelta:
+        if isinstance(value, datetime.timedelta):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return datetime.timedelta(seconds=value)
+        raise ConfigurationError(f"expected a number of seconds, got {value!r}", path=path)
+    if isinstance(value, tp):
+        return value
+    raise ConfigurationError(f"expected a {tp.__name__}, got {value!r}", path=path)
+
+
+def _coerce_number(value: Any, tp: type, path: str) -> Any:
+    if isinstance(value, bool):
+        raise ConfigurationError(f"expected a number, got {value!r}", path=path)
+    if tp is float and isinstance(value, (int, float)):
+        return float(value)
+    if tp is int and isinstance(value, int):
+        return value
+    if tp is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return tp(value)
+        except ValueError:
+            pass
+    raise ConfigurationError(
+        f"expected {'an integer' if tp is int else 'a number'}, got {value!r}", path=path
+    )
+
+
+def _coerce_dataclass(value: Any, tp: type, path: str) -> Any:
+    if isinstance(value, tp):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigurationError(f"expected a {tp.__name__} mapping, got {value!r}", path=path)
+    data = dict(value)
+    class_name = data.pop(CLASS_KEY, None)
+    cls = tp if class_name is None else lookup_registered_class(class_name, tp, path)
+    fields = {f.name: f for f in _init_fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigurationError(
+            f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"valid keys of {cls.__name__} are: {', '.join(fields)}",
+            path=path,
+        )
+    missing = [
+        name
+        for name, f in fields.items()
+        if name not in data
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigurationError(
+            f"missing required key{'s' if len(missing) > 1 else ''}: {', '.join(missing)}",
+            path=path,
+        )
+    hints = _type_hints(cls)
+    kwargs = {name: _coerce(v, hints[name], _join(path, name)) for name, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigurationError as e:
+        raise e.under(path) from None
+    except TypeError as e:
+        raise ConfigurationError(f"cannot build {cls.__name__}: {e}", path=path) from None

@@ -1,0 +1,1 @@
+"""Distributed helpers: process groups, rank utilities, failure handling."""

@@ -1,0 +1,168 @@
+"""Turn "one rank crashed, the others hang in a collective until the timeout" into a prompt exit.
+
+A rank that fails writes a short report into the job's key-value store (the one torchrun or
+``MASTER_ADDR:MASTER_PORT`` provides). Every rank runs a daemon thread that polls the store;
+when it sees another rank's report it gives the process a grace period to fail on its own
+(gloo usually raises at once when a peer disappears), then ends it with a message that names
+the rank that failed and its error. NCCL collectives, which can block until their timeout,
+are covered the same way.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+import threading
+import time
+from types import TracebackType
+
+import torch.distributed as dist
+
+__all__ = [
+    "RankFailureMonitor",
+    "report_rank_failure",
+    "start_failure_monitor",
+    "stop_failure_monitor",
+]
+
+log = logging.getLogger(__name__)
+
+GRACE_ENV = "OLMOLIKE_RANK_FAILURE_GRACE_SECONDS"
+DEFAULT_GRACE_SECONDS = 15.0
+EXIT_CODE = 3
+
+
+class RankFailureMonitor:
+    """Reports this rank's failure and watches for the failures of other ranks."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        *,
+        attempt: str = "0",
+        poll_interval: float = 0.5,
+        grace_period: float = DEFAULT_GRACE_SECONDS,
+    ) -> None:
+        self.rank = rank
+        self.poll_interval = poll_interval
+        self.grace_period = grace_period
+        self._store = store
+        self._key = f"olmolike/rank_failure/{attempt}"
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._reported = False
+        self._thread = threading.Thread(
+            target=self._watch, name="rank-failure-monitor", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching (normal shutdown: a peer that exits is no longer a failure)."""
+        self._stopped.set()
+
+    def report(self, exc: BaseException) -> None:
+        """Tell every other rank that this one failed with ``exc``. Idempotent."""
+        with self._lock:
+            if self._reported:
+                return
+            self._reported = True
+            summary = f"rank {self.rank} failed with {type(exc).__name__}: {exc}"
+            try:
+                self._store.set(self._key, summary[:2000])
+            except Exception as store_error:  # the job is already failing; do not mask exc
+                log.warning(
+                    "Could not report this rank's failure to the other ranks: %s", store_error
+                )
+
+    def _watch(self) -> None:
+        unreachable_since: float | None = None
+        clock = threading.Event()
+        while not self._stopped.is_set():
+            clock.wait(self.poll_interval)
+            if self._stopped.is_set():
+                return
+            try:
+                with self._lock:
+                    failed = self._store.check([self._key])
+                    message = self._store.get(self._key).decode() if failed else ""
+                unreachable_since = None
+            except Exception as e:
+                # The store lives on rank 0 (or the launcher): losing it means they are gone.
+                now = time.monotonic()
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since >= self.grace_period:
+                    self._terminate(f"the job's key-value store is unreachable ({e})")
+                continue
+            if failed and not message.startswith(f"rank {self.rank} "):
+                self._terminate(message)
+
+    def _terminate(self, why: str) -> None:
+        log.error(
+            "Rank %d is stopping because %s. Waiting %.0fs for it to exit on its own.",
+            self.rank,
+            why,
+            self.grace_period,
+        )
+        if self._stopped.wait(self.grace_period):
+            return
+        sys.stderr.write(f"[rank {self.rank}] exiting: {why}\n")
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(EXIT_CODE)
+
+
+_monitor: RankFailureMonitor | None = None
+
+
+def start_failure_monitor(rank: int) -> RankFailureMonitor | None:
+    """Start watching for peer failures, if the launcher gave us a store address."""
+    global _monitor
+    if _monitor is not None:
+        return _monitor
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        log.debug("No MASTER_ADDR/MASTER_PORT: rank failure monitoring is off")
+        return None
+    store = dist.TCPStore(
+        host,
+        int(port),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=30),
+        wait_for_workers=False,
+    )
+    grace = float(os.environ.get(GRACE_ENV, DEFAULT_GRACE_SECONDS))
+    # torchrun keeps one store across restarts: key the reports by attempt so an old failure
+    # does not end the new attempt.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    _monitor = RankFailureMonitor(store, rank, attempt=attempt, grace_period=grace)
+    _monitor.start()
+    _install_excepthook()
+    return _monitor
+
+
+def stop_failure_monitor() -> None:
+    global _monitor
+    if _monitor is not None:
+        _monitor.stop()
+        _monitor = None
+
+
+def report_rank_failure(exc: BaseException) -> None:
+    """Report ``exc`` to the other ranks (no-op when not monitoring)."""
+    if _monitor is not None:
+        _monitor.report(exc)
+
+
+def _install_excepthook() -> None:
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        report_rank_failure(exc)
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook

@@ -1,0 +1,62 @@
+"""The exception hierarchy: catch :class:`OLMoLikeError` to catch everything olmolike raises on purpose."""
+
+from __future__ import annotations
+
+__all__ = [
+    "BookkeepingError",
+    "CheckpointError",
+    "ConfigurationError",
+    "DataError",
+    "MetricError",
+    "NetworkError",
+    "OLMoLikeError",
+    "RankFailureError",
+]
+
+
+class OLMoLikeError(Exception):
+    """Base class for every error olmolike raises deliberately."""
+
+
+class ConfigurationError(OLMoLikeError, ValueError):
+    """A configuration is invalid: an unknown key, a wrong type, or an impossible value.
+
+    The message names the dotted path of the offending field and how to fix it.
+    """
+
+    def __init__(self, reason: str, *, path: str = "") -> None:
+        self.reason = reason
+        self.path = path
+        super().__init__(f"{path}: {reason}" if path else reason)
+
+    def under(self, prefix: str) -> ConfigurationError:
+        """The same error, reported for a field nested under ``prefix``."""
+        if not prefix:
+            return self
+        return ConfigurationError(
+            self.reason, path=f"{prefix}.{self.path}" if self.path else prefix
+        )
+
+
+class CheckpointError(OLMoLikeError):
+    """A checkpoint could not be saved, found, or loaded."""
+
+
+class NetworkError(OLMoLikeError):
+    """A remote storage operation failed after all retries."""
+
+
+class DataError(OLMoLikeError):
+    """Training or evaluation data is malformed or inconsistent."""
+
+
+class MetricError(OLMoLikeError, ValueError):
+    """A metric was recorded inconsistently (e.g. its reduce type changed)."""
+
+
+class BookkeepingError(OLMoLikeError):
+    """A background bookkeeping operation was used incorrectly."""
+
+
+class RankFailureError(OLMoLikeError):
+    """Another rank of a distributed job failed, so this rank stops too."""

@@ -1,0 +1,168 @@
+"""Every byte that leaves the process goes through here.
+
+Local paths are written atomically (a temporary file in the same directory, then a rename),
+so a reader never sees half a file. URLs (``gs://``, ``s3://``, ``memory://``, ...) go through
+fsspec, with transient network errors retried with exponential backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import fsspec
+
+from .exceptions import NetworkError
+
+__all__ = ["is_url", "join_path", "persist", "retry_network", "write_file"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+PathOrStr = str | Path
+
+# Errors that retrying cannot fix: the request itself is wrong.
+_PERMANENT = (
+    FileNotFoundError,
+    FileExistsError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+)
+
+
+def is_url(path: PathOrStr) -> bool:
+    text = str(path)
+    return "://" in text and not text.startswith("file://")
+
+
+def local_path(path: PathOrStr) -> Path:
+    text = str(path)
+    return Path(text[len("file://") :] if text.startswith("file://") else text)
+
+
+def join_path(dir: PathOrStr, name: PathOrStr) -> str:
+    if is_url(dir):
+        return f"{str(dir).rstrip('/')}/{str(name).lstrip('/')}"
+    return str(local_path(dir) / name)
+
+
+def retry_network(
+    fn: Callable[[], T], what: str, *, attempts: int = 5, initial_delay: float = 0.5
+) -> T:
+    """Call ``fn``; retry transient errors with exponential backoff, then raise NetworkError."""
+    delay = initial_delay
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except _PERMANENT:
+            raise
+        except (OSError, ConnectionError, TimeoutError) as e:
+            if attempt == attempts:
+                raise NetworkError(f"{what} failed after {attempts} attempts: {e}") from e
+            log.warning(
+                "%s failed (%s); retrying in %.1fs (%d/%d)", what, e, delay, attempt, attempts
+            )
+            time.sleep(delay)
+            delay *= 2
+    raise AssertionError("unreachable")
+
+
+def write_file(
+    dir: PathOrStr, name: PathOrStr, contents: str | bytes, *, overwrite: bool = False
+) -> str:
+    """Write ``contents`` to ``dir/name`` and return the path or URL.
+
+    :raises FileExistsError: if the file exists and ``overwrite`` is false.
+    """
+    target = join_path(dir, name)
+    data = contents.encode() if isinstance(contents, str) else contents
+    if not is_url(target):
+        _write_local_atomically(Path(target), data, overwrite)
+        return target
+    fs, fs_path = fsspec.core.url_to_fs(target)
+
+    def upload() -> None:
+        if not overwrite and fs.exists(fs_path):
+            raise FileExistsError(
+                f"{target} exists; pass overwrite=True (save_overwrite) to replace it"
+            )
+        with fs.open(fs_path, "wb") as f:
+            f.write(data)
+
+    retry_network(upload, f"writing {target}")
+    return target
+
+
+def _write_local_atomically(target: Path, data: bytes, overwrite: bool) -> None:
+    if target.exists() and not overwrite:
+        raise FileExistsError(
+            f"{target} exists; pass overwrite=True (save_overwrite) to replace it"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def persist(
+    src_dir: PathOrStr, dst_dir: PathOrStr, name: PathOrStr, *, overwrite: bool = False
+) -> str:
+    """Copy the file or directory ``src_dir/name`` (local) to ``dst_dir/name`` (local or URL)."""
+    source = local_path(src_dir) / name
+    target = join_path(dst_dir, name)
+    if not source.exists():
+        raise FileNotFoundError(f"{source} does not exist")
+    if not is_url(target) and Path(target).resolve() == source.resolve():
+        return target
+    if source.is_dir():
+        for child in sorted(source.rglob("*")):
+            if child.is_file():
+                persist(
+                    src_dir, dst_dir, child.relative_to(local_path(src_dir)), overwrite=overwrite
+                )
+        return target
+    if not is_url(target):
+        _copy_local_atomically(source, Path(target), overwrite)
+        return target
+    fs, fs_path = fsspec.core.url_to_fs(target)
+
+    def upload() -> None:
+        if not overwrite and fs.exists(fs_path):
+            raise FileExistsError(
+                f"{target} exists; pass overwrite=True (save_overwrite) to replace it"
+            )
+        fs.put_file(str(source), fs_path)
+
+    retry_network(upload, f"uploading {source} to {target}")
+    return target
+
+
+def _copy_local_atomically(source: Path, target: Path, overwrite: bool) -> None:
+    if target.exists() and not overwrite:
+        raise FileExistsError(
+            f"{target} exists; pass overwrite=True (save_overwrite) to replace it"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,96 @@
+"""The trainer: a loop over a train module and a data loader, with callbacks on the side.
+
+Call :func:`prepare_training_environment` at the top of the training script, build a
+:class:`TrainerConfig` into a :class:`Trainer`, call :meth:`Trainer.fit`, and finish with
+:func:`teardown_training_environment`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+import torch.distributed as dist
+
+from ..distributed.failure import start_failure_monitor, stop_failure_monitor
+from ..distributed.utils import (
+    barrier,
+    get_rank,
+    init_distributed,
+    is_distributed,
+    launched_distributed,
+    set_shared_filesystem,
+)
+from ..utils import LogFilterType, seed_all, setup_logging
+from .callbacks import Callback
+from .checkpoint import CheckpointerConfig
+from .common import (
+    Duration,
+    DurationUnit,
+    LoadStrategy,
+    MetricMergeStrategy,
+    ReduceType,
+    StepSkipRange,
+)
+from .config import TrainerConfig
+from .train_module import BasicTrainModule, TrainModule
+from .trainer import Trainer, TrainerStateDict
+
+__all__ = [
+    "BasicTrainModule",
+    "Callback",
+    "CheckpointerConfig",
+    "Duration",
+    "DurationUnit",
+    "LoadStrategy",
+    "LogFilterType",
+    "MetricMergeStrategy",
+    "ReduceType",
+    "StepSkipRange",
+    "TrainModule",
+    "Trainer",
+    "TrainerConfig",
+    "TrainerStateDict",
+    "prepare_training_environment",
+    "teardown_training_environment",
+]
+
+log = logging.getLogger(__name__)
+
+
+def prepare_training_environment(
+    *,
+    seed: int | None = None,
+    backend: str | None = "cpu:gloo,cuda:nccl",
+    timeout: datetime.timedelta = datetime.timedelta(minutes=15),
+    log_filter_type: LogFilterType | None = None,
+    shared_filesystem: bool | None = None,
+) -> None:
+    """Set up logging, the process group (under a launcher such as torchrun) and RNG seeds.
+
+    Call it first thing in the ``if __name__ == "__main__":`` block. Without a launcher (no
+    ``RANK``/``WORLD_SIZE`` in the environment) it sets up a single process and no group.
+
+    :param backend: ``None`` for no process group. Keep a CPU backend (gloo) in it even on GPUs:
+        bookkeeping collectives then run on a separate gloo group without blocking training.
+    :param timeout: for initializing the process group and for its collectives.
+    :param log_filter_type: which ranks log below WARNING (default: ``$LOG_FILTER_TYPE`` or
+        ``rank0_only``).
+    :param shared_filesystem: whether local checkpoint/work directories are on a drive shared by
+        all nodes (e.g. NFS). Ranks of a single node always share their local filesystem.
+    """
+    if backend is not None and launched_distributed():
+        init_distributed(backend, timeout)
+        start_failure_monitor(get_rank())
+    set_shared_filesystem(shared_filesystem)
+    setup_logging(log_filter_type)
+    if seed is not None:
+        seed_all(seed)
+
+
+def teardown_training_environment() -> None:
+    """End of the training script: tear down all process groups."""
+    if is_distributed():
+        barrier()
+        stop_failure_monitor()
+        dist.destroy_process_group()

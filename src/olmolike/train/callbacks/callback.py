@@ -1,0 +1,140 @@
+"""The callback base class and registry.
+
+A callback is a dataclass of settings whose hook methods the trainer calls at fixed points of
+the loop. Hooks fire in this order::
+
+    post_attach                      once, when the trainer is built
+    pre_train                        once, at the start of fit() (after any checkpoint load)
+    pre_epoch                        at the start of each epoch
+      pre_load_batch                 before the next batch is fetched
+      pre_step(batch)                after it is fetched, before the forward pass
+      pre_optim_step                 after backward, before the optimizer step (not on skipped steps)
+      post_train_batch               after the optimizer step
+      post_step                      at the end of the step
+      log_metrics(step, metrics)     for each step, once its metrics are collected and reduced
+    post_epoch                       when an epoch's batches are exhausted
+    post_train                       once, when training ends normally or is canceled
+    on_error(exc)                    instead of post_train, when fit() raises
+    close                            always, last
+
+Callbacks run in descending ``priority``; ties keep the order in which they were added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ...config import register_config_class
+
+if TYPE_CHECKING:
+    from ..trainer import Trainer
+
+__all__ = ["CALLBACK_HOOKS", "Callback", "callback_registry"]
+
+CALLBACK_HOOKS = (
+    "post_attach",
+    "pre_train",
+    "pre_epoch",
+    "pre_load_batch",
+    "pre_step",
+    "pre_optim_step",
+    "post_train_batch",
+    "post_step",
+    "log_metrics",
+    "post_epoch",
+    "post_train",
+    "on_error",
+    "close",
+)
+
+callback_registry: dict[str, type[Callback]] = {}
+"""Callback classes by their registered name (e.g. ``"console_logger"``)."""
+
+
+@dataclass
+class Callback:
+    """Base class for trainer callbacks. Subclasses are dataclasses of their settings.
+
+    Register a subclass under a short name with ``class MyCallback(Callback, name="my_cb")``:
+    the name can then be used as ``_CLASS_`` in config files.
+    """
+
+    priority: ClassVar[int] = 0
+    """Higher priorities run first (e.g. a checkpointer should see a step before a logger)."""
+
+    registered_name: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, name: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        register_config_class(cls, *([name] if name else []))
+        if name is not None:
+            existing = callback_registry.get(name)
+            if existing is not None and existing.__qualname__ != cls.__qualname__:
+                raise ValueError(f"callback name {name!r} is already used by {existing!r}")
+            callback_registry[name] = cls
+            cls.registered_name = name
+
+    @property
+    def trainer(self) -> Trainer:
+        trainer = self.__dict__.get("_trainer")
+        if trainer is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a trainer yet")
+        return trainer
+
+    @trainer.setter
+    def trainer(self, trainer: Trainer) -> None:
+        self.__dict__["_trainer"] = trainer
+
+    @property
+    def step(self) -> int:
+        return self.trainer.global_step
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to save in checkpoints (plain values only)."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        del state_dict
+
+    def post_attach(self) -> None:
+        """Called once the trainer is built and the callback attached."""
+
+    def pre_train(self) -> None:
+        """Called once at the start of :meth:`Trainer.fit`, after any checkpoint load."""
+
+    def pre_epoch(self) -> None:
+        """Called at the start of each epoch."""
+
+    def pre_load_batch(self) -> None:
+        """Called before the next batch is fetched from the data loader."""
+
+    def pre_step(self, batch: dict[str, Any]) -> None:
+        """Called with the batch (already on the device) before the forward pass."""
+
+    def pre_optim_step(self) -> None:
+        """Called after backward and before the optimizer step."""
+
+    def post_train_batch(self) -> None:
+        """Called after the optimizer step."""
+
+    def post_step(self) -> None:
+        """Called at the end of each step."""
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """Called for each step once its metrics have been collected and reduced."""
+
+    def post_epoch(self) -> None:
+        """Called when the epoch's batches are exhausted."""
+
+    def post_train(self) -> None:
+        """Called once when training ends normally or is canceled."""
+
+    def on_error(self, exc: BaseException) -> None:
+        """Called when :meth:`Trainer.fit` raises, before the error propagates."""
+
+    def close(self) -> None:
+        """Called last, whether training succeeded or not: release resources here."""
+
+
+register_config_class(Callback)

@@ -1,0 +1,37 @@
+"""Metrics to the log, every few steps, on rank 0."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from dataclasses import dataclass, field
+
+from .callback import Callback
+
+__all__ = ["ConsoleLoggerCallback"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ConsoleLoggerCallback(Callback, name="console_logger"):
+    """Logs the metrics of every ``log_interval``-th step whose names match ``metrics``."""
+
+    log_interval: int = 1
+    metrics: list[str] = field(default_factory=lambda: ["train/*", "optim/*"])
+    """Glob patterns of metric names to show."""
+
+    priority = -1
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        if step % self.log_interval:
+            return
+        shown = {
+            name: value
+            for name, value in sorted(metrics.items())
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in self.metrics)
+        }
+        max_steps = self.trainer.max_steps
+        lines = [f"[step={step}/{max_steps if max_steps is not None else '?'}]"]
+        lines += [f"    {name}={value:.4f}" for name, value in shown.items()]
+        log.info("\n".join(lines))

@@ -1,0 +1,117 @@
+"""Canceling a run: any rank may ask, every rank stops at the same step.
+
+A rank that calls :meth:`CancelCoordinator.request` only marks itself. Every
+``cancel_check_interval`` steps all ranks submit a check to the bookkeeping thread (a MAX
+all-reduce of "who asked", then a broadcast of the reason). The check submitted at step ``s``
+is resolved at the end of step ``s + 1`` on every rank: usually already finished, and
+otherwise waited for. Resolving at a fixed step, instead of whenever the background result
+happens to arrive, is what makes every rank stop at the same step; two ranks stopping one step
+apart would leave one of them waiting forever in the next step's collectives.
+
+With a single process there is nobody to agree with, and a request takes effect at the end
+of the current step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+from ..distributed.utils import broadcast_object
+from .bookkeeping import BookkeepingRunner
+
+__all__ = ["CancelCoordinator"]
+
+log = logging.getLogger(__name__)
+
+_Verdict = tuple[int, str] | None  # (canceling rank, reason)
+
+
+class CancelCoordinator:
+    def __init__(self, *, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.canceled = False
+        self.reason: str | None = None
+        self.canceling_rank: int | None = None
+        self._requested: str | None = None
+        self._check: tuple[int, Future[_Verdict]] | None = None
+
+    def request(self, reason: str, *, no_sync: bool = False) -> None:
+        """Ask for the run to stop. ``no_sync`` means every rank asks at the same step."""
+        if self._requested is not None or self.canceled:
+            return
+        self._requested = reason
+        log.warning("Rank %d asks to cancel the run: %s", self.rank, reason)
+        if no_sync or self.world_size == 1:
+            self._apply((self.rank, reason))
+
+    def submit_check(
+        self,
+        step: int,
+        runner: BookkeepingRunner,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+    ) -> None:
+        """Start a check (every rank, same step); it is resolved at the end of ``step + 1``."""
+        if self.world_size == 1 or self.canceled or self._check is not None:
+            return
+        future = runner.submit(
+            _agree_on_cancel, self._requested, self.rank, group, device, op_name="check_if_canceled"
+        )
+        self._check = (step, future)
+
+    def resolve(self, step: int) -> None:
+        """Apply a check submitted before ``step``, waiting for it if it is still running."""
+        if self._check is None or self._check[0] >= step:
+            return
+        _, future = self._check
+        self._check = None
+        verdict = future.result()
+        if verdict is not None:
+            self._apply(verdict)
+
+    def _apply(self, verdict: tuple[int, str]) -> None:
+        self.canceled = True
+        self.canceling_rank, self.reason = verdict
+
+    @contextlib.contextmanager
+    def signals_cancel(self) -> Iterator[None]:
+        """While active, SIGTERM and SIGINT cancel the run gracefully; a second SIGINT aborts."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handle(signum: int, frame: FrameType | None) -> None:
+            del frame
+            name = signal.Signals(signum).name
+            if signum == signal.SIGINT and self._requested is not None:
+                raise KeyboardInterrupt(f"second {name}: aborting without a graceful stop")
+            self.request(f"received {name}")
+
+        previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _agree_on_cancel(
+    requested: str | None, rank: int, group: dist.ProcessGroup | None, device: torch.device
+) -> _Verdict:
+    flag = torch.tensor([0 if requested is None else rank + 1], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    canceling_rank = int(flag.item()) - 1
+    if canceling_rank < 0:
+        return None
+    reason = broadcast_object(requested, src=canceling_rank, group=group)
+    return canceling_rank, str(reason)

@@ -1,0 +1,154 @@
+"""TrainerConfig: every trainer setting as a plain, overridable config."""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from ..distributed.utils import get_world_size, is_shared_filesystem
+from ..io import is_url, local_path
+from ..utils import get_default_device
+from .callbacks.callback import Callback
+from .callbacks.console_logger import ConsoleLoggerCallback
+from .checkpoint import CheckpointerConfig
+from .common import Duration, LoadStrategy, StepSkipRange
+
+if TYPE_CHECKING:
+    from ..data.data_loader import DataLoaderBase
+    from .train_module import TrainModule
+    from .trainer import Trainer
+
+__all__ = ["TrainerConfig"]
+
+
+@dataclass
+class TrainerConfig(Config):
+    """A configuration class for building :class:`~olmolike.train.Trainer` instances.
+
+    See the :class:`~olmolike.train.Trainer` for what each field means.
+    """
+
+    save_folder: str
+    work_dir: str | None = None
+    """Defaults to ``save_folder`` when that is local, else a directory under the system temp dir."""
+    load_path: str | None = None
+    load_strategy: LoadStrategy = LoadStrategy.if_available
+    load_optim_state: bool | None = None
+    load_trainer_state: bool | None = None
+    checkpointer: CheckpointerConfig = field(default_factory=CheckpointerConfig)
+    device: str | None = None
+    """Defaults to this rank's GPU if there is one, else the CPU."""
+    save_overwrite: bool = False
+    max_duration: Duration = field(default_factory=lambda: Duration.epochs(1))
+    cancel_check_interval: int = 25
+    hard_stop: Duration | None = None
+    metrics_collect_interval: int = 5
+    callbacks: dict[str, Callback] = field(default_factory=dict)
+    async_bookkeeping: bool | None = None
+    bookkeeping_soft_timeout: int = 30
+    no_checkpoints: bool = False
+    no_evals: bool = False
+    steps_to_skip: list[StepSkipRange] | None = None
+
+    def validate(self) -> None:
+        if not self.save_folder:
+            raise self._invalid("save_folder", "must be a local directory or a URL")
+        for name in (
+            "cancel_check_interval",
+            "metrics_collect_interval",
+            "bookkeeping_soft_timeout",
+        ):
+            if getattr(self, name) < 1:
+                raise self._invalid(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except RuntimeError:
+                raise self._invalid("device", f"{self.device!r} is not a torch device") from None
+
+    def add_callback(self, name: str, callback: Callback) -> None:
+        """Add another callback; ``name`` must be unique."""
+        if name in self.callbacks:
+            raise self._invalid("callbacks", f"a callback named {name!r} already exists")
+        self.callbacks[name] = callback
+
+    def add_callbacks(self, callbacks: dict[str, Callback]) -> None:
+        for name, callback in callbacks.items():
+            self.add_callback(name, callback)
+
+    def with_callback(self, name: str, callback: Callback) -> TrainerConfig:
+        """A new config with one more callback."""
+        return self.with_callbacks({name: callback})
+
+    def with_callbacks(self, callbacks: dict[str, Callback]) -> TrainerConfig:
+        """A new config with more callbacks (names must be unique)."""
+        new = replace(self, callbacks=dict(self.callbacks))
+        new.add_callbacks(callbacks)
+        return new
+
+    def build(
+        self,
+        train_module: TrainModule,
+        data_loader: DataLoaderBase,
+        *,
+        dp_process_group: dist.ProcessGroup | None = None,
+        checkpointer_pg: dist.ProcessGroup | None = None,
+    ) -> Trainer:
+        """Build the trainer. Also re-validates, since fields may have changed since construction.
+
+        :param dp_process_group: the data-parallel group (default: all ranks).
+        :param checkpointer_pg: the group checkpoint I/O will use (default: all ranks).
+        """
+        from .trainer import Trainer
+
+        del checkpointer_pg  # checkpoint I/O is not wired into the trainer yet
+        self.validate()
+        self._check_save_folder()
+        callbacks = dict(self.callbacks)
+        if not any(isinstance(cb, ConsoleLoggerCallback) for cb in callbacks.values()):
+            callbacks["console_logger"] = ConsoleLoggerCallback()
+        return Trainer(
+            work_dir=Path(self.work_dir) if self.work_dir else self._default_work_dir(),
+            train_module=train_module,
+            data_loader=data_loader,
+            device=torch.device(self.device) if self.device else get_default_device(),
+            save_folder=self.save_folder,
+            callbacks=callbacks,
+            max_duration=self.max_duration,
+            save_overwrite=self.save_overwrite,
+            load_path=self.load_path,
+            load_strategy=self.load_strategy,
+            load_trainer_state=self.load_trainer_state,
+            load_optim_state=self.load_optim_state,
+            metrics_collect_interval=self.metrics_collect_interval,
+            dp_process_group=dp_process_group,
+            cancel_check_interval=self.cancel_check_interval,
+            hard_stop=self.hard_stop,
+            async_bookkeeping=self.async_bookkeeping,
+            bookkeeping_soft_timeout=self.bookkeeping_soft_timeout,
+            no_checkpoints=self.no_checkpoints,
+            no_evals=self.no_evals,
+            steps_to_skip=list(self.steps_to_skip) if self.steps_to_skip else None,
+        )
+
+    def _check_save_folder(self) -> None:
+        if not is_url(self.save_folder) and get_world_size() > 1 and not is_shared_filesystem():
+            raise self._invalid(
+                "save_folder",
+                f"{self.save_folder!r} is local, but the ranks run on several nodes without a "
+                "shared filesystem. Use a URL (gs://, s3://), or pass shared_filesystem=True to "
+                "prepare_training_environment() if the directory is on a shared drive.",
+            )
+
+    def _default_work_dir(self) -> Path:
+        if not is_url(self.save_folder):
+            return local_path(self.save_folder)
+        digest = hashlib.sha1(self.save_folder.encode()).hexdigest()[:12]
+        return Path(tempfile.gettempdir()) / "olmolike" / digest

@@ -1,0 +1,57 @@
+"""Converting durations (steps, tokens, epochs) into step counts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..exceptions import ConfigurationError
+from .common import Duration, DurationUnit
+
+__all__ = ["Progress", "duration_to_steps", "duration_to_tokens"]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where training stands, and the batch geometry that turns tokens into steps."""
+
+    step: int
+    tokens_seen: int
+    global_batch_size: int
+    """Tokens per step."""
+    steps_per_epoch: int | None
+
+
+def duration_to_steps(duration: Duration, progress: Progress, *, what: str = "duration") -> int:
+    """The global step at which ``duration`` is reached.
+
+    Token durations count the steps still needed at the *current* batch size on top of the
+    steps already taken, so they stay right when the batch size changes during training.
+
+    :raises ConfigurationError: for an epoch duration when the loader cannot tell how many
+        batches an epoch has.
+    """
+    if duration.unit == DurationUnit.steps:
+        return duration.value
+    if duration.unit == DurationUnit.tokens:
+        remaining = max(0, duration.value - progress.tokens_seen)
+        return progress.step + math.ceil(remaining / progress.global_batch_size)
+    if progress.steps_per_epoch is None:
+        raise ConfigurationError(
+            f"is {duration}, but the data loader cannot tell how many batches an epoch has "
+            "(total_batches is None), so the number of steps is unknown. The LR schedule needs "
+            "it ahead of time: give the duration in steps or tokens instead.",
+            path=what,
+        )
+    return duration.value * progress.steps_per_epoch
+
+
+def duration_to_tokens(duration: Duration, progress: Progress) -> int | None:
+    """The number of training tokens ``duration`` amounts to, if known."""
+    if duration.unit == DurationUnit.tokens:
+        return duration.value
+    if duration.unit == DurationUnit.steps:
+        return duration.value * progress.global_batch_size
+    if progress.steps_per_epoch is None:
+        return None
+    return duration.value * progress.steps_per_epoch * progress.global_batch_size

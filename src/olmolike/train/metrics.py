@@ -1,0 +1,294 @@
+"""Per-step metrics: recorded as device tensors, moved to the host once per collect interval.
+
+Recording a metric never synchronizes with the device. At each collect interval the trainer
+calls :meth:`MetricBuffer.collect`, which stacks every pending tensor (one stack per device)
+and starts one non-blocking copy to host memory. The copy is awaited and the values reduced
+across ranks by :func:`reduce_collected`, which runs on the bookkeeping thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..exceptions import MetricError
+from .common import MetricMergeStrategy, ReduceType
+
+__all__ = ["CollectedMetrics", "MetricBuffer", "reduce_collected"]
+
+log = logging.getLogger(__name__)
+
+MetricValue = torch.Tensor | float
+StepMetrics = dict[int, dict[str, float]]
+
+
+def metric_name(name: str, namespace: str | None) -> str:
+    return f"{namespace.strip()}/{name.strip()}" if namespace else name.strip()
+
+
+@dataclass
+class _DeviceBlock:
+    """Tensor metrics from one device, stacked, with their host copy in flight."""
+
+    keys: list[tuple[int, str]]
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    def values(self) -> list[float]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
+@dataclass
+class CollectedMetrics:
+    """The metrics of a run of steps, on their way to the host."""
+
+    steps: list[int]
+    reduce_types: dict[str, ReduceType | None]
+    blocks: list[_DeviceBlock] = field(default_factory=list)
+    numbers: dict[tuple[int, str], float] = field(default_factory=dict)
+
+    def host_values(self) -> dict[tuple[int, str], float]:
+        """Wait for the device-to-host copies (off the training thread) and return all values."""
+        values = dict(self.numbers)
+        for block in self.blocks:
+            values.update(zip(block.keys, block.values()))
+        return values
+
+
+class MetricBuffer:
+    """Holds the metrics of steps that have not been collected yet."""
+
+    def __init__(self) -> None:
+        self._steps: dict[int, dict[str, MetricValue]] = {}
+        self._reduce_types: dict[str, ReduceType | None] = {}
+        self._warned_duplicates: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def begin_step(self, step: int) -> None:
+        self._steps.setdefault(step, {})
+
+    def record(
+        self,
+        step: int,
+        name: str,
+        value: MetricValue,
+        reduce_type: ReduceType | None = None,
+        merge_strategy: MetricMergeStrategy = MetricMergeStrategy.warn,
+    ) -> None:
+        reduce_type = ReduceType(reduce_type) if reduce_type is not None else None
+        previous_type = self._reduce_types.setdefault(name, reduce_type)
+        if previous_type != reduce_type:
+            raise MetricError(
+                f"metric {name!r} was recorded with reduce_type={previous_type} and now with "
+                f"{reduce_type}; a metric must keep one reduce type for the whole run"
+            )
+        value = _as_metric_value(name, value)
+        metrics = self._steps.setdefault(step, {})
+        if name in metrics:
+            value = self._merge(
+                name, step, metrics[name], value, MetricMergeStrategy(merge_strategy)
+            )
+        metrics[name] = value
+
+    def get(self, step: int, name: str) -> torch.Tensor | None:
+        value = self._steps.get(step, {}).get(name)
+        if value is None or isinstance(value, torch.Tensor):
+            return value
+        return torch.tensor(value)
+
+    def collect(self) -> CollectedMetrics:
+        """Take every pending step's metrics and start moving them to the host."""
+        collected = CollectedMetrics(
+            steps=sorted(self._steps), reduce_types=dict(self._reduce_types)
+        )
+        by_device: dict[torch.device, list[tuple[tuple[int, str], torch.Tensor]]] = defaultdict(
+            list
+        )
+        for step, metrics in self._steps.items():
+            for name, value in metrics.items():
+                if isinstance(value, torch.Tensor):
+                    by_device[value.device].append(((step, name), value))
+                else:
+                    collected.numbers[(step, name)] = value
+        for device, items in by_device.items():
+            stacked = torch.stack([t.float() for _, t in items])
+            collected.blocks.append(_start_host_copy([k for k, _ in items], stacked, device))
+        self._steps = {}
+        return collected
+
+    def _merge(
+        self,
+        name: str,
+        step: int,
+        old: MetricValue,
+        new: MetricValue,
+        strategy: MetricMergeStrategy,
+    ) -> MetricValue:
+        if strategy == MetricMergeStrategy.warn:
+            if name not in self._warned_duplicates:
+                self._warned_duplicates.add(name)
+                log.warning(
+                    "Metric %r was recorded twice in step %d; keeping the first value. Pass a "
+                    "merge_strategy to record_metric() to merge duplicates instead.",
+                    name,
+                    step,
+                )
+            return old
+        if strategy == MetricMergeStrategy.oldest:
+            return old
+        if strategy == MetricMergeStrategy.latest:
+            return new
+        if strategy in (MetricMergeStrategy.sum, MetricMergeStrategy.mean):
+            total = _add(old, new)
+            return total / 2 if strategy == MetricMergeStrategy.mean else total
+        return _extreme(old, new, largest=strategy == MetricMergeStrategy.max)
+
+
+def _as_metric_value(name: str, value: MetricValue) -> MetricValue:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise MetricError(
+                f"metric {name!r} must be a scalar, got a tensor of shape {tuple(value.shape)}"
+            )
+        return value.detach().reshape(())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise MetricError(f"metric {name!r} must be a number or a scalar tensor, got {value!r}")
+
+
+def _add(a: MetricValue, b: MetricValue) -> MetricValue:
+    # A Python number combined with a tensor goes into the kernel as a scalar argument: no
+    # host-to-device copy, hence no sync.
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device != b.device:
+        b = b.to(a.device)
+    return a + b
+
+
+def _extreme(a: MetricValue, b: MetricValue, *, largest: bool) -> MetricValue:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        b = b.to(a.device)
+        return torch.maximum(a, b) if largest else torch.minimum(a, b)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        tensor, number = (a, b) if isinstance(a, torch.Tensor) else (b, a)
+        assert isinstance(tensor, torch.Tensor) and not isinstance(number, torch.Tensor)
+        return tensor.clamp(min=number) if largest else tensor.clamp(max=number)
+    return max(a, b) if largest else min(a, b)
+
+
+def _start_host_copy(
+    keys: list[tuple[int, str]], stacked: torch.Tensor, device: torch.device
+) -> _DeviceBlock:
+    if device.type != "cuda":
+        return _DeviceBlock(keys, stacked.cpu(), None)
+    host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+    host.copy_(stacked, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return _DeviceBlock(keys, host, ready)
+
+
+# -- cross-rank reduction (runs on the bookkeeping thread) -------------------------------------
+
+_Key = tuple[int, str, str]  # (step, name, reduce type)
+
+
+def reduce_collected(
+    collected: CollectedMetrics,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> StepMetrics:
+    """Reduce ``collected`` across ``group`` and return ``{step: {name: value}}``.
+
+    Every rank issues the same collectives in the same order, whatever it recorded: first a
+    check that all ranks hold the same metric keys, then (only if they differ) an exchange of
+    the keys, then one SUM and one MAX all-reduce over the union.
+    """
+    values = collected.host_values()
+    result: StepMetrics = {step: {} for step in collected.steps}
+    reduced: dict[_Key, float] = {}
+    for (step, name), value in values.items():
+        reduce_type = collected.reduce_types.get(name)
+        if reduce_type is None:
+            result[step][name] = value
+        else:
+            reduced[(step, name, str(reduce_type))] = value
+
+    distributed = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
+    keys = _agree_on_keys(sorted(reduced), group, device) if distributed else sorted(reduced)
+    for (step, name, _), value in zip(
+        keys, _reduce_values(keys, reduced, group, device, distributed)
+    ):
+        result.setdefault(step, {})[name] = value
+    return result
+
+
+def _agree_on_keys(
+    local: list[_Key], group: dist.ProcessGroup | None, device: torch.device
+) -> list[_Key]:
+    digest = zlib.crc32(repr(local).encode())
+    probe = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+    if int(probe[0]) == -int(probe[1]):
+        return local
+    gathered: list[list[_Key] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, local, group=group)
+    union = sorted({key for keys in gathered for key in keys or []})
+    types_by_name: dict[tuple[int, str], set[str]] = defaultdict(set)
+    for step, name, reduce_type in union:
+        types_by_name[(step, name)].add(reduce_type)
+    conflicts = sorted(name for (_, name), kinds in types_by_name.items() if len(kinds) > 1)
+    if conflicts:
+        raise MetricError(f"ranks recorded metrics {conflicts} with different reduce types")
+    return union
+
+
+def _reduce_values(
+    keys: list[_Key],
+    local: dict[_Key, float],
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    distributed: bool,
+) -> list[float]:
+    summed = [k for k in keys if k[2] != ReduceType.max]
+    maxed = [k for k in keys if k[2] == ReduceType.max]
+    # Sums carry a presence count per key, so a mean is over the ranks that recorded it.
+    sum_values = torch.tensor(
+        [_sum_term(k, local) for k in summed] + [1.0 if k in local else 0.0 for k in summed],
+        dtype=torch.float64,
+        device=device,
+    )
+    max_values = torch.tensor(
+        [local.get(k, -math.inf) for k in maxed], dtype=torch.float64, device=device
+    )
+    if distributed:
+        if summed:
+            dist.all_reduce(sum_values, op=dist.ReduceOp.SUM, group=group)
+        if maxed:
+            dist.all_reduce(max_values, op=dist.ReduceOp.MAX, group=group)
+    totals, counts = sum_values[: len(summed)].tolist(), sum_values[len(summed) :].tolist()
+    out: dict[_Key, float] = dict(zip(maxed, max_values.tolist()))
+    for key, total, count in zip(summed, totals, counts):
+        if key[2] == ReduceType.mean:
+            out[key] = total / count
+        elif key[2] == ReduceType.l2_norm:
+            out[key] = math.sqrt(total)
+        else:
+            out[key] = total
+    return [out[k] for k in keys]
+
+
+def _sum_term(key: _Key, local: dict[_Key, float]) -> float:
+    value = local.get(key)
+    if value is None:
+        return 0.0
+    return value**2 if key[2] == ReduceType.l2_norm else value

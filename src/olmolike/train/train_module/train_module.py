@@ -1,0 +1,221 @@
+"""What one training step does: the model, its optimizer, the loss, data parallelism."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ...distributed.utils import get_world_size, is_distributed
+from ...exceptions import ConfigurationError
+from ..common import MetricMergeStrategy, ReduceType
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from ..trainer import Trainer
+
+__all__ = ["BasicTrainModule", "TrainModule"]
+
+log = logging.getLogger(__name__)
+
+
+class TrainModule(ABC):
+    """Owns the model and optimizer and knows how to train on one batch.
+
+    The trainer calls, for every step: :meth:`train_batch` (forward and backward over
+    micro-batches), then :meth:`optim_step`, then :meth:`zero_grads`.
+    """
+
+    def __init__(self) -> None:
+        self._trainer: Trainer | None = None
+
+    @property
+    def trainer(self) -> Trainer:
+        if self._trainer is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a trainer yet")
+        return self._trainer
+
+    def _attach_trainer(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+        self.on_attach()
+
+    def on_attach(self) -> None:  # noqa: B027 (an optional hook, not an abstract method)
+        """Called once attached: check settings against the trainer and data loader here."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Model and optimizer state."""
+
+    @abstractmethod
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+    @abstractmethod
+    def train_batch(self, batch: dict[str, Any], dry_run: bool = False) -> None:
+        """Forward and backward over ``batch``; ``dry_run`` records no metrics."""
+
+    @abstractmethod
+    def eval_batch(self, batch: dict[str, Any], labels: torch.Tensor | None = None) -> Any:
+        """Evaluate ``batch`` without gradients: the loss if ``labels`` are given, else logits."""
+
+    @abstractmethod
+    def optim_step(self) -> None: ...
+
+    @abstractmethod
+    def zero_grads(self) -> None: ...
+
+    def num_flops_per_token(self, seq_len: int) -> int | None:
+        """FLOPs per trained token (forward and backward), for throughput metrics; ``None`` if unknown."""
+        del seq_len
+        return None
+
+    def record_metric(
+        self,
+        name: str,
+        value: float | torch.Tensor,
+        reduce_type: ReduceType | None = None,
+        namespace: str | None = None,
+        merge_strategy: MetricMergeStrategy = MetricMergeStrategy.warn,
+    ) -> None:
+        self.trainer.record_metric(name, value, reduce_type, namespace, merge_strategy)
+
+    def record_ce_loss(
+        self, value: float | torch.Tensor, reduce_type: ReduceType | None = None
+    ) -> None:
+        self.trainer.record_ce_loss(value, reduce_type)
+
+
+def labels_from_batch(batch: dict[str, Any], ignore_index: int) -> torch.Tensor:
+    """Next-token labels: ``batch["labels"]`` if given, else ``input_ids`` shifted left by one."""
+    labels = batch.get("labels")
+    if labels is not None:
+        return labels
+    input_ids = batch["input_ids"]
+    return F.pad(input_ids[..., 1:], (0, 1), value=ignore_index)
+
+
+class BasicTrainModule(TrainModule):
+    """Trains any ``nn.Module`` that maps ``input_ids`` of shape ``(B, T)`` to logits ``(B, T, V)``.
+
+    With several ranks the model is wrapped in DDP, and gradients are synchronised only on the
+    last micro-batch. The loss is the mean cross-entropy over the non-ignored tokens of the
+    whole rank batch, so the split into micro-batches does not change the result.
+
+    :param rank_microbatch_size: tokens per forward/backward pass on this rank.
+    :param max_grad_norm: clip the total gradient norm to this value, if set.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        rank_microbatch_size: int,
+        max_grad_norm: float | None = None,
+        label_ignore_index: int = -100,
+        dp_process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        if rank_microbatch_size <= 0:
+            raise ConfigurationError(
+                f"must be positive, got {rank_microbatch_size}", path="rank_microbatch_size"
+            )
+        if max_grad_norm is not None and max_grad_norm <= 0:
+            raise ConfigurationError(f"must be positive, got {max_grad_norm}", path="max_grad_norm")
+        self.model = model
+        self.optim = optim
+        self.rank_microbatch_size = rank_microbatch_size
+        self.max_grad_norm = max_grad_norm
+        self.label_ignore_index = label_ignore_index
+        self._ddp: DDP | None = None
+        if is_distributed() and get_world_size(dp_process_group) > 1:
+            self._ddp = DDP(model, process_group=dp_process_group)
+
+    @property
+    def _forward_module(self) -> nn.Module:
+        return self._ddp if self._ddp is not None else self.model
+
+    def on_attach(self) -> None:
+        rank_batch = self.trainer.rank_batch_size
+        if rank_batch % self.rank_microbatch_size:
+            raise ConfigurationError(
+                f"the rank batch size ({rank_batch} tokens) must be a multiple of "
+                f"rank_microbatch_size ({self.rank_microbatch_size} tokens)",
+                path="rank_microbatch_size",
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.model.load_state_dict(state_dict["model"])
+        if "optim" in state_dict:
+            self.optim.load_state_dict(state_dict["optim"])
+
+    def train_batch(self, batch: dict[str, Any], dry_run: bool = False) -> None:
+        self.model.train()
+        input_ids = batch["input_ids"]
+        labels = labels_from_batch(batch, self.label_ignore_index)
+        micro_ids, micro_labels = self._split(input_ids), self._split(labels)
+        # Normalise by the whole rank batch's token count: the same loss for any micro-batch split.
+        num_tokens = (labels != self.label_ignore_index).sum().clamp(min=1)
+        total_loss = torch.zeros((), device=input_ids.device)
+        for i, (ids, mb_labels) in enumerate(zip(micro_ids, micro_labels)):
+            last = i == len(micro_ids) - 1
+            sync = contextlib.nullcontext() if last or self._ddp is None else self._ddp.no_sync()
+            with sync:
+                logits = self._forward_module(ids)
+                loss_sum = F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]).float(),
+                    mb_labels.reshape(-1),
+                    ignore_index=self.label_ignore_index,
+                    reduction="sum",
+                )
+                (loss_sum / num_tokens).backward()
+            total_loss += loss_sum.detach()
+        if not dry_run:
+            self.record_ce_loss(total_loss / num_tokens, ReduceType.mean)
+
+    def _split(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rows_per_micro_batch = max(1, self.rank_microbatch_size // tensor.shape[-1])
+        return torch.split(tensor, rows_per_micro_batch, dim=0)
+
+    @torch.no_grad()
+    def eval_batch(self, batch: dict[str, Any], labels: torch.Tensor | None = None) -> Any:
+        self.model.eval()
+        logits = self.model(batch["input_ids"])
+        if labels is None:
+            return logits
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(),
+            labels.reshape(-1),
+            ignore_index=self.label_ignore_index,
+        )
+
+    def optim_step(self) -> None:
+        if self.max_grad_norm is not None:
+            # Returns a device tensor: recording it costs no host sync.
+            grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            self.record_metric("total grad norm", grad_norm, namespace="optim")
+        for i, group in enumerate(self.optim.param_groups):
+            self.record_metric(f"LR (group {i})", float(group["lr"]), namespace="optim")
+        self.optim.step()
+
+    def zero_grads(self) -> None:
+        self.optim.zero_grad(set_to_none=True)
+
+    def num_flops_per_token(self, seq_len: int) -> int | None:
+        """The model's own count if it has ``num_flops_per_token``, else ``6 x parameters``.
+
+        The fallback is the usual dense estimate (2 FLOPs forward, 4 backward per parameter);
+        it leaves out attention and counts embedding parameters, so prefer a model that knows.
+        """
+        own = getattr(self.model, "num_flops_per_token", None)
+        if callable(own):
+            return int(own(seq_len))
+        return 6 * sum(p.numel() for p in self.model.parameters())

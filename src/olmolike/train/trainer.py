@@ -1,0 +1,504 @@
+"""The training loop and its state. Metrics, bookkeeping, cancellation, duration math and file
+I/O live in their own modules; this file wires them into the loop."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .. import io
+from ..data.data_loader import DataLoaderBase
+from ..distributed.failure import report_rank_failure
+from ..distributed.utils import backend_supports_cpu, get_rank, get_world_size, is_distributed
+from ..exceptions import ConfigurationError, DataError
+from ..utils import get_rng_state, move_to_device, set_rng_state
+from .bookkeeping import BookkeepingRunner
+from .callbacks.callback import CALLBACK_HOOKS, Callback
+from .cancellation import CancelCoordinator
+from .common import Duration, LoadStrategy, MetricMergeStrategy, ReduceType, StepSkipRange
+from .durations import Progress, duration_to_steps, duration_to_tokens
+from .metrics import MetricBuffer, StepMetrics, metric_name, reduce_collected
+from .train_module import TrainModule
+
+__all__ = ["Trainer", "TrainerStateDict"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+TrainerStateDict = dict[str, Any]
+
+
+@dataclass
+class Trainer:
+    """Language model trainer. Build it with :class:`~olmolike.train.TrainerConfig`."""
+
+    work_dir: Path
+    """A local directory for temporary files; :meth:`persist_working_file` uploads from it."""
+    train_module: TrainModule
+    data_loader: DataLoaderBase
+    device: torch.device
+    save_folder: str
+    """Where checkpoints and run files go: a local directory (shared by all ranks) or a URL."""
+    callbacks: dict[str, Callback]
+    max_duration: Duration
+    """How long to train. The step count must be known ahead of time (the LR schedule needs it)."""
+    save_overwrite: bool = False
+    load_path: str | None = None
+    load_strategy: LoadStrategy = LoadStrategy.if_available
+    load_trainer_state: bool | None = None
+    load_optim_state: bool | None = None
+    metrics_collect_interval: int = 5
+    """Steps between metric collections; each costs one device-to-host transfer."""
+    dp_process_group: dist.ProcessGroup | None = None
+    global_step: int = 0
+    """The current step, 1-based once training starts; never reset by an epoch."""
+    global_train_tokens_seen: int = 0
+    global_train_petaflops: float = 0.0
+    epoch: int = 1
+    """The current epoch (1-based)."""
+    cancel_check_interval: int = 25
+    hard_stop: Duration | None = None
+    """Stop here without changing ``max_duration`` (and so without changing the LR schedule)."""
+    async_bookkeeping: bool | None = None
+    bookkeeping_soft_timeout: int = 30
+    no_checkpoints: bool = False
+    no_evals: bool = False
+    steps_to_skip: list[StepSkipRange] | None = None
+
+    _metrics: MetricBuffer = field(default_factory=MetricBuffer, init=False, repr=False)
+    _bookkeeping: BookkeepingRunner = field(init=False, repr=False)
+    _bookkeeping_pg: dist.ProcessGroup | None = field(default=None, init=False, repr=False)
+    _cancel: CancelCoordinator = field(init=False, repr=False)
+    _hooks: dict[str, list[Callable[..., None]]] = field(
+        default_factory=dict, init=False, repr=False
+    )
+    _flops_per_token: dict[int, int | None] = field(default_factory=dict, init=False, repr=False)
+    _error: BaseException | None = field(default=None, init=False, repr=False)
+    _checkpoint_loaded: bool = field(default=False, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.work_dir = Path(self.work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._check_settings()
+        self._set_up_bookkeeping()
+        self._cancel = CancelCoordinator(rank=get_rank(), world_size=get_world_size())
+        self.train_module._attach_trainer(self)
+        self._attach_callbacks(self.callbacks)
+
+    # -- construction ------------------------------------------------------------------------
+
+    def _check_settings(self) -> None:
+        for name in ("metrics_collect_interval", "cancel_check_interval"):
+            if getattr(self, name) < 1:
+                raise ConfigurationError(f"must be >= 1, got {getattr(self, name)}", path=name)
+        dp_size = get_world_size(self.dp_process_group)
+        if self.data_loader.dp_world_size != dp_size:
+            raise ConfigurationError(
+                f"the data loader splits batches over {self.data_loader.dp_world_size} ranks but "
+                f"the data-parallel group has {dp_size}; build the loader with "
+                f"dp_world_size={dp_size}",
+                path="data_loader.dp_world_size",
+            )
+
+    def _set_up_bookkeeping(self) -> None:
+        cpu_capable = backend_supports_cpu() if is_distributed() else True
+        if self.async_bookkeeping is None:
+            self.async_bookkeeping = cpu_capable
+        elif self.async_bookkeeping and not cpu_capable:
+            raise ConfigurationError(
+                "needs a CPU-capable backend for its separate process group; initialize with "
+                "backend='cpu:gloo,cuda:nccl' or set async_bookkeeping=False",
+                path="async_bookkeeping",
+            )
+        if is_distributed():
+            # Bookkeeping collectives get their own group, never the training one.
+            self._bookkeeping_pg = dist.new_group(backend="gloo" if cpu_capable else None)
+        self._bookkeeping = BookkeepingRunner(
+            asynchronous=self.async_bookkeeping,
+            distributed=is_distributed() and get_world_size() > 1,
+            soft_timeout=self.bookkeeping_soft_timeout,
+        )
+
+    def _attach_callbacks(self, callbacks: dict[str, Callback]) -> None:
+        for callback in callbacks.values():
+            callback.trainer = self
+        ordered = sorted(self.callbacks.values(), key=lambda cb: -cb.priority)
+        # Only hooks a callback overrides are called: an empty hook costs nothing per step.
+        self._hooks = {
+            hook: [
+                getattr(cb, hook)
+                for cb in ordered
+                if getattr(type(cb), hook) is not getattr(Callback, hook)
+            ]
+            for hook in CALLBACK_HOOKS
+        }
+        for callback in callbacks.values():
+            callback.post_attach()
+
+    def add_callback(self, name: str, callback: Callback) -> None:
+        """Add a callback; ``name`` must be unique."""
+        if name in self.callbacks:
+            raise ConfigurationError(f"a callback named {name!r} already exists", path="callbacks")
+        self.callbacks[name] = callback
+        self._attach_callbacks({name: callback})
+
+    def has_callback(self, cb_class: type[Callback]) -> bool:
+        return any(isinstance(cb, cb_class) for cb in self.callbacks.values())
+
+    # -- sizes and durations -----------------------------------------------------------------
+
+    @property
+    def global_batch_size(self) -> int:
+        """Global training batch size in tokens."""
+        return self.data_loader.global_batch_size
+
+    @property
+    def rank_batch_size(self) -> int:
+        """Tokens in each training batch on this rank."""
+        return self.data_loader.rank_batch_size
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.global_batch_size
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        return self.data_loader.total_batches
+
+    @property
+    def tokens_per_epoch(self) -> int | None:
+        steps = self.steps_per_epoch
+        return None if steps is None else steps * self.global_batch_size
+
+    @property
+    def _progress(self) -> Progress:
+        return Progress(
+            self.global_step,
+            self.global_train_tokens_seen,
+            self.global_batch_size,
+            self.steps_per_epoch,
+        )
+
+    def convert_duration_to_steps(self, duration: Duration) -> int:
+        """The global step at which ``duration`` is reached."""
+        return duration_to_steps(duration, self._progress)
+
+    @property
+    def max_steps(self) -> int | None:
+        """The step ``max_duration`` ends at, or ``None`` if it cannot be known ahead of time."""
+        try:
+            return self.convert_duration_to_steps(self.max_duration)
+        except ConfigurationError:
+            return None
+
+    @property
+    def max_tokens(self) -> int | None:
+        return duration_to_tokens(self.max_duration, self._progress)
+
+    def _stop_step(self) -> int:
+        stop = duration_to_steps(self.max_duration, self._progress, what="max_duration")
+        if self.hard_stop is not None:
+            stop = min(stop, duration_to_steps(self.hard_stop, self._progress, what="hard_stop"))
+        return stop
+
+    @property
+    def training_complete(self) -> bool:
+        return self._cancel.canceled or self.global_step >= self._stop_step()
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    @property
+    def bookkeeping_device(self) -> torch.device:
+        """Where bookkeeping collectives run: the CPU with gloo, else the training device."""
+        return (
+            torch.device("cpu") if self.async_bookkeeping or not is_distributed() else self.device
+        )
+
+    @property
+    def bookkeeping_pg(self) -> dist.ProcessGroup | None:
+        return self._bookkeeping_pg
+
+    @property
+    def multi_thread_pool(self) -> Executor:
+        """Threads for bookkeeping that involves no distributed communication."""
+        return self._bookkeeping.multi_thread_pool
+
+    @property
+    def single_thread_pool(self) -> Executor:
+        """The one thread on which bookkeeping collectives run, in submission order."""
+        return self._bookkeeping.single_thread_pool
+
+    def run_bookkeeping_op(
+        self,
+        op: Callable[..., T],
+        *args: Any,
+        cb: Callable[[T], None] | None = None,
+        op_name: str | None = None,
+        allow_multiple: bool = True,
+        soft_timeout: int | None = None,
+        distributed: bool = True,
+        **kwargs: Any,
+    ) -> Future[T]:
+        """Run a bookkeeping op, in the background when bookkeeping is asynchronous.
+
+        ``cb(result)`` runs later on the training thread, in submission order. A distributed
+        op must be submitted by every rank at the same point, so they all run the same
+        collectives in the same order. An exception in ``op`` is re-raised in the loop.
+        """
+        return self._bookkeeping.submit(
+            op,
+            *args,
+            cb=cb,
+            op_name=op_name,
+            allow_multiple=allow_multiple,
+            soft_timeout=soft_timeout,
+            distributed=distributed,
+            **kwargs,
+        )
+
+    # -- cancellation ------------------------------------------------------------------------
+
+    @property
+    def is_canceled(self) -> bool:
+        """Whether all ranks have agreed to stop (a request alone does not count yet)."""
+        return self._cancel.canceled
+
+    def cancel_run(self, reason: str, no_sync: bool = False) -> None:
+        """Ask for the run to stop gracefully at the next cancel check.
+
+        :param no_sync: only if every rank calls this at the same step: then the run stops at
+            the end of the current step without a check.
+        """
+        self._cancel.request(reason, no_sync=no_sync)
+
+    def check_if_canceled(self) -> None:
+        """Start a check whether any rank canceled; all ranks must call it at the same step."""
+        self._cancel.submit_check(
+            self.global_step, self._bookkeeping, self.bookkeeping_pg, self.bookkeeping_device
+        )
+
+    # -- metrics -----------------------------------------------------------------------------
+
+    def record_metric(
+        self,
+        name: str,
+        value: float | torch.Tensor,
+        reduce_type: ReduceType | None = None,
+        namespace: str | None = None,
+        merge_strategy: MetricMergeStrategy = MetricMergeStrategy.warn,
+    ) -> None:
+        """Record a metric for the current step. Tensors stay on the device (no sync)."""
+        self._metrics.record(
+            self.global_step, metric_name(name, namespace), value, reduce_type, merge_strategy
+        )
+
+    def record_ce_loss(
+        self, value: float | torch.Tensor, reduce_type: ReduceType | None = None
+    ) -> None:
+        self.record_metric("CE loss", value, reduce_type, namespace="train")
+
+    def get_metric(self, name: str, namespace: str | None = None) -> torch.Tensor | None:
+        """A metric recorded in the current step. Reading its value syncs with the device."""
+        return self._metrics.get(self.global_step, metric_name(name, namespace))
+
+    def _collect_metrics(self) -> None:
+        if not self._metrics:
+            return
+        self.run_bookkeeping_op(
+            reduce_collected,
+            self._metrics.collect(),
+            self.bookkeeping_pg,
+            self.bookkeeping_device,
+            cb=self._log_metrics,
+            op_name="reduce_metrics",
+        )
+
+    def _log_metrics(self, metrics: StepMetrics) -> None:
+        for step in sorted(metrics):
+            self._call("log_metrics", step, metrics[step])
+
+    # -- files -------------------------------------------------------------------------------
+
+    def write_file(self, name: str, contents: str | bytes, dir: str | Path | None = None) -> str:
+        """Write ``contents`` to ``name`` under ``dir`` (default: the save folder)."""
+        return io.write_file(dir or self.save_folder, name, contents, overwrite=self.save_overwrite)
+
+    def persist_working_file(self, name: str | Path) -> str:
+        """Copy ``work_dir/name`` to ``save_folder/name`` (nothing to do if they are the same)."""
+        return io.persist(self.work_dir, self.save_folder, name, overwrite=self.save_overwrite)
+
+    def persist_working_subdir(self, name: str | Path) -> str:
+        """Copy the directory ``work_dir/name`` to ``save_folder/name``."""
+        return io.persist(self.work_dir, self.save_folder, name, overwrite=self.save_overwrite)
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def checkpoint_loaded(self) -> bool:
+        return self._checkpoint_loaded
+
+    def state_dict(self) -> TrainerStateDict:
+        """Trainer state (not model or optimizer): counters, data position, RNG, callbacks."""
+        return {
+            "global_step": self.global_step,
+            "global_train_tokens_seen": self.global_train_tokens_seen,
+            "global_train_petaflops": self.global_train_petaflops,
+            "epoch": self.epoch,
+            "world_size": get_world_size(),
+            "data_loader": self.data_loader.state_dict(),
+            "rng": get_rng_state(),
+            "callbacks": {name: cb.state_dict() for name, cb in self.callbacks.items()},
+        }
+
+    def load_state_dict(self, state_dict: TrainerStateDict) -> None:
+        """Restore trainer state saved by :meth:`state_dict`."""
+        self.global_step = state_dict["global_step"]
+        self.global_train_tokens_seen = state_dict["global_train_tokens_seen"]
+        self.global_train_petaflops = state_dict["global_train_petaflops"]
+        self.epoch = state_dict["epoch"]
+        self.data_loader.load_state_dict(state_dict["data_loader"])
+        if state_dict.get("world_size", get_world_size()) == get_world_size():
+            set_rng_state(state_dict["rng"])
+        else:
+            log.warning("World size changed since the checkpoint: RNG states are not restored")
+        for name, cb_state in state_dict.get("callbacks", {}).items():
+            if name in self.callbacks:
+                self.callbacks[name].load_state_dict(cb_state)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def fit(self) -> None:
+        """Train until ``max_duration`` or ``hard_stop`` is reached or the run is canceled."""
+        self._error = None
+        self._stop_step()  # an unknown step count is a clear error now, not mid-run
+        with self._cancel.signals_cancel():
+            try:
+                self._fit()
+            except BaseException as exc:
+                self._error = exc
+                self._handle_error(exc)
+                raise
+            finally:
+                self._close()
+
+    def _fit(self) -> None:
+        log.info(
+            "Training from step %d to step %d (%s tokens per step, %d rank(s))",
+            self.global_step,
+            self._stop_step(),
+            f"{self.global_batch_size:,d}",
+            get_world_size(),
+        )
+        self._call("pre_train")
+        while not self.training_complete:
+            self._fit_epoch()
+        self._collect_metrics()
+        self._bookkeeping.wait_all()
+        if self.is_canceled:
+            log.warning(
+                "Run canceled at step %d by rank %s: %s",
+                self.global_step,
+                self._cancel.canceling_rank,
+                self._cancel.reason,
+            )
+        self._call("post_train")
+        log.info("Training done at step %d", self.global_step)
+
+    def _fit_epoch(self) -> None:
+        self.data_loader.reshuffle(epoch=self.epoch)
+        self._call("pre_epoch")
+        batches = iter(self.data_loader)
+        trained_before = self.global_step
+        exhausted = False
+        while not self.training_complete:
+            self._call("pre_load_batch")
+            batch = next(batches, None)
+            if batch is None:
+                exhausted = True
+                break
+            self._train_step(batch)
+        if (
+            exhausted
+            and self.global_step == trained_before
+            and not self.data_loader.batches_processed
+        ):
+            raise DataError(f"the data loader produced no batches in epoch {self.epoch}")
+        if exhausted or self.data_loader.epoch_finished:
+            self._call("post_epoch")
+            self.epoch += 1
+            self.data_loader.reset()
+
+    def _train_step(self, batch: dict[str, Any]) -> None:
+        self.global_step += 1
+        self.global_train_tokens_seen += self.global_batch_size
+        self._metrics.begin_step(self.global_step)
+        batch = move_to_device(batch, self.device)
+        self._call("pre_step", batch)
+        if self._skipping(self.global_step):
+            log.info(
+                "Skipping step %d (steps_to_skip): its batch is consumed, not trained on",
+                self.global_step,
+            )
+        else:
+            self.train_module.train_batch(batch)
+            self._call("pre_optim_step")
+            self.train_module.optim_step()
+            self.train_module.zero_grads()
+            self._count_flops(batch)
+        self._call("post_train_batch")
+        self._call("post_step")
+        self._end_of_step_bookkeeping()
+
+    def _skipping(self, step: int) -> bool:
+        return bool(self.steps_to_skip) and any(step in r for r in self.steps_to_skip or ())
+
+    def _count_flops(self, batch: dict[str, Any]) -> None:
+        seq_len = int(batch["input_ids"].shape[-1])
+        if seq_len not in self._flops_per_token:
+            self._flops_per_token[seq_len] = self.train_module.num_flops_per_token(seq_len)
+        per_token = self._flops_per_token[seq_len]
+        if per_token is not None:
+            self.global_train_petaflops += per_token * self.global_batch_size / 1e15
+
+    def _end_of_step_bookkeeping(self) -> None:
+        step = self.global_step
+        if step % self.metrics_collect_interval == 0:
+            self._collect_metrics()
+        self._cancel.resolve(step)
+        if step % self.cancel_check_interval == 0:
+            self.check_if_canceled()
+        self._bookkeeping.poll()
+
+    def _call(self, hook: str, *args: Any) -> None:
+        for method in self._hooks[hook]:
+            method(*args)
+
+    def _handle_error(self, exc: BaseException) -> None:
+        if not isinstance(exc, KeyboardInterrupt):
+            report_rank_failure(exc)
+        log.error("Training failed at step %d: %s: %s", self.global_step, type(exc).__name__, exc)
+        for method in self._hooks["on_error"]:
+            try:
+                method(exc)
+            except Exception:
+                log.exception("A callback's on_error hook failed")
+        # A collective stuck on a dead peer must not keep this process alive.
+        self._bookkeeping.shutdown(wait=False)
+
+    def _close(self) -> None:
+        for method in self._hooks["close"]:
+            try:
+                method()
+            except Exception:
+                if self._error is None:
+                    raise
+                log.exception("A callback's close hook failed")
+        if self._error is None:
+            self._bookkeeping.shutdown(wait=True)

@@ -1,0 +1,138 @@
+"""Logging, seeding and device helpers."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from .config import StrEnum
+from .distributed.utils import get_local_rank, get_rank, get_world_size
+
+__all__ = [
+    "LogFilterType",
+    "get_default_device",
+    "get_rng_state",
+    "move_to_device",
+    "seed_all",
+    "set_rng_state",
+    "setup_logging",
+]
+
+T = TypeVar("T")
+
+LOG_FILTER_ENV = "LOG_FILTER_TYPE"
+
+
+class LogFilterType(StrEnum):
+    """Which ranks may emit log messages below WARNING (all ranks always emit warnings)."""
+
+    rank0_only = "rank0_only"
+    local_rank0_only = "local_rank0_only"
+    all_ranks = "all_ranks"
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, filter_type: LogFilterType) -> None:
+        super().__init__()
+        self.filter_type = filter_type
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING or self.filter_type == LogFilterType.all_ranks:
+            return True
+        if self.filter_type == LogFilterType.local_rank0_only:
+            return get_local_rank() == 0
+        return get_rank() == 0
+
+
+_HANDLER_NAME = "olmolike"
+
+
+def setup_logging(
+    log_filter_type: LogFilterType | str | None = None, level: int = logging.INFO
+) -> None:
+    """Send log records to stderr, rank-prefixed when distributed, filtered by rank.
+
+    The filter type comes from the argument, else ``$LOG_FILTER_TYPE``, else ``rank0_only``.
+    Calling it again replaces the previous olmolike handler rather than adding another.
+    """
+    filter_type = LogFilterType(
+        log_filter_type or os.environ.get(LOG_FILTER_ENV) or LogFilterType.rank0_only
+    )
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if handler.get_name() == _HANDLER_NAME:
+            root.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.set_name(_HANDLER_NAME)
+    rank_tag = f"[rank{get_rank()}] " if get_world_size() > 1 else ""
+    handler.setFormatter(
+        logging.Formatter(
+            f"%(asctime)s {rank_tag}%(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S"
+        )
+    )
+    handler.addFilter(_RankFilter(filter_type))
+    root.addHandler(handler)
+    root.setLevel(level)
+
+
+def seed_all(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices)."""
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def get_default_device() -> torch.device:
+    """This rank's GPU if there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", get_local_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def move_to_device(obj: T, device: torch.device) -> T:
+    """Move every tensor in a (nested) batch to ``device``; non-blocking from pinned memory."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=obj.is_pinned())  # type: ignore[return-value]
+    if isinstance(obj, Mapping):
+        return {k: move_to_device(v, device) for k, v in obj.items()}  # type: ignore[return-value]
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(move_to_device(v, device) for v in obj)
+    return obj
+
+
+def get_rng_state() -> dict[str, Any]:
+    """Every RNG state of this process, as tensors and plain values (loadable with weights_only)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": _python_rng_state(),
+        "numpy": [kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`get_rng_state` returned."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _python_rng_state() -> list[Any]:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
