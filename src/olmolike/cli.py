@@ -35,7 +35,7 @@ def _check_config(args: argparse.Namespace) -> int:
             if args.path.endswith(".json")
             else TrainerConfig.from_yaml(args.path, args.overrides)
         )
-    except ConfigurationError as e:
+    except (ConfigurationError, OSError) as e:  # OSError: a missing or unreadable file
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(config.to_yaml(), end="")

@@ -129,7 +129,8 @@ class Config:
         """Convert to a dict. ``recurse=False`` leaves nested configs as objects."""
         options = _DictOptions(exclude_none, exclude_private_fields, include_class_name, json_safe)
         if not recurse:
-            return {
+            top = {CLASS_KEY: registered_name(type(self))} if include_class_name else {}
+            return top | {
                 f.name: getattr(self, f.name)
                 for f in _init_fields(type(self))
                 if _keep_field(f.name, getattr(self, f.name), options)
@@ -158,13 +159,19 @@ class Config:
     @classmethod
     def from_yaml(cls: type[C], path: str | Path, overrides: Sequence[str] = ()) -> C:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            try:
+                data = yaml.safe_load(f)
+            except yaml.YAMLError as e:
+                raise ConfigurationError(f"{path} is not valid YAML: {e}") from None
         return cls._from_file_data(data, path).merge(overrides)
 
     @classmethod
     def from_json(cls: type[C], path: str | Path, overrides: Sequence[str] = ()) -> C:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigurationError(f"{path} is not valid JSON: {e}") from None
         return cls._from_file_data(data, path).merge(overrides)
 
     @classmethod
@@ -263,8 +270,10 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
         return key.split("."), True
     try:
         parsed = yaml.safe_load(raw) if raw else ""
-    except yaml.YAMLError as e:
-        raise ConfigurationError(f"cannot parse the value {raw!r}: {e}", path=key) from None
+    except yaml.YAMLError:
+        # Not YAML (e.g. ``@run`` or ``a: b: c``) but still fine for a string field, which takes
+        # the raw text; any other field rejects the text with its path when it is coerced.
+        parsed = raw
     return key.split("."), _CliValue(raw, parsed)
 
 
@@ -272,10 +281,11 @@ def _set_in(data: dict[str, Any], keys: list[str], value: Any) -> None:
     node = data
     for i, key in enumerate(keys[:-1]):
         child = node.get(key)
+        if isinstance(child, _CliValue):
+            # An earlier override set the whole field (``--hard_stop={...}``): refine its value.
+            child = node[key] = child.parsed
         if child is None:
             child = node[key] = {}
-        elif dataclasses.is_dataclass(child) and not isinstance(child, type):
-            child = node[key] = _to_plain(child, _DictOptions(False, False, True, False), key)
         elif not isinstance(child, dict):
             raise ConfigurationError(
                 f"is a {type(child).__name__}, it has no field {keys[i + 1]!r}",
@@ -312,7 +322,7 @@ def _type_name(tp: Any) -> str:
 def _coerce(value: Any, tp: Any, path: str) -> Any:
     """Check ``value`` against the annotation ``tp``, converting losslessly where needed."""
     if isinstance(value, _CliValue):
-        value = value.raw if _accepts_raw_string(tp) else value.parsed
+        value = value.raw if _accepts_raw_string(tp, value.parsed) else value.parsed
     if tp is Any or tp is object:
         return value
     origin = typing.get_origin(tp)
@@ -333,11 +343,13 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     return value
 
 
-def _accepts_raw_string(tp: Any) -> bool:
+def _accepts_raw_string(tp: Any, parsed: Any) -> bool:
     if tp is str:
         return True
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return str in typing.get_args(tp)
+        args = typing.get_args(tp)
+        # ``null`` unsets an optional string field: there would be no other way to do so.
+        return str in args and not (parsed is None and type(None) in args)
     return False
 
 
@@ -373,7 +385,7 @@ def _coerce_container(value: Any, tp: Any, origin: Any, path: str) -> Any:
     if origin is tuple and args and args[-1] is not Ellipsis:
         if len(args) != len(value):
             raise ConfigurationError(f"expected {len(args)} items, got {len(value)}", path=path)
-        return tuple(_coerce(v, t, _join(path, i)) for i, (v, t) in enumerate(zip(args, value)))
+        return tuple(_coerce(v, t, _join(path, i)) for i, (v, t) in enumerate(zip(value, args)))
     item_tp = args[0] if args else Any
     items = [_coerce(v, item_tp, _join(path, i)) for i, v in enumerate(value)]
     return tuple(items) if origin is tuple else items
@@ -447,6 +459,9 @@ def _coerce_dataclass(value: Any, tp: type, path: str) -> Any:
         raise ConfigurationError(f"expected a {tp.__name__} mapping, got {value!r}", path=path)
     data = dict(value)
     class_name = data.pop(CLASS_KEY, None)
+    if class_name is not None:
+        # Coerced like a string field: the raw text of an override, and a list is an error.
+        class_name = _coerce(class_name, str, _join(path, CLASS_KEY))
     cls = tp if class_name is None else lookup_registered_class(class_name, tp, path)
     fields = {f.name: f for f in _init_fields(cls)}
     unknown = sorted(set(data) - set(fields))
@@ -454,7 +469,8 @@ def _coerce_dataclass(value: Any, tp: type, path: str) -> Any:
         raise ConfigurationError(
             f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
             f"valid keys of {cls.__name__} are: {', '.join(fields)}",
-            path=path,
+            # A single unknown key is named by its full path, e.g. ``max_duration.valu``.
+            path=_join(path, unknown[0]) if len(unknown) == 1 else path,
         )
     missing = [
         name

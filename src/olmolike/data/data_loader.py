@@ -170,7 +170,11 @@ class TokenTensorDataLoader(DataLoaderBase):
         return self.global_batch_size // self.seq_len
 
     @property
-    def total_batches(self) -> int:
+    def total_batches(self) -> int | None:
+        return self._batches_per_epoch
+
+    @property
+    def _batches_per_epoch(self) -> int:
         return self.instances.shape[0] // self.instances_per_batch
 
     @property
@@ -194,7 +198,7 @@ class TokenTensorDataLoader(DataLoaderBase):
             self.instances_per_batch,
             self.instances_per_batch // self.dp_world_size,
         )
-        for batch_index in range(self.batches_processed, self.total_batches):
+        for batch_index in range(self.batches_processed, self._batches_per_epoch):
             start = batch_index * per_batch + self.dp_rank * per_rank
             yield {"input_ids": self.instances[order[start : start + per_rank]]}
 

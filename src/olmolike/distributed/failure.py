@@ -15,7 +15,6 @@ import logging
 import os
 import sys
 import threading
-import time
 from types import TracebackType
 
 import torch.distributed as dist
@@ -80,26 +79,20 @@ class RankFailureMonitor:
                 )
 
     def _watch(self) -> None:
-        unreachable_since: float | None = None
-        clock = threading.Event()
-        while not self._stopped.is_set():
-            clock.wait(self.poll_interval)
-            if self._stopped.is_set():
-                return
+        while not self._stopped.wait(self.poll_interval):
+            if self._reported:
+                return  # this rank failed itself and is on its way out: let it finish
             try:
                 with self._lock:
                     failed = self._store.check([self._key])
                     message = self._store.get(self._key).decode() if failed else ""
-                unreachable_since = None
             except Exception as e:
                 # The store lives on rank 0 (or the launcher): losing it means they are gone.
-                now = time.monotonic()
-                unreachable_since = unreachable_since or now
-                if now - unreachable_since >= self.grace_period:
-                    self._terminate(f"the job's key-value store is unreachable ({e})")
-                continue
+                self._terminate(f"the job's key-value store is unreachable ({e})")
+                return
             if failed and not message.startswith(f"rank {self.rank} "):
                 self._terminate(message)
+                return
 
     def _terminate(self, why: str) -> None:
         log.error(

@@ -166,4 +166,6 @@ class StepSkipRange(Config):
             )
 
     def __contains__(self, step: object) -> bool:
-        return isinstance(step, int) and self.start <= step < self.stop
+        return (
+            isinstance(step, int) and not isinstance(step, bool) and self.start <= step < self.stop
+        )

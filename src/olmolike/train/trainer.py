@@ -417,7 +417,8 @@ class Trainer:
         batches = iter(self.data_loader)
         trained_before = self.global_step
         exhausted = False
-        while not self.training_complete:
+        # A loader that knows the epoch is over is not asked for another batch.
+        while not self.training_complete and not self.data_loader.epoch_finished:
             self._call("pre_load_batch")
             batch = next(batches, None)
             if batch is None:

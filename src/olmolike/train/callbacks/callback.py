@@ -75,6 +75,12 @@ class Callback:
             callback_registry[name] = cls
             cls.registered_name = name
 
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`~olmolike.exceptions.ConfigurationError` for an impossible setting."""
+
     @property
     def trainer(self) -> Trainer:
         trainer = self.__dict__.get("_trainer")

@@ -6,6 +6,7 @@ import fnmatch
 import logging
 from dataclasses import dataclass, field
 
+from ...exceptions import ConfigurationError
 from .callback import Callback
 
 __all__ = ["ConsoleLoggerCallback"]
@@ -22,6 +23,10 @@ class ConsoleLoggerCallback(Callback, name="console_logger"):
     """Glob patterns of metric names to show."""
 
     priority = -1
+
+    def validate(self) -> None:
+        if self.log_interval < 1:
+            raise ConfigurationError(f"must be >= 1, got {self.log_interval}", path="log_interval")
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         if step % self.log_interval:

@@ -1,0 +1,168 @@
+"""Helpers for tests: real multi-process runs on CPU (gloo) and small training set-ups."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from olmolike.data import TokenTensorDataLoader
+from olmolike.testing import TinyCausalLM, random_token_instances
+from olmolike.train import BasicTrainModule, Trainer, TrainerConfig
+
+SEQ_LEN = 16
+VOCAB = 64
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    result: Any = None
+    error: str | None = None
+    exitcode: int | None = None
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    results: Any,
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        **env,
+    )
+    torch.set_num_threads(1)
+    from olmolike.train import prepare_training_environment, teardown_training_environment
+
+    try:
+        prepare_training_environment(seed=0)
+        result = fn(*args)
+    except BaseException as e:
+        error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        results.put(pickle.dumps(RankOutcome(rank, error=error)))
+        raise
+    # Plain pickle bytes: tensors travel by value, not as shared memory tied to this process.
+    results.put(pickle.dumps(RankOutcome(rank, result=result)))
+    teardown_training_environment()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *,
+    args: tuple[Any, ...] = (),
+    env: dict[str, str] | None = None,
+    timeout: float = 120.0,
+) -> list[RankOutcome]:
+    """Run ``fn(*args)`` on ``world_size`` spawned gloo ranks; return each rank's outcome.
+
+    Never hangs: ranks still running after ``timeout`` seconds are killed and reported as
+    errors. ``fn`` must be a module-level function (it is pickled to the new processes).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, env or {}, results))
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    outcomes = {rank: RankOutcome(rank) for rank in range(world_size)}
+    try:
+        # Drain while waiting: a child cannot exit while its result is stuck in a full pipe.
+        while time.monotonic() < deadline:
+            try:
+                outcome = pickle.loads(results.get(timeout=0.2))
+                outcomes[outcome.rank] = outcome
+            except queue.Empty:
+                if not any(p.is_alive() for p in procs):
+                    break
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    while not results.empty():
+        outcome = pickle.loads(results.get())
+        outcomes[outcome.rank] = outcome
+    for rank, p in enumerate(procs):
+        outcomes[rank].exitcode = p.exitcode
+        if p.exitcode == -9 and outcomes[rank].error is None:
+            outcomes[rank].error = f"killed after the {timeout:.0f}s timeout (hung)"
+    return [outcomes[rank] for rank in range(world_size)]
+
+
+def run_distributed_test(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *,
+    args: tuple[Any, ...] = (),
+    timeout: float = 120.0,
+) -> list[Any]:
+    """Like :func:`run_distributed` but every rank must succeed; returns their results."""
+    outcomes = run_distributed(fn, world_size, args=args, timeout=timeout)
+    failures = [o for o in outcomes if o.error is not None or o.exitcode != 0]
+    if failures:
+        report = "\n".join(f"rank {o.rank} (exit {o.exitcode}): {o.error}" for o in failures)
+        raise AssertionError(f"distributed test failed:\n{report}")
+    return [o.result for o in outcomes]
+
+
+def build_trainer(
+    save_folder: str | Path,
+    *,
+    num_instances: int = 64,
+    instances_per_batch: int = 8,
+    micro_batch_instances: int | None = None,
+    seed: int = 0,
+    overrides: tuple[str, ...] = (),
+    **config: Any,
+) -> Trainer:
+    """A small model, optimizer, loader and trainer over synthetic tokens."""
+    torch.manual_seed(seed)
+    model = TinyCausalLM(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=2, max_seq_len=SEQ_LEN)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    from olmolike.distributed.utils import get_world_size
+
+    world_size = get_world_size()
+    rank_instances = instances_per_batch // world_size
+    train_module = BasicTrainModule(
+        model,
+        optim,
+        rank_microbatch_size=(micro_batch_instances or rank_instances) * SEQ_LEN,
+        max_grad_norm=1.0,
+    )
+    loader = TokenTensorDataLoader(
+        random_token_instances(num_instances, SEQ_LEN, VOCAB, seed=1),
+        global_batch_size=instances_per_batch * SEQ_LEN,
+        seed=seed,
+    )
+    trainer_config = TrainerConfig(save_folder=str(save_folder), **config).merge(list(overrides))
+    return trainer_config.build(train_module, loader)
