@@ -98,7 +98,14 @@ class Trainer:
         for name in ("metrics_collect_interval", "cancel_check_interval"):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"must be >= 1, got {getattr(self, name)}", path=name)
-        dp_size = get_world_size(self.dp_process_group)
+        dp_size, dp_rank = get_world_size(self.dp_process_group), get_rank(self.dp_process_group)
+        if self.data_loader.dp_rank != dp_rank:
+            raise ConfigurationError(
+                f"the data loader serves data-parallel rank {self.data_loader.dp_rank}, but this "
+                f"process is rank {dp_rank} of the data-parallel group; build the loader with "
+                f"dp_rank={dp_rank}",
+                path="data_loader.dp_rank",
+            )
         if self.data_loader.dp_world_size != dp_size:
             raise ConfigurationError(
                 f"the data loader splits batches over {self.data_loader.dp_world_size} ranks but "

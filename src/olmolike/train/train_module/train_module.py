@@ -158,7 +158,8 @@ class BasicTrainModule(TrainModule):
             self.optim.load_state_dict(state_dict["optim"])
 
     def train_batch(self, batch: dict[str, Any], dry_run: bool = False) -> None:
-        self.model.train()
+        if not self.model.training:  # train() walks every submodule: not on every step
+            self.model.train()
         input_ids = batch["input_ids"]
         labels = labels_from_batch(batch, self.label_ignore_index)
         micro_ids, micro_labels = self._split(input_ids), self._split(labels)

@@ -1,0 +1,301 @@
+"""How much throughput does olmolike's ``Trainer`` cost over a hand-written PyTorch loop?
+
+Both loops do identical work on the CPU: the same ``TinyCausalLM`` (re-initialised from the
+same seed for every timed run), AdamW, one micro-batch per step, ``clip_grad_norm_`` at 1.0,
+and the mean float32 cross-entropy over next-token labels (``input_ids`` shifted left, padded
+with -100). The token batches are built once, before any timing: the hand-written loop iterates
+over that list, and the trainer reads the same tokens through a ``TokenTensorDataLoader`` with
+``shuffle=False``. The hand-written loop is deliberately tight: forward, loss, backward, clip,
+step, ``zero_grad(set_to_none=True)``, with no ``.item()`` and no bookkeeping. The trainer runs
+as a user would run it: default callbacks, ``metrics_collect_interval=5``,
+``cancel_check_interval=25``, no checkpoints. Only ``Trainer.fit()`` is timed, not building it.
+After the first round the final weights of both loops are compared, to show they trained alike.
+
+Methodology. Both loops are first warmed up (allocator, kernels, lazy imports). Then they run
+alternately in one process for several rounds, swapping which goes first each round. On a
+shared, noisy machine the speed drifts over seconds (other processes, thermal limits, memory
+placement); timing all hand-written runs and then all trainer runs would fold that drift into
+the ratio, whereas adjacent runs see nearly the same machine. The per-round ratio of tokens/s
+(trainer / hand-written) is reported, with its median and its min-max spread across rounds.
+
+Run it with ``python src/benchmarks/trainer_overhead.py`` (``make bench``); ``--quick`` is a
+smoke check. It always exits 0: it measures, it does not test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+from olmolike.data import TokenTensorDataLoader
+from olmolike.testing import TinyCausalLM, random_token_instances
+from olmolike.train import BasicTrainModule, Duration, TrainerConfig, prepare_training_environment
+
+IGNORE_INDEX = -100
+MAX_GRAD_NORM = 1.0
+LEARNING_RATE = 1e-3
+SEED = 0
+
+
+@dataclass(frozen=True)
+class Size:
+    """A model and batch shape, with its default run length and the ratio it should reach."""
+
+    name: str
+    d_model: int
+    n_layers: int
+    seq_len: int
+    batch_size: int
+    """Instances per step; the whole batch is one micro-batch."""
+    steps: int
+    """Timed steps per run, by default."""
+    target: float
+    """The trainer's tokens/s should be at least this fraction of the hand-written loop's."""
+    vocab_size: int = 1024
+    n_heads: int = 4
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.batch_size
+
+
+SIZES = (
+    Size("small", d_model=64, n_layers=2, seq_len=128, batch_size=2, steps=300, target=0.97),
+    Size("medium", d_model=256, n_layers=4, seq_len=128, batch_size=2, steps=40, target=0.99),
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    rounds: int
+    warmup_steps: int
+    steps: int | None
+    """Overrides every size's default steps per run."""
+    save_folder: str
+
+
+@dataclass(frozen=True)
+class SizeResult:
+    size: Size
+    steps: int
+    params: int
+    hand_s: list[float]
+    """Seconds per timed run, one per round."""
+    trainer_s: list[float]
+    max_weight_diff: float
+
+    def tokens_per_s(self, seconds: float) -> float:
+        return self.steps * self.size.tokens_per_step / seconds
+
+    def ms_per_step(self, runs: list[float]) -> float:
+        return statistics.median(runs) / self.steps * 1e3
+
+    @property
+    def ratios(self) -> list[float]:
+        """Trainer tokens/s over hand-written tokens/s, per round."""
+        return [hand / trainer for hand, trainer in zip(self.hand_s, self.trainer_s)]
+
+
+def build_model(size: Size) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(SEED)
+    model = TinyCausalLM(
+        vocab_size=size.vocab_size,
+        d_model=size.d_model,
+        n_layers=size.n_layers,
+        n_heads=size.n_heads,
+        max_seq_len=size.seq_len,
+    )
+    return model, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+
+
+def hand_loop(model: nn.Module, optim: torch.optim.Optimizer, batches: list[torch.Tensor]) -> None:
+    """The reference: a tight loop with no host syncs (CPU ops are synchronous anyway)."""
+    params = list(model.parameters())
+    model.train()
+    for input_ids in batches:
+        labels = F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_INDEX)
+        logits = model(input_ids)
+        # A mean over the non-ignored labels, as BasicTrainModule normalises its summed loss.
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(),
+            labels.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+        )
+        loss.backward()
+        nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+
+def time_hand(size: Size, batches: list[torch.Tensor]) -> tuple[float, nn.Module]:
+    """Seconds for the hand-written loop over ``batches`` from a fresh model, and the model."""
+    model, optim = build_model(size)
+    gc.collect()
+    start = time.perf_counter()
+    hand_loop(model, optim, batches)
+    return time.perf_counter() - start, model
+
+
+def time_trainer(size: Size, instances: torch.Tensor, save_folder: str) -> tuple[float, nn.Module]:
+    """Seconds for ``Trainer.fit()`` over one epoch of ``instances`` from a fresh model."""
+    model, optim = build_model(size)
+    train_module = BasicTrainModule(
+        model, optim, rank_microbatch_size=size.tokens_per_step, max_grad_norm=MAX_GRAD_NORM
+    )
+    loader = TokenTensorDataLoader(instances, global_batch_size=size.tokens_per_step, shuffle=False)
+    steps = instances.shape[0] // size.batch_size
+    config = TrainerConfig(
+        save_folder=save_folder, max_duration=Duration.steps(steps), no_checkpoints=True
+    )
+    trainer = config.build(train_module, loader)
+    gc.collect()
+    start = time.perf_counter()
+    trainer.fit()
+    return time.perf_counter() - start, model
+
+
+def max_weight_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
+
+
+def measure(size: Size, settings: Settings) -> SizeResult:
+    steps = settings.steps or size.steps
+    instances = random_token_instances(
+        steps * size.batch_size, size.seq_len, size.vocab_size, seed=SEED
+    )
+    batches = [batch.clone() for batch in instances.split(size.batch_size)]
+    warmup = settings.warmup_steps
+    time_hand(size, batches[:warmup])
+    time_trainer(size, instances[: warmup * size.batch_size], settings.save_folder)
+    params = sum(p.numel() for p in build_model(size)[0].parameters())
+    hand_s, trainer_s, weight_diff = [], [], 0.0
+    for round_index in range(settings.rounds):
+        if round_index % 2 == 0:
+            hand, hand_model = time_hand(size, batches)
+            trainer, trainer_model = time_trainer(size, instances, settings.save_folder)
+        else:
+            trainer, trainer_model = time_trainer(size, instances, settings.save_folder)
+            hand, hand_model = time_hand(size, batches)
+        if round_index == 0:
+            weight_diff = max_weight_diff(hand_model, trainer_model)
+        hand_s.append(hand)
+        trainer_s.append(trainer)
+    return SizeResult(size, steps, params, hand_s, trainer_s, weight_diff)
+
+
+def rounds_table(result: SizeResult) -> Table:
+    table = Table(title=f"{result.size.name}: per round ({result.steps} steps per run)")
+    for column in ("round", "first", "tokens/s hand", "tokens/s trainer", "ratio"):
+        table.add_column(column, justify="right")
+    for i, (hand, trainer, ratio) in enumerate(
+        zip(result.hand_s, result.trainer_s, result.ratios), start=1
+    ):
+        first = "hand" if i % 2 else "trainer"
+        table.add_row(
+            str(i),
+            first,
+            f"{result.tokens_per_s(hand):,.0f}",
+            f"{result.tokens_per_s(trainer):,.0f}",
+            f"{ratio:.4f}",
+        )
+    return table
+
+
+def summary_table(results: list[SizeResult]) -> Table:
+    table = Table(title="Trainer vs hand-written loop (medians over rounds)")
+    columns = ("size", "params", "ms/step (hand)", "ms/step (trainer)", "tokens/s hand")
+    columns += ("tokens/s trainer", "ratio (median)", "ratio range")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for r in results:
+        table.add_row(
+            r.size.name,
+            f"{r.params:,d}",
+            f"{r.ms_per_step(r.hand_s):.2f}",
+            f"{r.ms_per_step(r.trainer_s):.2f}",
+            f"{r.tokens_per_s(statistics.median(r.hand_s)):,.0f}",
+            f"{r.tokens_per_s(statistics.median(r.trainer_s)):,.0f}",
+            f"{statistics.median(r.ratios):.4f}",
+            f"{min(r.ratios):.4f} - {max(r.ratios):.4f}",
+        )
+    return table
+
+
+def print_targets(console: Console, results: list[SizeResult]) -> None:
+    for r in results:
+        median = statistics.median(r.ratios)
+        verdict = "[green]met[/]" if median >= r.size.target else "[red]NOT met[/]"
+        console.print(
+            f"target {r.size.name}: median ratio >= {r.size.target:.2f}: {verdict} "
+            f"({median:.4f}); max |weight difference| after round 1: {r.max_weight_diff:.2e}"
+        )
+
+
+def print_setup(console: Console, settings: Settings, threads: int) -> None:
+    console.print(
+        f"torch {torch.__version__}, device cpu, torch.set_num_threads({threads}) "
+        f"(interop threads {torch.get_num_interop_threads()}), {settings.rounds} rounds, "
+        f"{settings.warmup_steps} warm-up steps per loop"
+    )
+    console.print(
+        "Logging: 'olmolike' loggers set to WARNING, so the default ConsoleLoggerCallback "
+        "(log_interval=1) still runs at every metric collection but its INFO records are dropped."
+    )
+    for size in SIZES:
+        console.print(
+            f"{size.name}: TinyCausalLM d_model={size.d_model} n_layers={size.n_layers} "
+            f"n_heads={size.n_heads} vocab={size.vocab_size}; batch {size.batch_size} x "
+            f"seq {size.seq_len} = {size.tokens_per_step} tokens/step, one micro-batch"
+        )
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="a short smoke run (< 1 min)")
+    parser.add_argument("--steps", type=int, help="timed steps per run, for every size")
+    parser.add_argument("--rounds", type=int, help="alternating rounds per size (default 7)")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    args = parser.parse_args()
+    for name in ("steps", "rounds", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name} must be >= 1, got {value}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    prepare_training_environment(backend=None)
+    logging.getLogger("olmolike").setLevel(logging.WARNING)
+    torch.set_num_threads(args.threads)
+    console = Console()
+    with tempfile.TemporaryDirectory(prefix="trainer-overhead-") as save_folder:
+        settings = Settings(
+            rounds=args.rounds or (2 if args.quick else 7),
+            warmup_steps=2 if args.quick else 5,
+            steps=args.steps or (10 if args.quick else None),
+            save_folder=save_folder,
+        )
+        print_setup(console, settings, args.threads)
+        results = []
+        for size in SIZES:
+            results.append(measure(size, settings))
+            console.print(rounds_table(results[-1]))
+    console.print(summary_table(results))
+    print_targets(console, results)
+
+
+if __name__ == "__main__":
+    main()
