@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import fsspec
 import yaml
 
 from .exceptions import ConfigurationError
@@ -51,6 +52,7 @@ class StrEnum(str, enum.Enum):
 
 
 _REGISTRY: dict[str, type] = {}
+_BASES_NEEDING_CLASS: set[type] = set()
 
 
 def register_config_class(cls: type, *aliases: str) -> None:
@@ -66,6 +68,15 @@ def register_config_class(cls: type, *aliases: str) -> None:
         if existing is not None and registered_name(existing) != registered_name(cls):
             raise ValueError(f"config class alias {alias!r} is already registered to {existing!r}")
         _REGISTRY[alias] = cls
+
+
+def require_class_name(base: type) -> None:
+    """Values of a field typed ``base`` must name their class with ``_CLASS_``.
+
+    For a base class that does nothing by itself (e.g. ``Callback``): without this, a missing
+    ``_CLASS_`` would silently build the inert base instead of failing.
+    """
+    _BASES_NEEDING_CLASS.add(base)
 
 
 def lookup_registered_class(name: str, base: type, path: str = "") -> type:
@@ -158,7 +169,7 @@ class Config:
 
     @classmethod
     def from_yaml(cls: type[C], path: str | Path, overrides: Sequence[str] = ()) -> C:
-        with open(path, encoding="utf-8") as f:
+        with fsspec.open(str(path), "r", encoding="utf-8") as f:
             try:
                 data = yaml.safe_load(f)
             except yaml.YAMLError as e:
@@ -167,7 +178,7 @@ class Config:
 
     @classmethod
     def from_json(cls: type[C], path: str | Path, overrides: Sequence[str] = ()) -> C:
-        with open(path, encoding="utf-8") as f:
+        with fsspec.open(str(path), "r", encoding="utf-8") as f:
             try:
                 data = json.load(f)
             except json.JSONDecodeError as e:
@@ -462,6 +473,12 @@ def _coerce_dataclass(value: Any, tp: type, path: str) -> Any:
     if class_name is not None:
         # Coerced like a string field: the raw text of an override, and a list is an error.
         class_name = _coerce(class_name, str, _join(path, CLASS_KEY))
+    if class_name is None and tp in _BASES_NEEDING_CLASS:
+        known = sorted(k for k, v in _REGISTRY.items() if _is_subclass(v, tp) and v is not tp)
+        raise ConfigurationError(
+            f"needs a {CLASS_KEY} key naming the {tp.__name__} to build, one of: {', '.join(known)}",
+            path=path,
+        )
     cls = tp if class_name is None else lookup_registered_class(class_name, tp, path)
     fields = {f.name: f for f in _init_fields(cls)}
     unknown = sorted(set(data) - set(fields))

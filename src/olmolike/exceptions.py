@@ -10,7 +10,6 @@ __all__ = [
     "MetricError",
     "NetworkError",
     "OLMoLikeError",
-    "RankFailureError",
 ]
 
 
@@ -56,7 +55,3 @@ class MetricError(OLMoLikeError, ValueError):
 
 class BookkeepingError(OLMoLikeError):
     """A background bookkeeping operation was used incorrectly."""
-
-
-class RankFailureError(OLMoLikeError):
-    """Another rank of a distributed job failed, so this rank stops too."""

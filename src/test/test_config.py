@@ -772,15 +772,6 @@ def test_callbacks_built_from_registered_names(name: str) -> None:
     assert cfg.callbacks["log"] == ConsoleLoggerCallback(log_interval=10)
 
 
-def test_callback_without_class_name_is_the_field_type() -> None:
-    cfg = TrainerConfig.from_dict({"save_folder": "/s", "callbacks": {"plain": {}}})
-    assert type(cfg.callbacks["plain"]) is Callback
-    err = config_error(
-        TrainerConfig.from_dict, {"save_folder": "/s", "callbacks": {"p": {"log_interval": 2}}}
-    )
-    assert err.path == "callbacks.p.log_interval"
-
-
 def test_lookup_registered_class() -> None:
     assert lookup_registered_class("console_logger", Callback) is ConsoleLoggerCallback
     assert lookup_registered_class(CONSOLE_LOGGER, Callback) is ConsoleLoggerCallback
@@ -910,3 +901,22 @@ def test_config_subclasses_register_themselves() -> None:
     name = f"{Local.__module__}.{Local.__qualname__}"
     assert lookup_registered_class(name, Config) is Local
     assert Local.from_dict({CLASS_KEY: name, "n": 2}) == Local(n=2)
+
+
+def test_a_callback_without_class_name_is_an_error_not_an_inert_callback() -> None:
+    from olmolike.train import TrainerConfig
+
+    with pytest.raises(ConfigurationError, match=r"callbacks\.mine: needs a _CLASS_ key") as info:
+        TrainerConfig.from_dict({"save_folder": "x", "callbacks": {"mine": {}}})
+    assert "console_logger" in str(info.value)
+
+
+def test_yaml_config_can_be_read_through_fsspec() -> None:
+    import fsspec
+
+    from olmolike.train import TrainerConfig
+
+    with fsspec.open("memory://configs/run.yaml", "w") as f:
+        f.write("save_folder: s3://bucket/run\nmax_duration: {value: 7, unit: steps}\n")
+    config = TrainerConfig.from_yaml("memory://configs/run.yaml")
+    assert config.max_duration.value == 7

@@ -553,3 +553,60 @@ def test_callback_settings_are_validated_at_construction() -> None:
         TrainerConfig(save_folder="x").merge(
             ["--callbacks.log={_CLASS_: console_logger, log_interval: 0}"]
         )
+
+
+def test_user_callback_named_console_logger_is_kept(tmp_path: Any) -> None:
+    mine = Recorder()
+    trainer = build_trainer(
+        tmp_path, max_duration=Duration.steps(1), callbacks={"console_logger": mine}
+    )
+    assert trainer.callbacks["console_logger"] is mine
+
+
+def test_int32_tokens_train(tmp_path: Any) -> None:
+    trainer = build_trainer(tmp_path, max_duration=Duration.steps(2))
+    loader = trainer.data_loader
+    assert isinstance(loader, TokenTensorDataLoader)
+    loader.instances = loader.instances.to(torch.int32)
+    loader._fingerprint = None
+    trainer.fit()
+    assert trainer.global_step == 2
+
+
+def test_microbatch_size_must_be_whole_sequences(tmp_path: Any) -> None:
+    trainer = build_trainer(tmp_path, max_duration=Duration.steps(2))
+    trainer.train_module.rank_microbatch_size = SEQ_LEN * 2 + SEQ_LEN // 2  # type: ignore[attr-defined]
+    with pytest.raises(ConfigurationError, match="multiple of the sequence length"):
+        trainer.fit()
+
+
+def test_sigint_after_a_programmatic_cancel_is_still_graceful(tmp_path: Any) -> None:
+    def cancel_then_interrupt(trainer: Any) -> None:
+        trainer.cancel_run("done early")
+        os.kill(os.getpid(), signal.SIGINT)
+
+    trainer = fit_with(
+        tmp_path,
+        AtStep(step_to_act=2, action=cancel_then_interrupt),
+        max_duration=Duration.steps(9),
+    )
+    assert trainer.global_step == 2 and trainer.is_canceled
+
+
+def test_rejected_first_record_does_not_fix_the_reduce_type() -> None:
+    buffer = MetricBuffer()
+    with pytest.raises(MetricError):
+        buffer.record(1, "m", torch.ones(2), ReduceType.max)
+    buffer.record(1, "m", 1.0, ReduceType.sum)
+
+
+def test_persist_checks_file_or_directory(tmp_path: Any) -> None:
+    trainer = build_trainer(
+        tmp_path / "save", max_duration=Duration.steps(1), work_dir=str(tmp_path / "w")
+    )
+    (trainer.work_dir / "d").mkdir()
+    (trainer.work_dir / "f").write_text("x")
+    with pytest.raises(FileNotFoundError):
+        trainer.persist_working_file("d")
+    with pytest.raises(NotADirectoryError):
+        trainer.persist_working_subdir("f")

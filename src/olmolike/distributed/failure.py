@@ -72,7 +72,9 @@ class RankFailureMonitor:
             self._reported = True
             summary = f"rank {self.rank} failed with {type(exc).__name__}: {exc}"
             try:
-                self._store.set(self._key, summary[:2000])
+                # The first failure is the cause; later ones are usually its consequences.
+                if self._store.add(f"{self._key}/count", 1) == 1:
+                    self._store.set(self._key, summary[:2000])
             except Exception as store_error:  # the job is already failing; do not mask exc
                 log.warning(
                     "Could not report this rank's failure to the other ranks: %s", store_error

@@ -86,12 +86,6 @@ def init_distributed(backend: str, timeout: datetime.timedelta) -> None:
     if torch.cuda.is_available() and "nccl" in resolved:
         torch.cuda.set_device(get_local_rank())
     dist.init_process_group(backend=resolved, timeout=timeout)
-    log.info(
-        "Initialized process group: backend=%s, rank %d of %d",
-        resolved,
-        get_rank(),
-        get_world_size(),
-    )
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:

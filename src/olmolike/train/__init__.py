@@ -83,7 +83,14 @@ def prepare_training_environment(
         init_distributed(backend, timeout)
         start_failure_monitor(get_rank())
     set_shared_filesystem(shared_filesystem)
-    setup_logging(log_filter_type)
+    setup_logging(log_filter_type)  # after the process group: records carry the rank
+    if is_distributed():
+        log.info(
+            "Process group ready: backend %s, rank %d of %d",
+            dist.get_backend(),
+            get_rank(),
+            dist.get_world_size(),
+        )
     if seed is not None:
         seed_all(seed)
 

@@ -90,10 +90,14 @@ class CancelCoordinator:
             yield
             return
 
+        signals_received = 0
+
         def handle(signum: int, frame: FrameType | None) -> None:
             del frame
+            nonlocal signals_received
+            signals_received += 1
             name = signal.Signals(signum).name
-            if signum == signal.SIGINT and self._requested is not None:
+            if signum == signal.SIGINT and signals_received > 1:
                 raise KeyboardInterrupt(f"second {name}: aborting without a graceful stop")
             self.request(f"received {name}")
 

@@ -113,7 +113,11 @@ class TrainerConfig(Config):
         self._check_save_folder()
         callbacks = dict(self.callbacks)
         if not any(isinstance(cb, ConsoleLoggerCallback) for cb in callbacks.values()):
-            callbacks["console_logger"] = ConsoleLoggerCallback()
+            # Metrics arrive once per collect interval: logging them as they come costs least.
+            # A user callback already named "console_logger" is kept (setdefault).
+            callbacks.setdefault(
+                "console_logger", ConsoleLoggerCallback(log_interval=self.metrics_collect_interval)
+            )
         return Trainer(
             work_dir=Path(self.work_dir) if self.work_dir else self._default_work_dir(),
             train_module=train_module,

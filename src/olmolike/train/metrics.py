@@ -85,6 +85,7 @@ class MetricBuffer:
         reduce_type: ReduceType | None = None,
         merge_strategy: MetricMergeStrategy = MetricMergeStrategy.warn,
     ) -> None:
+        value = _as_metric_value(name, value)
         reduce_type = ReduceType(reduce_type) if reduce_type is not None else None
         previous_type = self._reduce_types.setdefault(name, reduce_type)
         if previous_type != reduce_type:
@@ -92,7 +93,6 @@ class MetricBuffer:
                 f"metric {name!r} was recorded with reduce_type={previous_type} and now with "
                 f"{reduce_type}; a metric must keep one reduce type for the whole run"
             )
-        value = _as_metric_value(name, value)
         metrics = self._steps.setdefault(step, {})
         if name in metrics:
             value = self._merge(

@@ -339,10 +339,14 @@ class Trainer:
 
     def persist_working_file(self, name: str | Path) -> str:
         """Copy ``work_dir/name`` to ``save_folder/name`` (nothing to do if they are the same)."""
+        if not (self.work_dir / name).is_file():
+            raise FileNotFoundError(f"{self.work_dir / name} is not a file")
         return io.persist(self.work_dir, self.save_folder, name, overwrite=self.save_overwrite)
 
     def persist_working_subdir(self, name: str | Path) -> str:
         """Copy the directory ``work_dir/name`` to ``save_folder/name``."""
+        if not (self.work_dir / name).is_dir():
+            raise NotADirectoryError(f"{self.work_dir / name} is not a directory")
         return io.persist(self.work_dir, self.save_folder, name, overwrite=self.save_overwrite)
 
     # -- state -------------------------------------------------------------------------------
@@ -489,8 +493,7 @@ class Trainer:
             method(*args)
 
     def _handle_error(self, exc: BaseException) -> None:
-        if not isinstance(exc, KeyboardInterrupt):
-            report_rank_failure(exc)
+        report_rank_failure(exc)
         log.error("Training failed at step %d: %s: %s", self.global_step, type(exc).__name__, exc)
         for method in self._hooks["on_error"]:
             try:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ...config import register_config_class
+from ...config import register_config_class, require_class_name
 
 if TYPE_CHECKING:
     from ..trainer import Trainer
@@ -144,3 +144,4 @@ class Callback:
 
 
 register_config_class(Callback)
+require_class_name(Callback)

@@ -94,10 +94,9 @@ class TrainModule(ABC):
 def labels_from_batch(batch: dict[str, Any], ignore_index: int) -> torch.Tensor:
     """Next-token labels: ``batch["labels"]`` if given, else ``input_ids`` shifted left by one."""
     labels = batch.get("labels")
-    if labels is not None:
-        return labels
-    input_ids = batch["input_ids"]
-    return F.pad(input_ids[..., 1:], (0, 1), value=ignore_index)
+    if labels is None:
+        labels = F.pad(batch["input_ids"][..., 1:], (0, 1), value=ignore_index)
+    return labels.long()  # cross-entropy needs int64 targets; token files are often int32
 
 
 class BasicTrainModule(TrainModule):
@@ -183,8 +182,14 @@ class BasicTrainModule(TrainModule):
             self.record_ce_loss(total_loss / num_tokens, ReduceType.mean)
 
     def _split(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        rows_per_micro_batch = max(1, self.rank_microbatch_size // tensor.shape[-1])
-        return torch.split(tensor, rows_per_micro_batch, dim=0)
+        seq_len = tensor.shape[-1]
+        if self.rank_microbatch_size % seq_len:
+            raise ConfigurationError(
+                f"must be a whole number of sequences: a multiple of the sequence length "
+                f"({seq_len} tokens), got {self.rank_microbatch_size}",
+                path="rank_microbatch_size",
+            )
+        return torch.split(tensor, self.rank_microbatch_size // seq_len, dim=0)
 
     @torch.no_grad()
     def eval_batch(self, batch: dict[str, Any], labels: torch.Tensor | None = None) -> Any:

@@ -1,0 +1,68 @@
+"""RankFailureMonitor against an in-process store: reporting and reacting to peer failures."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch.distributed as dist
+
+from olmolike.distributed import failure
+from olmolike.distributed.failure import EXIT_CODE, RankFailureMonitor
+
+
+def wait_for(condition: object, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def exits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    codes: list[int] = []
+    monkeypatch.setattr(failure.os, "_exit", codes.append)
+    return codes
+
+
+def monitor(store: dist.Store, rank: int, grace: float = 0.2) -> RankFailureMonitor:
+    return RankFailureMonitor(store, rank, poll_interval=0.02, grace_period=grace)
+
+
+def test_the_first_failure_is_the_one_reported() -> None:
+    store = dist.HashStore()
+    monitor(store, 1).report(ValueError("root cause"))
+    monitor(store, 0).report(RuntimeError("consequence"))
+    assert (
+        store.get("olmolike/rank_failure/0").decode() == "rank 1 failed with ValueError: root cause"
+    )
+
+
+def test_a_peer_failure_ends_this_rank_after_the_grace_period(exits: list[int]) -> None:
+    store = dist.HashStore()
+    watcher = monitor(store, 0)
+    watcher.start()
+    monitor(store, 1).report(ValueError("boom"))
+    wait_for(lambda: exits)
+    assert exits == [EXIT_CODE]
+
+
+def test_stopping_during_the_grace_period_cancels_the_exit(exits: list[int]) -> None:
+    store = dist.HashStore()
+    watcher = monitor(store, 0, grace=1.0)
+    watcher.start()
+    monitor(store, 1).report(ValueError("boom"))
+    time.sleep(0.3)
+    watcher.stop()
+    time.sleep(1.2)
+    assert exits == []
+
+
+def test_a_rank_that_failed_itself_is_left_to_finish(exits: list[int]) -> None:
+    store = dist.HashStore()
+    watcher = monitor(store, 0)
+    watcher.report(KeyError("mine"))
+    watcher.start()
+    monitor(store, 1).report(ValueError("theirs"))
+    time.sleep(0.5)
+    assert exits == []
