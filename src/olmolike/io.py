@@ -7,6 +7,7 @@ fsspec, with transient network errors retried with exponential backoff.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -20,7 +21,17 @@ import fsspec
 
 from .exceptions import NetworkError
 
-__all__ = ["is_url", "join_path", "persist", "retry_network", "write_file"]
+__all__ = [
+    "exists",
+    "is_url",
+    "join_path",
+    "list_dir",
+    "persist",
+    "read_bytes",
+    "remove",
+    "retry_network",
+    "write_file",
+]
 
 log = logging.getLogger(__name__)
 
@@ -166,3 +177,52 @@ def _copy_local_atomically(source: Path, target: Path, overwrite: bool) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def exists(path: PathOrStr) -> bool:
+    if not is_url(path):
+        return local_path(path).exists()
+    fs, fs_path = fsspec.core.url_to_fs(str(path))
+    return bool(retry_network(lambda: fs.exists(fs_path), f"checking {path}"))
+
+
+def read_bytes(path: PathOrStr) -> bytes:
+    if not is_url(path):
+        return local_path(path).read_bytes()
+    fs, fs_path = fsspec.core.url_to_fs(str(path))
+    return bytes(retry_network(lambda: fs.cat_file(fs_path), f"reading {path}"))
+
+
+def list_dir(path: PathOrStr) -> list[str]:
+    """Names of the entries directly in ``path`` (empty if it does not exist)."""
+    if not is_url(path):
+        directory = local_path(path)
+        return sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    fs, fs_path = fsspec.core.url_to_fs(str(path))
+
+    def listing() -> list[str]:
+        try:
+            entries = fs.ls(fs_path, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    return retry_network(listing, f"listing {path}")
+
+
+def remove(path: PathOrStr, *, recursive: bool = False) -> None:
+    """Delete a file (or, with ``recursive``, a directory tree); missing is fine."""
+    if not is_url(path):
+        target = local_path(path)
+        if target.is_dir() and recursive:
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            target.unlink(missing_ok=True)
+        return
+    fs, fs_path = fsspec.core.url_to_fs(str(path))
+
+    def delete() -> None:
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(fs_path, recursive=recursive)
+
+    retry_network(delete, f"deleting {path}")

@@ -1,13 +1,64 @@
-"""Checkpointer settings. (Saving and loading arrive with the checkpointing work; the trainer
-config already carries these settings so that configs written today keep working.)"""
+"""Train checkpoints: a folder per step, complete only once its marker exists.
+
+Layout of ``{save_folder}/step{N}/``::
+
+    model_and_optim/          DCP shards (every rank writes its own) and DCP's .metadata
+    train/rank{R}.pt          trainer state of rank R (counters, RNG, data position, callbacks)
+    .olmolike-checkpoint.json the completion marker, written last
+
+The commit protocol never lets a reader see a partial checkpoint:
+
+* local folders: every rank writes into ``.step{N}.tmp`` beside the target; once all ranks
+  report success, rank 0 writes the marker into it and renames it into place (atomic);
+* object stores (no atomic rename): every rank writes locally, then uploads the files it
+  wrote, in place; once all ranks report success, rank 0 uploads the marker last.
+
+Removing a checkpoint deletes its marker first. Trainer state is saved with ``torch.save``
+and loaded with ``weights_only=True``: loading never runs code from a file.
+"""
 
 from __future__ import annotations
 
+import io as std_io
+import json
+import logging
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import fsspec
+import torch
+import torch.distributed as dist
+
+from .. import io
 from ..config import Config
+from ..distributed.checkpoint import (
+    async_save_state_dict,
+    checkpoint_keys,
+    load_state_dict,
+    save_state_dict,
+)
+from ..distributed.utils import get_rank, get_world_size, is_distributed
+from ..exceptions import CheckpointError
+from .bookkeeping import DaemonThreadPool
 
-__all__ = ["CheckpointerConfig"]
+if TYPE_CHECKING:
+    from .train_module import TrainModule
+
+__all__ = ["Checkpointer", "CheckpointerConfig"]
+
+log = logging.getLogger(__name__)
+
+MARKER = ".olmolike-checkpoint.json"
+MODEL_AND_OPTIM = "model_and_optim"
+TRAIN_STATE = "train"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step(\d+)$")
 
 
 @dataclass
@@ -32,3 +83,347 @@ class CheckpointerConfig(Config):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise self._invalid(name, f"must be >= 1 if set, got {value}")
+
+    def build(
+        self,
+        work_dir: Path,
+        *,
+        save_overwrite: bool,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> Checkpointer:
+        return Checkpointer(
+            work_dir=Path(self.work_dir) if self.work_dir else work_dir,
+            save_overwrite=save_overwrite if self.save_overwrite is None else self.save_overwrite,
+            pre_download=self.pre_download,
+            process_group=process_group,
+            save_thread_count=self.save_thread_count,
+            load_thread_count=self.load_thread_count,
+            throttle_uploads=self.throttle_uploads,
+        )
+
+
+@dataclass
+class _SavePlan:
+    target: str
+    staging: Path
+    remote: bool
+
+
+class Checkpointer:
+    """Saves and loads train checkpoints (see the module docstring for the format)."""
+
+    def __init__(
+        self,
+        work_dir: Path,
+        save_overwrite: bool = False,
+        pre_download: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+        save_thread_count: int | None = None,
+        load_thread_count: int | None = None,
+        throttle_uploads: bool = False,
+    ) -> None:
+        self.work_dir = Path(work_dir)
+        self.save_overwrite = save_overwrite
+        self.pre_download = pre_download
+        self.process_group = process_group
+        self.save_thread_count = save_thread_count
+        self.load_thread_count = load_thread_count
+        self.throttle_uploads = throttle_uploads
+        self._writer: DaemonThreadPool | None = None
+        self._pending: Future[None] | None = None
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def save(
+        self,
+        dir: str,
+        train_module: TrainModule,
+        train_state: dict[str, Any],
+        ephemeral: bool = False,
+    ) -> None:
+        """Save model, optimizer and trainer state to ``dir``; returns once it is complete."""
+        self.wait_for_pending_save()
+        plan = self._begin(dir)
+        try:
+            save_state_dict(
+                plan.staging / MODEL_AND_OPTIM,
+                train_module.state_dict_to_save(),
+                process_group=self.process_group,
+                thread_count=self.save_thread_count,
+            )
+            ok = True
+        except Exception:
+            log.exception("Writing the model and optimizer state of %s failed", plan.target)
+            ok = False
+        self._finish(plan, _serialize(train_state), ephemeral, ok)
+
+    def save_async(
+        self,
+        dir: str,
+        train_module: TrainModule,
+        train_state: dict[str, Any],
+        ephemeral: bool = False,
+    ) -> Future[None]:
+        """Like :meth:`save`, but returns once the state is copied to CPU memory.
+
+        The files are written by a background thread on this checkpointer's process group;
+        the returned future completes when the checkpoint is complete (or failed).
+        """
+        self.wait_for_pending_save()
+        plan = self._begin(dir)
+        state_bytes = _serialize(train_state)
+        dcp_future = async_save_state_dict(
+            plan.staging / MODEL_AND_OPTIM,
+            train_module.state_dict_to_save(),
+            process_group=self.process_group,
+            thread_count=self.save_thread_count,
+        )
+
+        def finish() -> None:
+            try:
+                dcp_future.result()
+                ok = True
+            except BaseException:  # DCP's CheckpointException derives from BaseException
+                log.exception("Writing the model and optimizer state of %s failed", plan.target)
+                ok = False
+            self._finish(plan, state_bytes, ephemeral, ok)
+
+        if self._writer is None:
+            self._writer = DaemonThreadPool(1, "checkpoint-writer")
+        self._pending = self._writer.submit(finish)
+        return self._pending
+
+    def wait_for_pending_save(self) -> None:
+        """Block until an earlier :meth:`save_async` is done (raising its error, if any).
+
+        Saves never overlap: each one runs collectives on the checkpointer's group, and two
+        at once could interleave them differently on different ranks.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _begin(self, dir: str) -> _SavePlan:
+        target = str(dir).rstrip("/")
+        if self.dir_is_checkpoint(target) and not self.save_overwrite:
+            raise CheckpointError(
+                f"{target} already holds a checkpoint; set save_overwrite=True to replace it"
+            )
+        remote = io.is_url(target)
+        name = target.rsplit("/", 1)[-1]
+        if remote:
+            staging = self.work_dir / "checkpoint-staging" / name
+        else:
+            staging = Path(target).parent / f".{name}.tmp"
+        if get_rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)  # leftovers of an interrupted save
+            (staging / TRAIN_STATE).mkdir(parents=True, exist_ok=True)
+        self._barrier()
+        return _SavePlan(target, staging, remote)
+
+    def _finish(self, plan: _SavePlan, state_bytes: bytes, ephemeral: bool, ok: bool) -> None:
+        rank = get_rank()
+        try:
+            if ok:
+                (plan.staging / TRAIN_STATE / f"rank{rank}.pt").write_bytes(state_bytes)
+                if plan.remote:
+                    self._upload_own_files(plan)
+        except Exception:
+            log.exception("Saving this rank's part of %s failed", plan.target)
+            ok = False
+        if not self._all_agree(ok):
+            raise CheckpointError(
+                f"saving {plan.target} failed on at least one rank; it has no marker"
+            )
+        committed = True
+        if rank == 0:
+            try:
+                self._commit(plan, ephemeral)
+            except Exception:
+                log.exception("Committing %s failed", plan.target)
+                committed = False
+        if not self._all_agree(committed):
+            raise CheckpointError(f"committing {plan.target} failed; it has no marker")
+        if plan.remote and rank == 0:
+            shutil.rmtree(plan.staging, ignore_errors=True)
+        log.info("Saved checkpoint %s", plan.target)
+
+    def _upload_own_files(self, plan: _SavePlan) -> None:
+        rank = get_rank()
+        dcp_dir = plan.staging / MODEL_AND_OPTIM
+        own = sorted(dcp_dir.glob(f"__{rank}_*.distcp"))
+        if rank == 0:
+            own += [p for p in dcp_dir.iterdir() if not p.name.endswith(".distcp")]
+        own.append(plan.staging / TRAIN_STATE / f"rank{rank}.pt")
+        if self.throttle_uploads:
+            self._take_turns(lambda: self._upload(plan, own))
+        else:
+            self._upload(plan, own)
+
+    def _upload(self, plan: _SavePlan, files: list[Path]) -> None:
+        for path in files:
+            relative = path.relative_to(plan.staging)
+            io.persist(plan.staging, plan.target, relative, overwrite=True)
+
+    def _commit(self, plan: _SavePlan, ephemeral: bool) -> None:
+        marker = json.dumps(
+            {
+                "format_version": FORMAT_VERSION,
+                "step": _step_of(plan.target),
+                "ephemeral": ephemeral,
+                "world_size": get_world_size(),
+                "saved_at": time.time(),
+            }
+        )
+        if plan.remote:
+            io.write_file(plan.target, MARKER, marker, overwrite=True)
+            return
+        io.write_file(plan.staging, MARKER, marker, overwrite=True)
+        target = Path(plan.target)
+        if target.exists():
+            self.remove_checkpoint(str(target))
+        plan.staging.rename(target)
+
+    # -- loading -----------------------------------------------------------------------------
+
+    def load(
+        self,
+        dir: str,
+        train_module: TrainModule,
+        *,
+        load_trainer_state: bool | None = None,
+        load_optim_state: bool | None = None,
+    ) -> dict[str, Any] | None:
+        """Load a checkpoint into ``train_module``; return this rank's trainer state, if loaded.
+
+        ``None`` for either flag means: load it if the checkpoint has it.
+        """
+        dir = str(dir).rstrip("/")
+        if not self.dir_is_checkpoint(dir):
+            raise CheckpointError(f"{dir} is not a complete checkpoint (it has no {MARKER} marker)")
+        source = self._local_copy(dir) if io.is_url(dir) and self.pre_download else dir
+        dcp_dir = io.join_path(source, MODEL_AND_OPTIM)
+        has_optim = "optim" in checkpoint_keys(dcp_dir)
+        if load_optim_state and not has_optim:
+            raise CheckpointError(f"{dir} holds no optimizer state; set load_optim_state=False")
+        state = train_module.state_dict_to_load(
+            optim=has_optim if load_optim_state is None else load_optim_state
+        )
+        load_state_dict(dcp_dir, state, process_group=self.process_group)
+        train_module.load_state_dict(state)
+        if load_trainer_state is False:
+            return None
+        return self._load_train_state(source, required=bool(load_trainer_state))
+
+    def _load_train_state(self, dir: str, *, required: bool) -> dict[str, Any] | None:
+        for name in (f"rank{get_rank()}.pt", "rank0.pt"):
+            path = io.join_path(dir, f"{TRAIN_STATE}/{name}")
+            if io.exists(path):
+                data = io.read_bytes(path)
+                return torch.load(std_io.BytesIO(data), weights_only=True, map_location="cpu")
+        if required:
+            raise CheckpointError(f"{dir} holds no trainer state; set load_trainer_state=False")
+        return None
+
+    def _local_copy(self, dir: str) -> str:
+        local = self.work_dir / "checkpoint-download" / dir.rsplit("/", 1)[-1]
+        if get_rank() == 0:
+            shutil.rmtree(local, ignore_errors=True)
+            fs, path = fsspec.core.url_to_fs(dir)
+            io.retry_network(lambda: fs.get(path, str(local), recursive=True), f"downloading {dir}")
+        self._barrier()
+        return str(local)
+
+    # -- finding and removing ----------------------------------------------------------------
+
+    def write_file(self, dir: str, fname: str, contents: str | bytes) -> str:
+        """Write ``contents`` to ``dir/fname`` (local or remote); returns its path or URL."""
+        return io.write_file(dir, fname, contents, overwrite=self.save_overwrite)
+
+    @classmethod
+    def dir_is_checkpoint(cls, dir: str | Path) -> bool:
+        """Whether ``dir`` is a complete checkpoint (its marker exists)."""
+        return io.exists(io.join_path(dir, MARKER))
+
+    @classmethod
+    def find_checkpoints(
+        cls, dir: str | Path, ephemeral: bool | None = None
+    ) -> Iterator[tuple[int, str]]:
+        """Complete checkpoints ``(step, path)`` directly under ``dir``, by step."""
+        found = []
+        for name in io.list_dir(dir):
+            match = _STEP_DIR.match(name)
+            path = io.join_path(dir, name)
+            if match is None or not cls.dir_is_checkpoint(path):
+                continue
+            if (
+                ephemeral is not None
+                and cls.checkpoint_metadata(path).get("ephemeral") != ephemeral
+            ):
+                continue
+            found.append((int(match.group(1)), path))
+        yield from sorted(found)
+
+    @classmethod
+    def contains_checkpoint(cls, dir: str | Path) -> bool:
+        """Whether ``dir`` is a checkpoint or holds one."""
+        return cls.dir_is_checkpoint(dir) or any(True for _ in cls.find_checkpoints(dir))
+
+    @classmethod
+    def latest_checkpoint(cls, dir: str | Path) -> str:
+        """The complete checkpoint with the highest step under ``dir``.
+
+        :raises FileNotFoundError: if there is none.
+        """
+        found = list(cls.find_checkpoints(dir))
+        if not found:
+            raise FileNotFoundError(f"no complete checkpoint in {dir}")
+        return found[-1][1]
+
+    @classmethod
+    def checkpoint_metadata(cls, dir: str | Path) -> dict[str, Any]:
+        metadata = json.loads(io.read_bytes(io.join_path(dir, MARKER)))
+        assert isinstance(metadata, dict)
+        return metadata
+
+    @classmethod
+    def remove_checkpoint(cls, dir: str) -> None:
+        """Delete a checkpoint, marker first: an interrupted removal leaves no 'complete' half."""
+        io.remove(io.join_path(dir, MARKER))
+        io.remove(dir, recursive=True)
+
+    # -- collectives -------------------------------------------------------------------------
+
+    def _all_agree(self, ok: bool) -> bool:
+        if not is_distributed():
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group)
+        return bool(flag.item())
+
+    def _barrier(self) -> None:
+        if is_distributed():
+            dist.barrier(group=self.process_group)
+
+    def _take_turns(self, upload: Any) -> None:
+        error: Exception | None = None
+        for turn in range(get_world_size()):
+            if turn == get_rank():
+                try:
+                    upload()
+                except Exception as e:  # keep joining the barriers, or the others hang
+                    error = e
+            self._barrier()
+        if error is not None:
+            raise error
+
+
+def _serialize(state: dict[str, Any]) -> bytes:
+    buffer = std_io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def _step_of(path: str) -> int | None:
+    match = _STEP_DIR.match(path.rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None

@@ -12,12 +12,18 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config
-from ..distributed.utils import get_world_size, is_shared_filesystem
+from ..distributed.utils import (
+    backend_supports_cpu,
+    get_world_size,
+    is_distributed,
+    is_shared_filesystem,
+)
 from ..io import is_url, local_path
 from ..utils import get_default_device
 from .callbacks.callback import Callback
+from .callbacks.checkpointer import CheckpointerCallback
 from .callbacks.console_logger import ConsoleLoggerCallback
-from .checkpoint import CheckpointerConfig
+from .checkpoint import Checkpointer, CheckpointerConfig
 from .common import Duration, LoadStrategy, StepSkipRange
 
 if TYPE_CHECKING:
@@ -108,22 +114,29 @@ class TrainerConfig(Config):
         """
         from .trainer import Trainer
 
-        del checkpointer_pg  # checkpoint I/O is not wired into the trainer yet
         self.validate()
         self._check_save_folder()
+        work_dir = Path(self.work_dir) if self.work_dir else self._default_work_dir()
+        if checkpointer_pg is None and is_distributed():
+            # Checkpoint collectives may run in a background thread: give them their own group.
+            checkpointer_pg = dist.new_group(backend="gloo" if backend_supports_cpu() else None)
         callbacks = dict(self.callbacks)
+        # Defaults, unless the user has one of the kind (a user callback keeps its name).
+        if not any(isinstance(cb, CheckpointerCallback) for cb in callbacks.values()):
+            callbacks.setdefault("checkpointer", CheckpointerCallback())
         if not any(isinstance(cb, ConsoleLoggerCallback) for cb in callbacks.values()):
             # Metrics arrive once per collect interval: logging them as they come costs least.
-            # A user callback already named "console_logger" is kept (setdefault).
-            callbacks.setdefault(
-                "console_logger", ConsoleLoggerCallback(log_interval=self.metrics_collect_interval)
-            )
+            logger = ConsoleLoggerCallback(log_interval=self.metrics_collect_interval)
+            callbacks.setdefault("console_logger", logger)
         return Trainer(
-            work_dir=Path(self.work_dir) if self.work_dir else self._default_work_dir(),
+            work_dir=work_dir,
             train_module=train_module,
             data_loader=data_loader,
             device=torch.device(self.device) if self.device else get_default_device(),
             save_folder=self.save_folder,
+            checkpointer=self.checkpointer.build(
+                work_dir, save_overwrite=self.save_overwrite, process_group=checkpointer_pg
+            ),
             callbacks=callbacks,
             max_duration=self.max_duration,
             save_overwrite=self.save_overwrite,
@@ -143,6 +156,18 @@ class TrainerConfig(Config):
         )
 
     def _check_save_folder(self) -> None:
+        if (
+            self.load_strategy == LoadStrategy.never
+            and not self.save_overwrite
+            and not self.no_checkpoints
+            and Checkpointer.contains_checkpoint(self.save_folder)
+        ):
+            raise self._invalid(
+                "save_folder",
+                f"{self.save_folder!r} already holds checkpoints and load_strategy is 'never', so "
+                "this run would write over them. Use another save_folder, resume from them "
+                "(load_strategy='if_available'), or set save_overwrite=True.",
+            )
         if not is_url(self.save_folder) and get_world_size() > 1 and not is_shared_filesystem():
             raise self._invalid(
                 "save_folder",

@@ -13,7 +13,6 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from .. import io
 from ..data.data_loader import DataLoaderBase
 from ..distributed.failure import report_rank_failure
 from ..distributed.utils import backend_supports_cpu, get_rank, get_world_size, is_distributed
@@ -22,10 +21,12 @@ from ..utils import get_rng_state, move_to_device, set_rng_state
 from .bookkeeping import BookkeepingRunner
 from .callbacks.callback import CALLBACK_HOOKS, Callback
 from .cancellation import CancelCoordinator
+from .checkpoint import Checkpointer
 from .common import Duration, LoadStrategy, MetricMergeStrategy, ReduceType, StepSkipRange
 from .durations import Progress, duration_to_steps, duration_to_tokens
 from .metrics import MetricBuffer, StepMetrics, metric_name, reduce_collected
 from .train_module import TrainModule
+from .trainer_io import TrainerCheckpointing
 
 __all__ = ["Trainer", "TrainerStateDict"]
 
@@ -36,7 +37,7 @@ TrainerStateDict = dict[str, Any]
 
 
 @dataclass
-class Trainer:
+class Trainer(TrainerCheckpointing):
     """Language model trainer. Build it with :class:`~olmolike.train.TrainerConfig`."""
 
     work_dir: Path
@@ -46,6 +47,7 @@ class Trainer:
     device: torch.device
     save_folder: str
     """Where checkpoints and run files go: a local directory (shared by all ranks) or a URL."""
+    checkpointer: Checkpointer
     callbacks: dict[str, Callback]
     max_duration: Duration
     """How long to train. The step count must be known ahead of time (the LR schedule needs it)."""
@@ -331,29 +333,7 @@ class Trainer:
         for step in sorted(metrics):
             self._call("log_metrics", step, metrics[step])
 
-    # -- files -------------------------------------------------------------------------------
-
-    def write_file(self, name: str, contents: str | bytes, dir: str | Path | None = None) -> str:
-        """Write ``contents`` to ``name`` under ``dir`` (default: the save folder)."""
-        return io.write_file(dir or self.save_folder, name, contents, overwrite=self.save_overwrite)
-
-    def persist_working_file(self, name: str | Path) -> str:
-        """Copy ``work_dir/name`` to ``save_folder/name`` (nothing to do if they are the same)."""
-        if not (self.work_dir / name).is_file():
-            raise FileNotFoundError(f"{self.work_dir / name} is not a file")
-        return io.persist(self.work_dir, self.save_folder, name, overwrite=self.save_overwrite)
-
-    def persist_working_subdir(self, name: str | Path) -> str:
-        """Copy the directory ``work_dir/name`` to ``save_folder/name``."""
-        if not (self.work_dir / name).is_dir():
-            raise NotADirectoryError(f"{self.work_dir / name} is not a directory")
-        return io.persist(self.work_dir, self.save_folder, name, overwrite=self.save_overwrite)
-
     # -- state -------------------------------------------------------------------------------
-
-    @property
-    def checkpoint_loaded(self) -> bool:
-        return self._checkpoint_loaded
 
     def state_dict(self) -> TrainerStateDict:
         """Trainer state (not model or optimizer): counters, data position, RNG, callbacks."""
@@ -388,9 +368,10 @@ class Trainer:
     def fit(self) -> None:
         """Train until ``max_duration`` or ``hard_stop`` is reached or the run is canceled."""
         self._error = None
-        self._stop_step()  # an unknown step count is a clear error now, not mid-run
         with self._cancel.signals_cancel():
             try:
+                self._load_on_start()
+                self._stop_step()  # an unknown step count is a clear error now, not mid-run
                 self._fit()
             except BaseException as exc:
                 self._error = exc

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ...distributed.checkpoint import apply_model_and_optim_state_dict, model_and_optim_state_dict
 from ...distributed.utils import get_world_size, is_distributed
 from ...exceptions import ConfigurationError
 from ..common import MetricMergeStrategy, ReduceType
@@ -51,10 +53,26 @@ class TrainModule(ABC):
 
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
-        """Model and optimizer state."""
+        """Model and optimizer state, as ``{"model": ..., "optim": ...}``.
+
+        Keyed by parameter names and made of (possibly sharded) tensors, so that
+        ``torch.distributed.checkpoint`` can save it and reload it on any number of ranks.
+        """
 
     @abstractmethod
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Apply a state dict of the form :meth:`state_dict` returns (``optim`` may be absent)."""
+
+    def state_dict_to_save(self) -> dict[str, Any]:
+        """What checkpoints save: by default :meth:`state_dict`."""
+        return self.state_dict()
+
+    def state_dict_to_load(self, optim: bool = True) -> dict[str, Any]:
+        """The tensors a checkpoint is loaded into, in place, before :meth:`load_state_dict`."""
+        state = self.state_dict()
+        if not optim:
+            state.pop("optim", None)
+        return state
 
     @abstractmethod
     def train_batch(self, batch: dict[str, Any], dry_run: bool = False) -> None:
@@ -132,7 +150,9 @@ class BasicTrainModule(TrainModule):
         self.max_grad_norm = max_grad_norm
         self.label_ignore_index = label_ignore_index
         self._ddp: DDP | None = None
-        if is_distributed() and get_world_size(dp_process_group) > 1:
+        # A model sharded with FSDP2 (DTensor parameters) already synchronises its gradients.
+        sharded = any(isinstance(p, DTensor) for p in model.parameters())
+        if is_distributed() and get_world_size(dp_process_group) > 1 and not sharded:
             self._ddp = DDP(model, process_group=dp_process_group)
 
     @property
@@ -149,12 +169,10 @@ class BasicTrainModule(TrainModule):
             )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
+        return model_and_optim_state_dict(self.model, self.optim)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.model.load_state_dict(state_dict["model"])
-        if "optim" in state_dict:
-            self.optim.load_state_dict(state_dict["optim"])
+        apply_model_and_optim_state_dict(self.model, self.optim, state_dict)
 
     def train_batch(self, batch: dict[str, Any], dry_run: bool = False) -> None:
         if not self.model.training:  # train() walks every submodule: not on every step
@@ -207,6 +225,8 @@ class BasicTrainModule(TrainModule):
         if self.max_grad_norm is not None:
             # Returns a device tensor: recording it costs no host sync.
             grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            if isinstance(grad_norm, DTensor):
+                grad_norm = grad_norm.full_tensor()
             self.record_metric("total grad norm", grad_norm, namespace="optim")
         for i, group in enumerate(self.optim.param_groups):
             self.record_metric(f"LR (group {i})", float(group["lr"]), namespace="optim")

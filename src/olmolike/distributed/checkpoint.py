@@ -1,0 +1,184 @@
+"""Model and optimizer state through ``torch.distributed.checkpoint`` (DCP).
+
+Every rank writes its own shards; the state dicts come from ``get_model_state_dict`` /
+``get_optimizer_state_dict``, so DDP, FSDP2 (DTensor) and plain modules all save the same
+fully-qualified parameter names, and a checkpoint saved on N ranks loads on M.
+
+DCP always writes to a *local* directory here. Its metadata file is written as
+``.metadata.tmp`` and then renamed, and object stores have no rename (gcsfs falls back to a
+server-side copy that some servers refuse); the trainer's checkpointer uploads the finished
+files instead and writes its completion marker last.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from ..exceptions import CheckpointError
+from ..io import is_url
+from .utils import is_distributed
+
+__all__ = [
+    "apply_model_and_optim_state_dict",
+    "async_save_state_dict",
+    "checkpoint_keys",
+    "load_model_and_optim_state",
+    "load_state_dict",
+    "model_and_optim_state_dict",
+    "save_model_and_optim_state",
+    "save_state_dict",
+]
+
+log = logging.getLogger(__name__)
+
+# DCP warns on every single-process save and load; one process is a normal mode here.
+warnings.filterwarnings(
+    "ignore",
+    message=r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent",
+    category=UserWarning,
+)
+
+
+def model_and_optim_state_dict(
+    model: nn.Module, optim: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` keyed by parameter names, as DCP saves and loads it."""
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optim is not None:
+        state["optim"] = get_optimizer_state_dict(model, optim)
+    return state
+
+
+def _writer(dir: str | Path, thread_count: int | None) -> FileSystemWriter:
+    if is_url(dir):
+        raise CheckpointError(f"DCP writes to local directories only, got {dir}")
+    return FileSystemWriter(str(dir), thread_count=thread_count or 1, sync_files=True)
+
+
+def save_state_dict(
+    dir: str | Path,
+    state_dict: dict[str, Any],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    thread_count: int | None = None,
+) -> None:
+    """Save every rank's shards of ``state_dict`` into the local directory ``dir``."""
+    dcp.save(
+        state_dict,
+        storage_writer=_writer(dir, thread_count),
+        process_group=process_group,
+        no_dist=not is_distributed(),
+    )
+
+
+def async_save_state_dict(
+    dir: str | Path,
+    state_dict: dict[str, Any],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    thread_count: int | None = None,
+) -> Future[Any]:
+    """Copy ``state_dict`` to CPU memory now, write it to ``dir`` in a background thread.
+
+    When this returns, later optimizer steps can no longer change what is saved. The
+    ``process_group`` must support CPU tensors (gloo); use one that training does not use.
+    """
+    future = dcp.async_save(
+        state_dict,
+        storage_writer=_writer(dir, thread_count),
+        process_group=process_group,
+        no_dist=not is_distributed(),
+    )
+    assert isinstance(future, Future)
+    return future
+
+
+def load_state_dict(
+    dir: str | Path, state_dict: dict[str, Any], *, process_group: dist.ProcessGroup | None = None
+) -> None:
+    """Load saved values into the tensors of ``state_dict`` in place (any sharding, any ranks)."""
+    dcp.load(
+        state_dict,
+        storage_reader=_reader(dir),
+        process_group=process_group,
+        no_dist=not is_distributed(),
+    )
+
+
+def checkpoint_keys(dir: str | Path) -> set[str]:
+    """Top-level names saved in a DCP checkpoint (e.g. ``{"model", "optim"}``)."""
+    metadata = _reader(dir).read_metadata()
+    return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+
+
+def _reader(dir: str | Path) -> FileSystemReader:
+    if is_url(dir):
+        # Reading needs no rename, so DCP's fsspec reader works on object stores as they are.
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(str(dir))
+    return FileSystemReader(str(dir))
+
+
+def save_model_and_optim_state(
+    dir: str | Path,
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    thread_count: int | None = None,
+) -> None:
+    """Save model (and optimizer) shards of every rank into the local directory ``dir``."""
+    save_state_dict(
+        dir,
+        model_and_optim_state_dict(model, optim),
+        process_group=process_group,
+        thread_count=thread_count,
+    )
+
+
+def load_model_and_optim_state(
+    dir: str | Path,
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Load model (and, if ``optim`` is given, optimizer) state saved with the functions here.
+
+    Works across a change of the number of ranks and of sharding (DDP, FSDP2, one process).
+    """
+    if optim is not None and "optim" not in checkpoint_keys(dir):
+        raise CheckpointError(
+            f"{dir} holds no optimizer state; load with load_optim_state=False to load only "
+            "the model weights"
+        )
+    state = model_and_optim_state_dict(model, optim)
+    load_state_dict(dir, state, process_group=process_group)
+    apply_model_and_optim_state_dict(model, optim, state)
+
+
+def apply_model_and_optim_state_dict(
+    model: nn.Module, optim: torch.optim.Optimizer | None, state: dict[str, Any]
+) -> None:
+    """Set what :func:`model_and_optim_state_dict` returned (after loading into it)."""
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+    if optim is not None and "optim" in state:
+        set_optimizer_state_dict(model, optim, state["optim"])

@@ -1,0 +1,151 @@
+"""The trainer's checkpoint and file methods, apart from the loop (``Trainer`` inherits them)."""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .. import io
+from ..distributed.utils import broadcast_object, get_rank
+from ..exceptions import CheckpointError
+from .checkpoint import Checkpointer
+from .common import LoadStrategy
+
+if TYPE_CHECKING:
+    from .train_module import TrainModule
+
+__all__ = ["TrainerCheckpointing"]
+
+log = logging.getLogger(__name__)
+
+
+class TrainerCheckpointing(ABC):
+    """Saving, loading and persisting files, for :class:`~olmolike.train.Trainer`."""
+
+    train_module: TrainModule
+    save_folder: str
+    work_dir: Path
+    checkpointer: Checkpointer
+    save_overwrite: bool
+    load_path: str | None
+    load_strategy: LoadStrategy
+    load_trainer_state: bool | None
+    load_optim_state: bool | None
+    global_step: int
+    _checkpoint_loaded: bool
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Trainer state (counters, data position, RNG, callbacks)."""
+
+    @abstractmethod
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+    @property
+    def checkpoint_loaded(self) -> bool:
+        """Whether a checkpoint has been loaded."""
+        return self._checkpoint_loaded
+
+    def _step_dir(self) -> str:
+        return io.join_path(self.save_folder, f"step{self.global_step}")
+
+    def save_checkpoint(self, ephemeral: bool = False) -> str:
+        """Save a checkpoint of the current step to the save folder; returns its path."""
+        path = self._step_dir()
+        self.checkpointer.save(path, self.train_module, self.state_dict(), ephemeral=ephemeral)
+        return path
+
+    def save_checkpoint_async(self, ephemeral: bool = False) -> tuple[str, Future[None]]:
+        """Start saving a checkpoint of the current step; the future completes when it is whole."""
+        path = self._step_dir()
+        future = self.checkpointer.save_async(
+            path, self.train_module, self.state_dict(), ephemeral=ephemeral
+        )
+        return path, future
+
+    def load_checkpoint(
+        self,
+        dir: str | Path,
+        *,
+        load_trainer_state: bool | None = None,
+        load_optim_state: bool | None = None,
+    ) -> None:
+        """Load a checkpoint, or the latest one in a folder of checkpoints."""
+        path = str(dir)
+        if not Checkpointer.dir_is_checkpoint(path):
+            path = Checkpointer.latest_checkpoint(path)
+        log.info("Loading checkpoint %s", path)
+        trainer_state = self.checkpointer.load(
+            path,
+            self.train_module,
+            load_trainer_state=self.load_trainer_state
+            if load_trainer_state is None
+            else load_trainer_state,
+            load_optim_state=self.load_optim_state
+            if load_optim_state is None
+            else load_optim_state,
+        )
+        if trainer_state is not None:
+            self.load_state_dict(trainer_state)
+        self._checkpoint_loaded = True
+        log.info("Loaded checkpoint %s (resuming at step %d)", path, self.global_step)
+
+    def maybe_load_checkpoint(
+        self,
+        dir: str | Path | None = None,
+        *,
+        load_trainer_state: bool | None = None,
+        load_optim_state: bool | None = None,
+    ) -> bool:
+        """Like :meth:`load_checkpoint`, but does nothing if ``dir`` (default: the save folder)
+        holds no checkpoint. Returns whether one was loaded."""
+        dir = self.save_folder if dir is None else dir
+        if not Checkpointer.contains_checkpoint(dir):
+            return False
+        self.load_checkpoint(
+            dir, load_trainer_state=load_trainer_state, load_optim_state=load_optim_state
+        )
+        return True
+
+    def _load_on_start(self) -> None:
+        """What ``fit()`` loads: the save folder's latest checkpoint, else ``load_path``."""
+        if self.load_strategy == LoadStrategy.never:
+            return
+        # Rank 0 looks, everyone loads the same path: listings can differ between nodes.
+        path = broadcast_object(self._find_checkpoint_to_load() if get_rank() == 0 else None)
+        if path is not None:
+            self.load_checkpoint(path)
+        elif self.load_strategy == LoadStrategy.always:
+            raise CheckpointError(
+                f"load_strategy is 'always' but there is no checkpoint in the save folder "
+                f"({self.save_folder}) or at load_path ({self.load_path})"
+            )
+
+    def _find_checkpoint_to_load(self) -> str | None:
+        for candidate in (self.save_folder, self.load_path):
+            if candidate is None:
+                continue
+            if Checkpointer.dir_is_checkpoint(candidate):
+                return str(candidate)
+            if Checkpointer.contains_checkpoint(candidate):
+                return Checkpointer.latest_checkpoint(candidate)
+        return None
+
+    def write_file(self, name: str, contents: str | bytes, dir: str | Path | None = None) -> str:
+        """Write ``contents`` to ``name`` under ``dir`` (default: the save folder)."""
+        return io.write_file(dir or self.save_folder, name, contents, overwrite=self.save_overwrite)
+
+    def persist_working_file(self, name: str | Path) -> str:
+        """Copy ``work_dir/name`` to ``save_folder/name`` (nothing to do if they are the same)."""
+        if not (self.work_dir / name).is_file():
+            raise FileNotFoundError(f"{self.work_dir / name} is not a file")
+        return io.persist(self.work_dir, self.save_folder, name, overwrite=self.save_overwrite)
+
+    def persist_working_subdir(self, name: str | Path) -> str:
+        """Copy the directory ``work_dir/name`` to ``save_folder/name``."""
+        if not (self.work_dir / name).is_dir():
+            raise NotADirectoryError(f"{self.work_dir / name} is not a directory")
+        return io.persist(self.work_dir, self.save_folder, name, overwrite=self.save_overwrite)
