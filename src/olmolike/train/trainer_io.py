@@ -76,6 +76,10 @@ class TrainerCheckpointing(ABC):
         """Load a checkpoint, or the latest one in a folder of checkpoints."""
         path = str(dir)
         if not Checkpointer.dir_is_checkpoint(path):
+            if not Checkpointer.contains_checkpoint(path):
+                raise CheckpointError(
+                    f"{path} is not a complete checkpoint (it has no marker) and holds none"
+                )
             path = Checkpointer.latest_checkpoint(path)
         log.info("Loading checkpoint %s", path)
         trainer_state = self.checkpointer.load(

@@ -83,6 +83,8 @@ class CheckpointerCallback(Callback, name="checkpointer"):
             return
         self._collect_finished(wait=False)
         step = self.trainer.global_step
+        if self.trainer.training_complete:
+            return  # post_train saves the final checkpoint, and as a permanent one
         if step % self.save_interval == 0:
             self._save(ephemeral=False)
         elif self.ephemeral_save_interval and step % self.ephemeral_save_interval == 0:

@@ -169,7 +169,12 @@ class BasicTrainModule(TrainModule):
             )
 
     def state_dict(self) -> dict[str, Any]:
-        return model_and_optim_state_dict(self.model, self.optim)
+        # An optimizer that has not stepped has no state to save; asking for its state dict
+        # would create some (a zero-lr step), which changes Adam's step count for the run.
+        return model_and_optim_state_dict(self.model, self.optim if self.optim.state else None)
+
+    def state_dict_to_load(self, optim: bool = True) -> dict[str, Any]:
+        return model_and_optim_state_dict(self.model, self.optim if optim else None)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         apply_model_and_optim_state_dict(self.model, self.optim, state_dict)
