@@ -78,7 +78,7 @@ def test_incomplete_checkpoints_are_invisible(tmp_path: Path) -> None:
     assert [s for s, _ in Checkpointer.find_checkpoints(tmp_path)] == [0, 1]
     assert not Checkpointer.dir_is_checkpoint(tmp_path / "step2")
     assert Checkpointer.latest_checkpoint(tmp_path).endswith("step1")
-    with pytest.raises(CheckpointError, match="not a complete checkpoint .* holds none"):
+    with pytest.raises(CheckpointError, match=r"not a complete checkpoint .* holds none"):
         build_trainer(tmp_path / "other", max_duration=Duration.steps(1)).load_checkpoint(
             tmp_path / "step2"
         )
@@ -166,7 +166,7 @@ def test_restarting_a_finished_run_saves_nothing_new(tmp_path: Path) -> None:
 
 def test_async_save_completes_and_is_loadable(tmp_path: Path) -> None:
     reference, _ = train(tmp_path / "sync", max_duration=Duration.steps(4))
-    trainer, _ = train(
+    train(
         tmp_path / "async",
         max_duration=Duration.steps(4),
         **checkpointer_cb(save_async=True, save_interval=2),
