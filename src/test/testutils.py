@@ -142,12 +142,26 @@ def build_trainer(
     instances_per_batch: int = 8,
     micro_batch_instances: int | None = None,
     seed: int = 0,
+    fsdp: bool = False,
     overrides: tuple[str, ...] = (),
     **config: Any,
 ) -> Trainer:
-    """A small model, optimizer, loader and trainer over synthetic tokens."""
+    """A small model, optimizer, loader and trainer over synthetic tokens.
+
+    ``fsdp`` shards the model with FSDP2 over all ranks (else several ranks use DDP).
+    """
     torch.manual_seed(seed)
-    model = TinyCausalLM(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=2, max_seq_len=SEQ_LEN)
+    model = TinyCausalLM(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, max_seq_len=SEQ_LEN)
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from olmolike.distributed.utils import get_world_size as world
+
+        mesh = init_device_mesh("cpu", (world(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     from olmolike.distributed.utils import get_world_size
 
@@ -166,3 +180,14 @@ def build_trainer(
     )
     trainer_config = TrainerConfig(save_folder=str(save_folder), **config).merge(list(overrides))
     return trainer_config.build(train_module, loader)
+
+
+def full_params(trainer: Trainer) -> list[torch.Tensor]:
+    """The model's parameters as plain, whole tensors (gathered if sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    model = trainer.train_module.model  # type: ignore[attr-defined]
+    return [
+        (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for p in model.parameters()
+    ]
