@@ -38,6 +38,7 @@ import torch.distributed as dist
 from .. import io
 from ..config import Config
 from ..distributed.checkpoint import (
+    ReusedBufferStager,
     async_save_state_dict,
     checkpoint_keys,
     load_state_dict,
@@ -131,6 +132,7 @@ class Checkpointer:
         self.throttle_uploads = throttle_uploads
         self._writer: DaemonThreadPool | None = None
         self._pending: Future[None] | None = None
+        self._stager = ReusedBufferStager()
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -177,6 +179,7 @@ class Checkpointer:
             train_module.state_dict_to_save(),
             process_group=self.process_group,
             thread_count=self.save_thread_count,
+            stager=self._stager,
         )
 
         def finish() -> None:
