@@ -131,7 +131,7 @@ class Checkpointer:
         self.load_thread_count = load_thread_count
         self.throttle_uploads = throttle_uploads
         self._writer: DaemonThreadPool | None = None
-        self._pending: Future[None] | None = None
+        self._pending: Future[Any] | None = None
         self._stager = ReusedBufferStager()
 
     # -- saving ------------------------------------------------------------------------------
@@ -191,10 +191,24 @@ class Checkpointer:
                 ok = False
             self._finish(plan, state_bytes, ephemeral, ok)
 
+        self._pending = self._writer_thread().submit(finish)
+        return self._pending
+
+    def prepare_async_staging(self, train_module: TrainModule) -> None:
+        """Allocate the CPU buffers of async saves now, in the background.
+
+        Otherwise the first async save allocates them while training waits. Call it once the
+        optimizer has state (after the first step), so the buffers have their final shape.
+        """
+        self.wait_for_pending_save()
+        self._pending = self._writer_thread().submit(
+            self._stager.stage, train_module.state_dict_to_save()
+        )
+
+    def _writer_thread(self) -> DaemonThreadPool:
         if self._writer is None:
             self._writer = DaemonThreadPool(1, "checkpoint-writer")
-        self._pending = self._writer.submit(finish)
-        return self._pending
+        return self._writer
 
     def wait_for_pending_save(self) -> None:
         """Block until an earlier :meth:`save_async` is done (raising its error, if any).

@@ -43,6 +43,7 @@ class CheckpointerCallback(Callback, name="checkpointer"):
     )
     _last_saved_step: int | None = field(default=None, init=False, repr=False)
     _failed: bool = field(default=False, init=False, repr=False)
+    _staging_prepared: bool = field(default=False, init=False, repr=False)
 
     priority = 1
 
@@ -83,6 +84,9 @@ class CheckpointerCallback(Callback, name="checkpointer"):
             return
         self._collect_finished(wait=False)
         step = self.trainer.global_step
+        if self.save_async and not self._staging_prepared:
+            self.trainer.checkpointer.prepare_async_staging(self.trainer.train_module)
+            self._staging_prepared = True
         if self.trainer.training_complete:
             return  # post_train saves the final checkpoint, and as a permanent one
         if step % self.save_interval == 0:
