@@ -29,6 +29,7 @@ __all__ = [
     "persist",
     "read_bytes",
     "remove",
+    "resolve_download_url",
     "retry_network",
     "write_file",
 ]
@@ -226,3 +227,21 @@ def remove(path: PathOrStr, *, recursive: bool = False) -> None:
             fs.rm(fs_path, recursive=recursive)
 
     retry_network(delete, f"deleting {path}")
+
+
+def resolve_download_url(path: PathOrStr, cache_dir: PathOrStr) -> str:
+    """An http(s) URL as a local path: downloaded (archives extracted) once, then cached.
+
+    HTTP cannot list a directory, so a checkpoint served over HTTP comes as an archive
+    (``.tar.gz``, ``.zip``). Other paths and URLs are returned unchanged.
+    """
+    text = str(path)
+    if not text.startswith(("http://", "https://")):
+        return text
+    from cached_path import cached_path
+
+    local = retry_network(
+        lambda: cached_path(text, cache_dir=str(cache_dir), extract_archive=True, quiet=True),
+        f"downloading {text}",
+    )
+    return str(local)

@@ -251,3 +251,31 @@ def test_a_pre_train_checkpoint_does_not_change_training(tmp_path: Path) -> None
     )
     assert Checkpointer.dir_is_checkpoint(tmp_path / "a" / "step0")
     assert with_it == without
+
+
+@pytest.mark.timeout(120)
+def test_load_path_over_http_as_an_archive(tmp_path: Path) -> None:
+    import functools
+    import http.server
+    import shutil
+    import threading
+
+    source, _ = train(tmp_path / "run", max_duration=Duration.steps(3))
+    served = tmp_path / "served"
+    served.mkdir()
+    shutil.make_archive(str(served / "step3"), "gztar", root_dir=tmp_path / "run", base_dir="step3")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/step3.tar.gz"
+        trainer = build_trainer(
+            tmp_path / "new", num_instances=48, max_duration=Duration.steps(3), load_path=url
+        )
+        trainer._load_on_start()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert trainer.checkpoint_loaded and trainer.global_step == 3
+    assert all(torch.equal(a, b) for a, b in zip(params(trainer), params(source)))

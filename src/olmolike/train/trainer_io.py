@@ -129,7 +129,10 @@ class TrainerCheckpointing(ABC):
             )
 
     def _find_checkpoint_to_load(self) -> str | None:
-        for candidate in (self.save_folder, self.load_path):
+        load_path = self.load_path
+        if load_path is not None:
+            load_path = io.resolve_download_url(load_path, self.work_dir / "downloads")
+        for candidate in (self.save_folder, load_path):
             if candidate is None:
                 continue
             if Checkpointer.dir_is_checkpoint(candidate):
