@@ -50,6 +50,34 @@ _PERMANENT = (
 )
 
 
+def _transient_error_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = [OSError, ConnectionError, TimeoutError]
+    try:  # s3fs's client raises its own connection errors, which are not OSErrors
+        import botocore.exceptions as botocore_errors
+
+        types += [botocore_errors.ConnectionError, botocore_errors.HTTPClientError]
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+_TRANSIENT = _transient_error_types()
+
+
+def _is_transient(error: BaseException) -> bool:
+    if isinstance(error, _PERMANENT):
+        return False
+    if isinstance(error, _TRANSIENT):
+        return True
+    # gcsfs raises HttpError (a plain Exception) once its own retries are spent.
+    code = getattr(error, "code", None)
+    return (
+        type(error).__name__ == "HttpError"
+        and isinstance(code, int)
+        and (code == 429 or code >= 500)
+    )
+
+
 def is_url(path: PathOrStr) -> bool:
     text = str(path)
     return "://" in text and not text.startswith("file://")
@@ -74,9 +102,9 @@ def retry_network(
     for attempt in range(1, attempts + 1):
         try:
             return fn()
-        except _PERMANENT:
-            raise
-        except (OSError, ConnectionError, TimeoutError) as e:
+        except Exception as e:
+            if not _is_transient(e):
+                raise
             if attempt == attempts:
                 raise NetworkError(f"{what} failed after {attempts} attempts: {e}") from e
             log.warning(

@@ -240,18 +240,19 @@ class Checkpointer:
 
     def _finish(self, plan: _SavePlan, state_bytes: bytes, ephemeral: bool, ok: bool) -> None:
         rank = get_rank()
+        cause: Exception | None = None
         try:
             if ok:
                 (plan.staging / TRAIN_STATE / f"rank{rank}.pt").write_bytes(state_bytes)
                 if plan.remote:
                     self._upload_own_files(plan)
-        except Exception:
+        except Exception as e:
             log.exception("Saving this rank's part of %s failed", plan.target)
-            ok = False
+            ok, cause = False, e
         if not self._all_agree(ok):
             raise CheckpointError(
                 f"saving {plan.target} failed on at least one rank; it has no marker"
-            )
+            ) from cause
         committed = True
         if rank == 0:
             try:
