@@ -10,7 +10,8 @@ from collections.abc import Sequence
 import torch
 
 from . import __version__
-from .exceptions import ConfigurationError
+from .distributed.unshard import UnshardStrategy, UnshardStrategyType, unshard_checkpoint
+from .exceptions import ConfigurationError, OLMoLikeError
 from .train import TrainerConfig
 
 __all__ = ["main"]
@@ -42,6 +43,59 @@ def _check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _unshard(args: argparse.Namespace) -> int:
+    try:
+        strategy = UnshardStrategy(
+            type=UnshardStrategyType(args.strategy), chunk_size_in_bytes=args.chunk_size
+        )
+        model_path, optim_path = unshard_checkpoint(
+            args.checkpoint,
+            args.output,
+            optim=args.optim,
+            save_overwrite=args.overwrite,
+            use_safetensors=args.safetensors,
+            unshard_strategy=strategy,
+            progress=True,
+        )
+    except (OLMoLikeError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(model_path)
+    if optim_path is not None:
+        print(optim_path)
+    return 0
+
+
+def _add_unshard_command(commands: argparse._SubParsersAction) -> None:
+    unshard = commands.add_parser(
+        "unshard",
+        help="write the model (and optimizer) state of a checkpoint as plain torch or "
+        "safetensors files, which load without torch.distributed",
+    )
+    unshard.add_argument("checkpoint", help="a train checkpoint folder (stepN) or a DCP directory")
+    unshard.add_argument("output", help="the directory to write the files into")
+    unshard.add_argument(
+        "--safetensors", action="store_true", help="write the model weights as safetensors"
+    )
+    unshard.add_argument(
+        "--optim", action="store_true", help="also write the optimizer state (optim.pt)"
+    )
+    unshard.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    unshard.add_argument(
+        "--strategy",
+        choices=[s.value for s in UnshardStrategyType],
+        default=UnshardStrategyType.one_file.value,
+        help="one model file, one file per tensor, or chunks of whole tensors (default: %(default)s)",
+    )
+    unshard.add_argument(
+        "--chunk-size",
+        type=int,
+        metavar="BYTES",
+        help="with --strategy chunks: the most tensor bytes per file",
+    )
+    unshard.set_defaults(run=_unshard)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="olmolike", description=__doc__)
     parser.add_argument("--version", action="version", version=f"olmolike {__version__}")
@@ -55,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("path")
     check.add_argument("overrides", nargs=argparse.REMAINDER, help="--dotted.key=value ...")
     check.set_defaults(run=_check_config)
+    _add_unshard_command(commands)
     return parser
 
 

@@ -232,3 +232,17 @@ def apply_model_and_optim_state_dict(
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
     if optim is not None and "optim" in state:
         set_optimizer_state_dict(model, optim, state["optim"])
+
+
+_UNSHARD_NAMES = ("UnshardStrategy", "UnshardStrategyType", "unshard_checkpoint")
+
+
+def __getattr__(name: str) -> Any:
+    # Offline unsharding lives in .unshard, which needs the train checkpoint layout; importing
+    # it lazily keeps ``from olmolike.distributed.checkpoint import unshard_checkpoint`` working
+    # without an import cycle.
+    if name in _UNSHARD_NAMES:
+        from . import unshard
+
+        return getattr(unshard, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
