@@ -35,6 +35,7 @@ test: lint typecheck pytest
 
 bench: install
 	$(PY) src/benchmarks/trainer_overhead.py
+	$(PY) src/benchmarks/checkpoint_stall.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
