@@ -22,7 +22,7 @@ import json
 import logging
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -169,20 +169,28 @@ class Config:
 
     @classmethod
     def from_yaml(cls: type[C], path: str | Path, overrides: Sequence[str] = ()) -> C:
-        with fsspec.open(str(path), "r", encoding="utf-8") as f:
-            try:
-                data = yaml.safe_load(f)
-            except yaml.YAMLError as e:
-                raise ConfigurationError(f"{path} is not valid YAML: {e}") from None
-        return cls._from_file_data(data, path).merge(overrides)
+        """Load a YAML file (local or any fsspec URL), then apply dotted ``overrides``."""
+        return cls._from_file(path, overrides, yaml.safe_load, yaml.YAMLError, "YAML")
 
     @classmethod
     def from_json(cls: type[C], path: str | Path, overrides: Sequence[str] = ()) -> C:
+        """Load a JSON file (local or any fsspec URL), then apply dotted ``overrides``."""
+        return cls._from_file(path, overrides, json.load, json.JSONDecodeError, "JSON")
+
+    @classmethod
+    def _from_file(
+        cls: type[C],
+        path: str | Path,
+        overrides: Sequence[str],
+        parse: Callable[[Any], Any],
+        parse_error: type[Exception],
+        kind: str,
+    ) -> C:
         with fsspec.open(str(path), "r", encoding="utf-8") as f:
             try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigurationError(f"{path} is not valid JSON: {e}") from None
+                data = parse(f)
+            except parse_error as e:
+                raise ConfigurationError(f"{path} is not valid {kind}: {e}") from None
         return cls._from_file_data(data, path).merge(overrides)
 
     @classmethod

@@ -124,39 +124,13 @@ def write_file(
     """
     target = join_path(dir, name)
     data = contents.encode() if isinstance(contents, str) else contents
-    if not is_url(target):
-        _write_local_atomically(Path(target), data, overwrite)
-        return target
-    fs, fs_path = fsspec.core.url_to_fs(target)
-
-    def upload() -> None:
-        if not overwrite and fs.exists(fs_path):
-            raise FileExistsError(
-                f"{target} exists; pass overwrite=True (save_overwrite) to replace it"
-            )
-        with fs.open(fs_path, "wb") as f:
-            f.write(data)
-
-    retry_network(upload, f"writing {target}")
-    return target
-
-
-def _write_local_atomically(target: Path, data: bytes, overwrite: bool) -> None:
-    if target.exists() and not overwrite:
-        raise FileExistsError(
-            f"{target} exists; pass overwrite=True (save_overwrite) to replace it"
+    if is_url(target):
+        _put_remote(
+            target, overwrite, f"writing {target}", lambda fs, path: fs.pipe_file(path, data)
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    else:
+        _replace_atomically(Path(target), overwrite, lambda tmp: _write_synced(tmp, data))
+    return target
 
 
 def persist(
@@ -175,37 +149,51 @@ def persist(
                 persist(
                     src_dir, dst_dir, child.relative_to(local_path(src_dir)), overwrite=overwrite
                 )
-        return target
-    if not is_url(target):
-        _copy_local_atomically(source, Path(target), overwrite)
-        return target
-    fs, fs_path = fsspec.core.url_to_fs(target)
-
-    def upload() -> None:
-        if not overwrite and fs.exists(fs_path):
-            raise FileExistsError(
-                f"{target} exists; pass overwrite=True (save_overwrite) to replace it"
-            )
-        fs.put_file(str(source), fs_path)
-
-    retry_network(upload, f"uploading {source} to {target}")
+    elif is_url(target):
+        what = f"uploading {source} to {target}"
+        _put_remote(target, overwrite, what, lambda fs, path: fs.put_file(str(source), path))
+    else:
+        _replace_atomically(Path(target), overwrite, lambda tmp: shutil.copyfile(source, tmp))
     return target
 
 
-def _copy_local_atomically(source: Path, target: Path, overwrite: bool) -> None:
+def _exists_error(target: PathOrStr) -> FileExistsError:
+    return FileExistsError(f"{target} exists; pass overwrite=True (save_overwrite) to replace it")
+
+
+def _replace_atomically(target: Path, overwrite: bool, fill: Callable[[Path], object]) -> None:
+    """Fill a temporary file beside ``target``, then rename it into place: never a half file."""
     if target.exists() and not overwrite:
-        raise FileExistsError(
-            f"{target} exists; pass overwrite=True (save_overwrite) to replace it"
-        )
+        raise _exists_error(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        shutil.copyfile(source, tmp)
+        fill(Path(tmp))
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _put_remote(
+    target: str, overwrite: bool, what: str, put: Callable[[fsspec.AbstractFileSystem, str], object]
+) -> None:
+    fs, fs_path = fsspec.core.url_to_fs(target)
+
+    def attempt() -> None:
+        if not overwrite and fs.exists(fs_path):
+            raise _exists_error(target)
+        put(fs, fs_path)
+
+    retry_network(attempt, what)
 
 
 def exists(path: PathOrStr) -> bool:
