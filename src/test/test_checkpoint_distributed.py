@@ -102,3 +102,40 @@ def test_two_ranks_to_one_and_back(tmp_path: Path) -> None:
     for rank in back:
         assert rank["loaded"] and rank["step"] == 8 and not rank["losses"]
         assert all(torch.equal(a, b) for a, b in zip(rank["params"], full_params(one)))
+
+
+@dataclass
+class KillAfter(Callback):
+    """SIGKILLs this rank at the end of a step: no graceful stop, no final checkpoint."""
+
+    step_to_die: int = 0
+
+    def post_step(self) -> None:
+        if self.trainer.global_step == self.step_to_die:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def killed_run(save: str) -> None:
+    trainer = build_trainer(save, num_instances=48, fsdp=True, max_duration=Duration.steps(STEPS))
+    trainer.add_callback("die", KillAfter(step_to_die=6))
+    trainer.callbacks["checkpointer"].save_interval = 4  # type: ignore[attr-defined]
+    trainer.fit()
+
+
+def test_sigkill_after_a_checkpoint_then_resume_with_fsdp2(tmp_path: Path) -> None:
+    from testutils import run_distributed
+
+    full = run_distributed_test(run, args=(str(tmp_path / "full"), True))
+    outcomes = run_distributed(killed_run, args=(str(tmp_path / "split"),))
+    assert [o.exitcode for o in outcomes] == [-9, -9]
+    assert Checkpointer.latest_checkpoint(tmp_path / "split").endswith("step4")
+    resumed = run_distributed_test(run, args=(str(tmp_path / "split"), True))
+    for rank in (0, 1):
+        assert sorted(resumed[rank]["losses"]) == list(range(5, STEPS + 1))
+        assert all(
+            resumed[rank]["losses"][s] == full[rank]["losses"][s] for s in range(5, STEPS + 1)
+        )
+        assert all(torch.equal(a, b) for a, b in zip(resumed[rank]["params"], full[rank]["params"]))

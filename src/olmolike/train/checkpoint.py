@@ -348,7 +348,11 @@ class Checkpointer:
         if get_rank() == 0:
             shutil.rmtree(local, ignore_errors=True)
             fs, path = fsspec.core.url_to_fs(dir)
-            io.retry_network(lambda: fs.get(path, str(local), recursive=True), f"downloading {dir}")
+            # load_thread_count bounds the concurrent downloads of async stores (gcsfs, s3fs).
+            batch = {"batch_size": self.load_thread_count} if self.load_thread_count else {}
+            io.retry_network(
+                lambda: fs.get(path, str(local), recursive=True, **batch), f"downloading {dir}"
+            )
         self._barrier()
         return str(local)
 
