@@ -14,6 +14,7 @@ alive at exit (``concurrent.futures.ThreadPoolExecutor`` joins its threads at ex
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -139,12 +140,12 @@ class BookkeepingRunner:
             future: Future[T] = Future()
             future.set_running_or_notify_cancel()
             try:
-                future.set_result(_timed(op, name, timeout, args, kwargs))
+                future.set_result(_slow_op_watch.run(op, name, timeout, args, kwargs))
             except Exception as e:
                 future.set_exception(e)
         else:
             pool = self.single_thread_pool if distributed else self.multi_thread_pool
-            future = pool.submit(_timed, op, name, timeout, args, kwargs)
+            future = pool.submit(_slow_op_watch.run, op, name, timeout, args, kwargs)
         with self._lock:
             self._pending.append(_PendingOp(name, future, cb))
         return future
@@ -204,27 +205,56 @@ class BookkeepingRunner:
             pending.callback(pending.future.result())
 
 
-def _timed(
-    op: Callable[..., T],
-    name: str,
-    soft_timeout: float,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> T:
-    start = time.monotonic()
-    timer = threading.Timer(
-        soft_timeout,
-        lambda: log.warning(
-            "Bookkeeping op %r has been running for more than %.0fs (bookkeeping_soft_timeout); "
-            "a rank may be stalled or a collective unmatched.",
-            name,
-            soft_timeout,
-        ),
-    )
-    timer.daemon = True
-    timer.start()
-    try:
-        return op(*args, **kwargs)
-    finally:
-        timer.cancel()
-        log.debug("Bookkeeping op %r took %.3fs", name, time.monotonic() - start)
+class _SlowOpWatch:
+    """Warns about ops running past their soft timeout, from one long-lived daemon thread.
+
+    A ``threading.Timer`` per op would start a thread every collect interval (~150 us each).
+    """
+
+    def __init__(self, poll_interval: float = 0.5) -> None:
+        self._running: dict[int, tuple[str, float, float]] = {}
+        self._lock = threading.Lock()
+        self._tokens = itertools.count()
+        self._poll_interval = poll_interval
+        self._thread: threading.Thread | None = None
+
+    def run(
+        self,
+        op: Callable[..., T],
+        name: str,
+        soft_timeout: float,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> T:
+        with self._lock:
+            token = next(self._tokens)
+            self._running[token] = (name, time.monotonic() + soft_timeout, soft_timeout)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._watch, name="bookkeeping-watch", daemon=True
+                )
+                self._thread.start()
+        try:
+            return op(*args, **kwargs)
+        finally:
+            with self._lock:
+                self._running.pop(token, None)
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self._poll_interval)
+            now = time.monotonic()
+            with self._lock:
+                overdue = [(t, entry) for t, entry in self._running.items() if entry[1] <= now]
+                for token, (name, _, timeout) in overdue:
+                    self._running[token] = (name, float("inf"), timeout)  # warn once per op
+            for _, (name, _, timeout) in overdue:
+                log.warning(
+                    "Bookkeeping op %r has been running for more than %.0fs "
+                    "(bookkeeping_soft_timeout); a rank may be stalled or a collective unmatched.",
+                    name,
+                    timeout,
+                )
+
+
+_slow_op_watch = _SlowOpWatch()

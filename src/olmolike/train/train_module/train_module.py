@@ -149,6 +149,7 @@ class BasicTrainModule(TrainModule):
         self.rank_microbatch_size = rank_microbatch_size
         self.max_grad_norm = max_grad_norm
         self.label_ignore_index = label_ignore_index
+        self._params = list(model.parameters())  # not a fresh generator every step
         self._ddp: DDP | None = None
         # A model sharded with FSDP2 (DTensor parameters) already synchronises its gradients.
         sharded = any(isinstance(p, DTensor) for p in model.parameters())
@@ -229,7 +230,7 @@ class BasicTrainModule(TrainModule):
     def optim_step(self) -> None:
         if self.max_grad_norm is not None:
             # Returns a device tensor: recording it costs no host sync.
-            grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            grad_norm = nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
             if isinstance(grad_norm, DTensor):
                 grad_norm = grad_norm.full_tensor()
             self.record_metric("total grad norm", grad_norm, namespace="optim")
