@@ -7,6 +7,7 @@ never interrupted.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -32,12 +33,12 @@ KILL_POINTS = {
 }
 
 SCRIPT = """
-import os, signal, sys
+import json, os, signal, sys
 sys.path.insert(0, {test_dir!r})
 import torch
 from testutils import build_trainer
 from olmolike import io
-from olmolike.train import Duration, prepare_training_environment
+from olmolike.train import Callback, Duration, prepare_training_environment
 from olmolike.train import checkpoint as ckpt
 from olmolike.train.callbacks import CheckpointerCallback
 
@@ -79,12 +80,23 @@ def write_then_die(dir, name, contents, **kwargs):
 io.write_file = write_then_die
 wrap(ckpt.Checkpointer, "_finish", "committed")
 
+class Losses(Callback):
+    def log_metrics(self, step, metrics):
+        LOSSES[step] = metrics["train/CE loss"]
+
+LOSSES = {{}}
+
 if __name__ == "__main__":
     prepare_training_environment(seed=0)
-    callbacks = {{"checkpointer": CheckpointerCallback(save_interval=2, save_async=mode == "async")}}
+    callbacks = {{
+        "checkpointer": CheckpointerCallback(save_interval=2, save_async=mode == "async"),
+        "losses": Losses(),
+    }}
     trainer = build_trainer(save, num_instances=48, max_duration=Duration.steps({steps}), callbacks=callbacks)
     trainer.fit()
     torch.save([p.detach() for p in trainer.train_module.model.parameters()], out)
+    with open(out + ".losses.json", "w") as f:
+        json.dump(LOSSES, f)
 """
 
 
@@ -111,17 +123,27 @@ def script(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def losses(out: Path) -> dict[int, float]:
+    return {int(k): v for k, v in json.loads(Path(f"{out}.losses.json").read_text()).items()}
+
+
 @pytest.fixture(scope="module")
-def reference(script: Path, tmp_path_factory: pytest.TempPathFactory) -> list[torch.Tensor]:
+def reference(
+    script: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[list[torch.Tensor], dict[int, float]]:
     folder = tmp_path_factory.mktemp("reference")
     assert launch(script, "none", "sync", folder / "run", folder / "params.pt") == 0
-    return torch.load(folder / "params.pt", weights_only=True)
+    return torch.load(folder / "params.pt", weights_only=True), losses(folder / "params.pt")
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("kill_point", list(KILL_POINTS))
 def test_killed_during_a_save_resumes_from_the_latest_complete_checkpoint(
-    script: Path, reference: list[torch.Tensor], tmp_path: Path, mode: str, kill_point: str
+    script: Path,
+    reference: tuple[list[torch.Tensor], dict[int, float]],
+    tmp_path: Path,
+    mode: str,
+    kill_point: str,
 ) -> None:
     save, out = tmp_path / "run", tmp_path / "params.pt"
     assert launch(script, kill_point, mode, save, out) == -9, "the kill point was never reached"
@@ -130,7 +152,11 @@ def test_killed_during_a_save_resumes_from_the_latest_complete_checkpoint(
     for _, path in Checkpointer.find_checkpoints(save):
         assert (Path(path) / MARKER).exists() and (Path(path) / "train" / "rank0.pt").exists()
 
+    resume_step = steps[-1]
     assert launch(script, "none", mode, save, out) == 0
     assert [s for s, _ in Checkpointer.find_checkpoints(save)][-1] == STEPS
+    reference_params, reference_losses = reference
     resumed = torch.load(out, weights_only=True)
-    assert all(torch.equal(a, b) for a, b in zip(resumed, reference))
+    assert all(torch.equal(a, b) for a, b in zip(resumed, reference_params))
+    after = {s: v for s, v in reference_losses.items() if s > resume_step}
+    assert losses(out) == after  # every step after the checkpoint, bit for bit
