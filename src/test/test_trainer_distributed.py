@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from testutils import SEQ_LEN, build_trainer, free_port, run_distributed, run_distributed_test
 
+from olmolike.distributed.utils import broadcast_object
 from olmolike.train import Callback, Duration, MetricMergeStrategy, ReduceType, StepSkipRange
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -53,7 +54,8 @@ class Log(Callback):
 
 
 def _fit(*callbacks: Callback, **kwargs: Any) -> Any:
-    save = kwargs.pop("save_folder", tempfile.mkdtemp())
+    # Every rank must name the same save folder: rank 0 picks one and tells the others.
+    save = kwargs.pop("save_folder", None) or broadcast_object(tempfile.mkdtemp())
     trainer = build_trainer(save, **kwargs)
     for i, cb in enumerate(callbacks):
         trainer.add_callback(f"cb{i}", cb)
@@ -148,7 +150,10 @@ def bookkeeping_group_worker() -> list[tuple[str, bool]]:
         return original(tensor, op=op, group=group, async_op=async_op)
 
     trainer = build_trainer(
-        tempfile.mkdtemp(), max_duration=Duration.steps(12), cancel_check_interval=4
+        broadcast_object(tempfile.mkdtemp()),
+        max_duration=Duration.steps(12),
+        cancel_check_interval=4,
+        no_checkpoints=True,  # only this test's own collectives are counted
     )
     holder["trainer"] = trainer
     dist.all_reduce = spy  # type: ignore[assignment]
@@ -352,3 +357,20 @@ def test_the_same_script_runs_under_torchrun(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0 of 2 done at step 4" in result.stdout
     assert "rank 1 of 2 done at step 4" in result.stdout
+
+
+def different_save_folders_worker() -> str:
+    import torch.distributed as dist
+
+    try:
+        build_trainer(
+            tempfile.mkdtemp(prefix=f"rank{dist.get_rank()}-"), max_duration=Duration.steps(1)
+        )
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "built"
+
+
+def test_ranks_with_different_save_folders_are_refused_at_build_time() -> None:
+    for message in run_distributed_test(different_save_folders_worker):
+        assert message.startswith("ConfigurationError: save_folder: differs between ranks")

@@ -234,8 +234,9 @@ class Checkpointer:
             staging = Path(target).parent / f".{name}.tmp"
         if get_rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)  # leftovers of an interrupted save
-            (staging / TRAIN_STATE).mkdir(parents=True, exist_ok=True)
         self._barrier()
+        # Every rank creates it too: remote saves stage on each node's own disk.
+        (staging / TRAIN_STATE).mkdir(parents=True, exist_ok=True)
         return _SavePlan(target, staging, remote)
 
     def _finish(self, plan: _SavePlan, state_bytes: bytes, ephemeral: bool, ok: bool) -> None:

@@ -116,6 +116,7 @@ class TrainerConfig(Config):
 
         self.validate()
         self._check_save_folder()
+        self._check_same_on_every_rank()
         work_dir = Path(self.work_dir) if self.work_dir else self._default_work_dir()
         if checkpointer_pg is None and is_distributed():
             # Checkpoint collectives may run in a background thread: give them their own group.
@@ -154,6 +155,20 @@ class TrainerConfig(Config):
             no_evals=self.no_evals,
             steps_to_skip=list(self.steps_to_skip) if self.steps_to_skip else None,
         )
+
+    def _check_same_on_every_rank(self) -> None:
+        """Ranks must agree on where the run lives; checkpoints would otherwise split up."""
+        if not is_distributed():
+            return
+        folders: list[str | None] = [None] * get_world_size()
+        dist.all_gather_object(folders, self.save_folder)
+        if len(set(folders)) > 1:
+            listing = ", ".join(f"rank {i}: {f!r}" for i, f in enumerate(folders))
+            raise self._invalid(
+                "save_folder",
+                f"differs between ranks ({listing}); every rank must use the same save "
+                "folder, e.g. pick it on rank 0 and broadcast it",
+            )
 
     def _check_save_folder(self) -> None:
         if (
