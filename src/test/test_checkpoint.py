@@ -279,3 +279,29 @@ def test_load_path_over_http_as_an_archive(tmp_path: Path) -> None:
         server.server_close()
     assert trainer.checkpoint_loaded and trainer.global_step == 3
     assert all(torch.equal(a, b) for a, b in zip(params(trainer), params(source)))
+
+
+def test_model_and_optim_helpers_round_trip(tmp_path: Path) -> None:
+    from olmolike.distributed.checkpoint import (
+        load_model_and_optim_state,
+        save_model_and_optim_state,
+    )
+
+    source, _ = train(tmp_path / "run", max_duration=Duration.steps(2))
+    module = source.train_module
+    save_model_and_optim_state(tmp_path / "dcp", module.model, module.optim)
+    fresh = build_trainer(
+        tmp_path / "fresh", num_instances=48, seed=5, max_duration=Duration.steps(1)
+    )
+    load_model_and_optim_state(tmp_path / "dcp", fresh.train_module.model, fresh.train_module.optim)
+    assert all(torch.equal(a, b) for a, b in zip(params(fresh), params(source)))
+    loaded, saved = fresh.train_module.optim.state_dict(), module.optim.state_dict()
+    assert all(
+        torch.equal(loaded["state"][i]["exp_avg"], saved["state"][i]["exp_avg"])
+        for i in saved["state"]
+    )
+    save_model_and_optim_state(tmp_path / "weights", module.model)
+    with pytest.raises(CheckpointError, match="no optimizer state"):
+        load_model_and_optim_state(
+            tmp_path / "weights", fresh.train_module.model, fresh.train_module.optim
+        )

@@ -133,8 +133,11 @@ def conflicting_metrics_worker() -> None:
 
 def test_metric_with_different_reduce_types_on_ranks_fails_on_every_rank() -> None:
     outcomes = run_distributed(conflicting_metrics_worker)
-    for outcome in outcomes:
-        assert outcome.error is not None and "different reduce types" in outcome.error
+    # Every rank fails. The error reaches each training thread at its next poll, so a rank may
+    # instead see its peer exit first (in the next step's gradient all-reduce); at least one
+    # rank reports the cause.
+    assert all(o.error is not None and o.exitcode not in (0, -9) for o in outcomes), outcomes
+    assert any("different reduce types" in (o.error or "") for o in outcomes)
 
 
 def bookkeeping_group_worker() -> list[tuple[str, bool]]:

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from ..exceptions import ConfigurationError
 
 __all__ = [
-    "all_reduce_value",
     "backend_supports_cpu",
     "barrier",
     "broadcast_object",
@@ -91,19 +90,6 @@ def init_distributed(backend: str, timeout: datetime.timedelta) -> None:
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     if is_distributed():
         dist.barrier(group)
-
-
-def all_reduce_value(
-    value: float | int,
-    device: torch.device,
-    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-    group: dist.ProcessGroup | None = None,
-) -> float:
-    if not is_distributed():
-        return float(value)
-    tensor = torch.tensor(float(value), device=device, dtype=torch.float64)
-    dist.all_reduce(tensor, op=op, group=group)
-    return float(tensor.item())
 
 
 def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
