@@ -27,11 +27,19 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import fsspec
+import torch
 import yaml
 
 from .exceptions import ConfigurationError
 
-__all__ = ["CLASS_KEY", "Config", "StrEnum", "lookup_registered_class", "register_config_class"]
+__all__ = [
+    "CLASS_KEY",
+    "Config",
+    "DType",
+    "StrEnum",
+    "lookup_registered_class",
+    "register_config_class",
+]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +57,21 @@ class StrEnum(str, enum.Enum):
 
     def __str__(self) -> str:
         return str(self.value)
+
+
+class DType(StrEnum):
+    """A floating-point dtype by name, for config fields (``--x.param_dtype=bfloat16``)."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+    def as_pt(self) -> torch.dtype:
+        return {
+            DType.float32: torch.float32,
+            DType.bfloat16: torch.bfloat16,
+            DType.float16: torch.float16,
+        }[self]
 
 
 _REGISTRY: dict[str, type] = {}
