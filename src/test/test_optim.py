@@ -171,6 +171,13 @@ def test_override_without_weight_decay_keeps_the_decay_split() -> None:
     assert split["override 0 (no_decay)"] == (0.0, (0.8, 0.9))
 
 
+def test_override_values_are_coerced_like_fields() -> None:
+    # YAML 1.1 reads ``1e-4`` as a string; the group must still get a float.
+    override = OptimGroupOverride(params=["norm.*"], opts={"lr": "1e-4"})
+    groups = AdamWConfig(group_overrides=[override]).param_groups(model())
+    assert [(g["lr"], g["initial_lr"]) for g in groups if "override" in g["name"]] == [(1e-4, 1e-4)]
+
+
 def test_override_glob_matches_any_name_of_a_tied_weight() -> None:
     net = model()
     override = OptimGroupOverride(params=["head.weight"], opts={"lr": 0.5})

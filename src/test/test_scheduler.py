@@ -243,8 +243,10 @@ def test_wsd_with_decay_and_default_fraction_explains_the_fix() -> None:
 def test_decay_longer_than_training_fails_at_get_lr() -> None:
     scheduler = WSD(warmup=10, decay=100, decay_fraction=None)
     assert scheduler.get_lr(LR, 50, 200) == LR
-    with pytest.raises(ConfigurationError, match="smaller decay"):
-        scheduler.get_lr(LR, 50, 100)
+    # Even at step 0, during warmup, so that a check before training starts catches it.
+    for current in (0, 50):
+        with pytest.raises(ConfigurationError, match="smaller decay"):
+            scheduler.get_lr(LR, current, 100)
 
 
 def test_warmup_longer_than_training_fails_at_get_lr() -> None:

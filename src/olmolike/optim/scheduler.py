@@ -126,6 +126,9 @@ class WarmupScheduler(Scheduler):
             raise ValueError(f"t_max must be > 0, got {t_max}")
         warmup = self._warmup_length(t_max)
         if t_max is not None:
+            # Checked at every point, so that one call before the first step catches a
+            # schedule that cannot fit in the run, instead of failing part-way through it.
+            self._check_fits(warmup, t_max)
             current = min(current, t_max)
         if current < warmup:
             return self.warmup_min_lr + (initial_lr - self.warmup_min_lr) * current / warmup
@@ -136,6 +139,9 @@ class WarmupScheduler(Scheduler):
         self, initial_lr: float, current: float, warmup: float, t_max: int | None
     ) -> float:
         """The learning rate once ``current >= warmup`` (``current`` is at most ``t_max``)."""
+
+    def _check_fits(self, warmup: float, t_max: int) -> None:
+        """Raise :class:`ConfigurationError` if the phases do not fit in ``t_max`` units."""
 
     def _warmup_length(self, t_max: int | None) -> float:
         if self.warmup is not None:
@@ -263,10 +269,7 @@ class WSD(WarmupScheduler):
         assert self.decay_fraction is not None
         return self.decay_fraction * t_max
 
-    def _after_warmup(
-        self, initial_lr: float, current: float, warmup: float, t_max: int | None
-    ) -> float:
-        assert t_max is not None
+    def _check_fits(self, warmup: float, t_max: int) -> None:
         decay = self._decay_length(t_max)
         if warmup + decay > t_max:
             raise ConfigurationError(
@@ -274,6 +277,12 @@ class WSD(WarmupScheduler):
                 f"{self.units}), the length of training; use a smaller decay or decay_fraction",
                 path="decay",
             )
+
+    def _after_warmup(
+        self, initial_lr: float, current: float, warmup: float, t_max: int | None
+    ) -> float:
+        assert t_max is not None
+        decay = self._decay_length(t_max)
         start = t_max - decay
         if current < start:
             return initial_lr
