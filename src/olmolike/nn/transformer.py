@@ -1,0 +1,481 @@
+"""A decoder-only language model in the OLMo-2 / Llama family.
+
+Token embedding, pre-norm blocks of (RMSNorm -> attention -> residual, RMSNorm -> SwiGLU MLP ->
+residual), a final RMSNorm and a linear head. Attention uses rotary position embeddings in the
+rotate-half convention of GPT-NeoX and Hugging Face Llama, so a checkpoint maps onto
+``LlamaForCausalLM`` by renaming tensors alone (see :mod:`olmolike.nn.hf_export`).
+
+Models are always constructed on the ``meta`` device and then materialised: that makes a
+direct build and the FSDP path (shard on meta, then materialise each shard) run the same
+initialisation code, and it never spends time on PyTorch's default initialisation that would be
+overwritten anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..config import Config, StrEnum
+from ..exceptions import ConfigurationError
+
+__all__ = [
+    "Attention",
+    "FeedForward",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "Transformer",
+    "TransformerBlock",
+    "TransformerConfig",
+    "TransformerPreset",
+]
+
+log = logging.getLogger(__name__)
+
+
+class TransformerPreset(StrEnum):
+    """Named model shapes; ``TransformerConfig.from_preset(name, vocab_size)`` builds one."""
+
+    tiny = "tiny"
+    small = "small"
+    olmo2_30M = "olmo2_30M"
+    olmo2_190M = "olmo2_190M"
+    olmo2_1B = "olmo2_1B"
+    olmo2_7B = "olmo2_7B"
+    llama2_7B = "llama2_7B"
+    llama3_8B = "llama3_8B"
+
+
+# The mid-size OLMo-2 names count non-embedding parameters, so they hold for any vocabulary.
+_PRESETS: dict[TransformerPreset, dict[str, Any]] = {
+    TransformerPreset.tiny: dict(d_model=128, n_layers=4, n_heads=4, max_sequence_length=1024),
+    TransformerPreset.small: dict(d_model=256, n_layers=6, n_heads=4, max_sequence_length=1024),
+    TransformerPreset.olmo2_30M: dict(
+        d_model=512, n_layers=8, n_heads=8, mlp_hidden_size=1792, qk_norm=True
+    ),
+    TransformerPreset.olmo2_190M: dict(
+        d_model=1024, n_layers=14, n_heads=16, mlp_hidden_size=3072, qk_norm=True
+    ),
+    TransformerPreset.olmo2_1B: dict(
+        d_model=2048, n_layers=16, n_heads=16, mlp_hidden_size=8192, qk_norm=True
+    ),
+    TransformerPreset.olmo2_7B: dict(
+        d_model=4096, n_layers=32, n_heads=32, mlp_hidden_size=11008, qk_norm=True
+    ),
+    TransformerPreset.llama2_7B: dict(
+        d_model=4096, n_layers=32, n_heads=32, mlp_hidden_size=11008, rope_theta=10_000.0,
+        norm_eps=1e-5,
+    ),
+    TransformerPreset.llama3_8B: dict(
+        d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, mlp_hidden_size=14336,
+        max_sequence_length=8192, norm_eps=1e-5,
+    ),
+}  # fmt: skip
+
+
+@dataclass
+class TransformerConfig(Config):
+    """The shape of a :class:`Transformer`; :meth:`build` makes one.
+
+    ``n_kv_heads`` below ``n_heads`` turns on grouped-query attention; ``qk_norm`` adds
+    RMSNorm on the query and key projections (over all heads at once, as OLMo-2 does);
+    ``tie_weights`` shares the embedding matrix with the output head.
+    """
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None
+    mlp_hidden_size: int | None = None
+    mlp_multiple_of: int = 256
+    max_sequence_length: int = 4096
+    rope_theta: float = 500_000.0
+    norm_eps: float = 1e-6
+    qk_norm: bool = False
+    tie_weights: bool = False
+    init_std: float = 0.02
+
+    def validate(self) -> None:
+        positive_ints = ("vocab_size", "d_model", "n_layers", "n_heads", "mlp_multiple_of")
+        for name in (*positive_ints, "max_sequence_length"):
+            if getattr(self, name) < 1:
+                raise self._invalid(name, f"must be a positive integer, got {getattr(self, name)}")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            if not getattr(self, name) > 0:
+                raise self._invalid(name, f"must be > 0, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise self._invalid(
+                "n_heads", f"must divide d_model={self.d_model}, got {self.n_heads}; pick a divisor"
+            )
+        if self.head_dim % 2:
+            raise self._invalid(
+                "n_heads",
+                f"gives an odd head_dim {self.head_dim} (d_model / n_heads), but rotary "
+                "embeddings rotate pairs of features; choose n_heads so that head_dim is even",
+            )
+        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+            raise self._invalid(
+                "n_kv_heads",
+                f"must be a positive divisor of n_heads={self.n_heads}, got {self.n_kv_heads} "
+                "(or null for no grouped-query attention)",
+            )
+        if self.mlp_hidden_size is not None and self.mlp_hidden_size < 1:
+            raise self._invalid("mlp_hidden_size", f"must be positive, got {self.mlp_hidden_size}")
+
+    # -- presets ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_preset(cls, name: str, vocab_size: int, **overrides: Any) -> TransformerConfig:
+        """The preset called ``name`` (a :class:`TransformerPreset`), with fields overridden."""
+        try:
+            preset = TransformerPreset(name)
+        except ValueError:
+            valid = ", ".join(p.value for p in TransformerPreset)
+            raise ConfigurationError(
+                f"unknown model preset {name!r}; choose one of: {valid}"
+            ) from None
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigurationError(
+                f"unknown TransformerConfig field(s) {', '.join(unknown)} in overrides of preset "
+                f"{name!r}; valid fields are: {', '.join(sorted(known))}"
+            )
+        return cls(**{**_PRESETS[preset], "vocab_size": vocab_size, **overrides})
+
+    @classmethod
+    def tiny(cls, vocab_size: int, **overrides: Any) -> TransformerConfig:
+        """About 1 M parameters with a byte-level vocabulary: the size CI trains."""
+        return cls.from_preset(TransformerPreset.tiny, vocab_size, **overrides)
+
+    @classmethod
+    def small(cls, vocab_size: int, **overrides: Any) -> TransformerConfig:
+        """About 5 M parameters: learns visibly within minutes on a laptop CPU."""
+        return cls.from_preset(TransformerPreset.small, vocab_size, **overrides)
+
+    @classmethod
+    def olmo2_30M(cls, vocab_size: int, **overrides: Any) -> TransformerConfig:
+        return cls.from_preset(TransformerPreset.olmo2_30M, vocab_size, **overrides)
+
+    @classmethod
+    def olmo2_190M(cls, vocab_size: int, **overrides: Any) -> TransformerConfig:
+        return cls.from_preset(TransformerPreset.olmo2_190M, vocab_size, **overrides)
+
+    @classmethod
+    def olmo2_1B(cls, vocab_size: int, **overrides: Any) -> TransformerConfig:
+        """The shape of OLMo-2-0425-1B (1.48 B parameters with its vocabulary of 100,352)."""
+        return cls.from_preset(TransformerPreset.olmo2_1B, vocab_size, **overrides)
+
+    @classmethod
+    def olmo2_7B(cls, vocab_size: int, **overrides: Any) -> TransformerConfig:
+        """The shape of OLMo-2-1124-7B (7.30 B parameters with its vocabulary of 100,352)."""
+        return cls.from_preset(TransformerPreset.olmo2_7B, vocab_size, **overrides)
+
+    @classmethod
+    def llama2_7B(cls, vocab_size: int, **overrides: Any) -> TransformerConfig:
+        """The shape of Llama-2-7B (6.74 B parameters with its vocabulary of 32,000)."""
+        return cls.from_preset(TransformerPreset.llama2_7B, vocab_size, **overrides)
+
+    @classmethod
+    def llama3_8B(cls, vocab_size: int, **overrides: Any) -> TransformerConfig:
+        """The shape of Llama-3-8B (8.03 B parameters with its vocabulary of 128,256)."""
+        return cls.from_preset(TransformerPreset.llama3_8B, vocab_size, **overrides)
+
+    # -- derived sizes ---------------------------------------------------------------------
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def hidden_size(self) -> int:
+        """The SwiGLU width: 8/3 of ``d_model`` (same parameters as a 4x GELU MLP), rounded up."""
+        if self.mlp_hidden_size is not None:
+            return self.mlp_hidden_size
+        return -(-8 * self.d_model // (3 * self.mlp_multiple_of)) * self.mlp_multiple_of
+
+    def _block_params(self) -> int:
+        d, kv_dim = self.d_model, self.kv_heads * self.head_dim
+        attention = 2 * d * d + 2 * d * kv_dim + ((d + kv_dim) if self.qk_norm else 0)
+        return attention + 3 * d * self.hidden_size + 2 * d
+
+    def num_params(self) -> int:
+        """Every parameter, a tied embedding counted once."""
+        embeddings = self.vocab_size * self.d_model * (1 if self.tie_weights else 2)
+        return embeddings + self.n_layers * self._block_params() + self.d_model
+
+    def num_non_embedding_params(self) -> int:
+        """Parameters outside the embedding and the output head (the usual scaling-law N)."""
+        return self.n_layers * self._block_params() + self.d_model
+
+    def num_flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) per token for sequences of ``seq_len`` tokens.
+
+        ``6 * N`` for the weights, where N is :meth:`num_non_embedding_params` plus the output
+        head (its matmul runs even when its weight is tied; the embedding lookup is no matmul),
+        plus ``12 * n_layers * d_model * seq_len`` for the attention scores and the weighted sum
+        of values. That attention term counts the full score matrix, as PaLM's MFU does: a
+        causal kernel skips about half of it, so this overstates the work done by that much.
+        """
+        weights = self.num_non_embedding_params() + self.vocab_size * self.d_model
+        return 6 * weights + 12 * self.n_layers * self.d_model * seq_len
+
+    def build(
+        self, *, init_device: str | torch.device = "cpu", seed: int | None = None
+    ) -> Transformer:
+        """Build the model; ``init_device="meta"`` allocates nothing (materialise it later)."""
+        self.validate()
+        with torch.device("meta"):
+            model = Transformer(self)
+        if torch.device(init_device).type != "meta":
+            model.materialize(init_device, seed=seed)
+        log.info(
+            "built a transformer with %s parameters (%s non-embedding) on %s",
+            f"{self.num_params():,}", f"{self.num_non_embedding_params():,}", init_device,
+        )  # fmt: skip
+        return model
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale, computed in float32 for bf16 stability."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Caches the cos/sin tables of rotary position embeddings, in float32.
+
+    The tables are non-persistent buffers: they are a pure function of the config, so
+    checkpoints and exports never carry them, and they stay float32 when the model is cast to
+    a lower precision (angles at position 4000 need more than bf16's 8 bits of mantissa).
+    """
+
+    cos: Tensor
+    sin: Tensor
+
+    def __init__(self, head_dim: int, max_sequence_length: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_sequence_length = max_sequence_length
+        self.theta = theta
+        self.register_buffer("cos", torch.empty(max_sequence_length, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_sequence_length, head_dim), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self, device: torch.device | None = None) -> None:
+        device = self.cos.device if device is None else device
+        if device.type == "meta":
+            return
+        exponents = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32)
+        inv_freq = 1.0 / self.theta ** (exponents / self.head_dim)
+        positions = torch.arange(self.max_sequence_length, device=device, dtype=torch.float32)
+        angles = torch.outer(positions, inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.cos = angles.cos()
+        self.sin = angles.sin()
+
+    def _apply(self, fn: Any, recurse: bool = True) -> RotaryEmbedding:
+        super()._apply(fn, recurse)
+        if self.cos.dtype != torch.float32:
+            # ``model.to(torch.bfloat16)`` casts buffers too: rebuild rather than lose precision.
+            self.cos = torch.empty_like(self.cos, dtype=torch.float32)
+            self.sin = torch.empty_like(self.sin, dtype=torch.float32)
+            self.reset_buffers()
+        return self
+
+    def forward(self, seq_len: int) -> tuple[Tensor, Tensor]:
+        return self.cos[:seq_len], self.sin[:seq_len]
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate feature pairs ``(i, i + head_dim/2)`` of ``x`` (..., T, head_dim) by position."""
+    xf = x.float()
+    first, second = xf.chunk(2, dim=-1)
+    rotated = torch.cat((-second, first), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with optional grouped-query attention and QK-norm."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            config.n_heads, config.kv_heads, config.head_dim,
+        )  # fmt: skip
+        d, kv_dim = config.d_model, config.kv_heads * config.head_dim
+        self.w_q = nn.Linear(d, d, bias=False)
+        self.w_k = nn.Linear(d, kv_dim, bias=False)
+        self.w_v = nn.Linear(d, kv_dim, bias=False)
+        self.w_out = nn.Linear(d, d, bias=False)
+        self.q_norm = RMSNorm(d, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(kv_dim, config.norm_eps) if config.qk_norm else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        batch, seq_len, d_model = x.shape
+        q, k, v = self.w_q(x), self.w_k(x), self.w_v(x)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        # (B, T, heads * head_dim) -> (B, heads, T, head_dim), the layout SDPA expects.
+        q = q.view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # With enable_gqa, query head h reads key/value head h // (n_heads / n_kv_heads), the
+        # same grouping as Hugging Face's repeat_kv, without materialising repeated k and v.
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.w_out(y.transpose(1, 2).reshape(batch, seq_len, d_model))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w_down(silu(w_gate(x)) * w_up(x))``."""
+
+    def __init__(self, d_model: int, hidden_size: int) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(d_model, hidden_size, bias=False)
+        self.w_up = nn.Linear(d_model, hidden_size, bias=False)
+        self.w_down = nn.Linear(hidden_size, d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class TransformerBlock(nn.Module):
+    """A pre-norm residual block: attention, then the MLP."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attention = Attention(config)
+        self.feed_forward_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.feed_forward = FeedForward(config.d_model, config.hidden_size)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.feed_forward_norm(h))
+
+
+def _init_trunc_normal(weight: Tensor, std: float, generator: torch.Generator | None) -> None:
+    """Truncated normal at 3 std; a sharded weight gets its slice of the full tensor's draw.
+
+    Each rank draws the whole tensor and keeps its shard. DTensor's own random ops would need
+    one RNG stream per shard (supported on CUDA only), and on CPU every rank would draw the
+    same values for its shard, repeating rows across ranks.
+    """
+    if not isinstance(weight, DTensor):
+        nn.init.trunc_normal_(weight, 0.0, std, -3 * std, 3 * std, generator=generator)
+        return
+    full = torch.empty(weight.shape, dtype=weight.dtype, device=weight.to_local().device)
+    nn.init.trunc_normal_(full, 0.0, std, -3 * std, 3 * std, generator=generator)
+    # src_data_rank=None: every rank holds the full draw, so each slices locally (no scatter).
+    shard = distribute_tensor(full, weight.device_mesh, weight.placements, src_data_rank=None)
+    weight.to_local().copy_(shard.to_local())
+
+
+class Transformer(nn.Module):
+    """The language model: token ids (B, T) in, next-token logits (B, T, vocab) out."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = nn.Embedding(config.vocab_size, config.d_model)
+        self.rope = RotaryEmbedding(config.head_dim, config.max_sequence_length, config.rope_theta)
+        self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_weights:
+            self.lm_head.weight = self.embeddings.weight
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        if input_ids.dim() != 2:
+            raise ValueError(
+                f"input_ids must have shape (batch, seq_len), got {tuple(input_ids.shape)}; "
+                "add a batch dimension with input_ids.unsqueeze(0)"
+            )
+        seq_len = input_ids.shape[1]
+        if seq_len > self.config.max_sequence_length:
+            raise ValueError(
+                f"input_ids has {seq_len} tokens but the model's max_sequence_length is "
+                f"{self.config.max_sequence_length}; crop the input or build the model with "
+                f"max_sequence_length >= {seq_len}"
+            )
+        h = self.embeddings(input_ids)
+        cos, sin = self.rope(seq_len)
+        for block in self.blocks:
+            h = block(h, cos, sin)
+        return self.lm_head(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, *, seed: int | None = None, device: torch.device | None = None) -> None:
+        """(Re)initialise every parameter and the RoPE tables, in place.
+
+        Truncated normal (at 3 std) with ``init_std`` everywhere, and ``init_std /
+        sqrt(2 * n_layers)`` for the projections that write into the residual stream, so the
+        residual's variance does not grow with depth. A ``seed`` draws from a private
+        generator: the same weights every time, the global RNG untouched, and for a model
+        sharded with FSDP the same weights as an unsharded build.
+        """
+        device = self.embeddings.weight.device if device is None else torch.device(device)
+        if device.type == "meta":
+            return
+        generator = None if seed is None else torch.Generator(device).manual_seed(seed)
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * self.config.n_layers)
+
+        def normal(weight: Tensor, scale: float) -> None:
+            _init_trunc_normal(weight, scale, generator)
+
+        normal(self.embeddings.weight, std)
+        for module in self.modules():
+            if isinstance(module, Attention):
+                for linear in (module.w_q, module.w_k, module.w_v):
+                    normal(linear.weight, std)
+                normal(module.w_out.weight, out_std)
+            elif isinstance(module, FeedForward):
+                normal(module.w_gate.weight, std)
+                normal(module.w_up.weight, std)
+                normal(module.w_down.weight, out_std)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+        if not self.config.tie_weights:
+            normal(self.lm_head.weight, std)
+        self.rope.reset_buffers(device)
+
+    def materialize(self, device: str | torch.device, *, seed: int | None = None) -> Transformer:
+        """Allocate a meta-built model on ``device`` and initialise it; returns ``self``."""
+        device = torch.device(device)
+        self.to_empty(device=device)
+        # to_empty replaces each module's parameter separately, which unties a shared weight.
+        if self.config.tie_weights and self.lm_head.weight is not self.embeddings.weight:
+            self.lm_head.weight = self.embeddings.weight
+        self.init_weights(seed=seed, device=device)
+        return self
+
+    def num_flops_per_token(self, seq_len: int) -> int:
+        return self.config.num_flops_per_token(seq_len)
