@@ -1,5 +1,18 @@
 """Train modules: what one training step does."""
 
 from .train_module import BasicTrainModule, TrainModule
+from .transformer import (
+    ActivationCheckpointingConfig,
+    ActivationCheckpointingMode,
+    TransformerTrainModule,
+    TransformerTrainModuleConfig,
+)
 
-__all__ = ["BasicTrainModule", "TrainModule"]
+__all__ = [
+    "ActivationCheckpointingConfig",
+    "ActivationCheckpointingMode",
+    "BasicTrainModule",
+    "TrainModule",
+    "TransformerTrainModule",
+    "TransformerTrainModuleConfig",
+]

@@ -1,0 +1,345 @@
+"""Train a transformer LM: micro-batches, loss, LR schedule, clipping, DDP / FSDP2 / HSDP."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
+
+from ...config import Config, DType, StrEnum
+from ...distributed.checkpoint import apply_model_and_optim_state_dict, model_and_optim_state_dict
+from ...distributed.parallel import DataParallelConfig, DataParallelType, apply_ddp, apply_fsdp
+from ...distributed.utils import get_world_size, is_distributed
+from ...exceptions import ConfigurationError
+from ...nn.functional import cross_entropy_loss
+from ...optim import AdamWConfig, OptimConfig, Scheduler, SchedulerUnits
+from ...utils import get_default_device
+from ..common import ReduceType
+from .train_module import TrainModule, labels_from_batch
+
+__all__ = [
+    "ActivationCheckpointingConfig",
+    "ActivationCheckpointingMode",
+    "TransformerTrainModule",
+    "TransformerTrainModuleConfig",
+]
+
+log = logging.getLogger(__name__)
+
+
+class ActivationCheckpointingMode(StrEnum):
+    full = "full"
+    """Recompute every block's activations in backward: the least memory, ~1/3 more compute."""
+    selected_blocks = "selected_blocks"
+    """Recompute every ``block_interval``-th block: a trade between memory and compute."""
+
+
+@dataclass
+class ActivationCheckpointingConfig(Config):
+    mode: ActivationCheckpointingMode = ActivationCheckpointingMode.full
+    block_interval: int = 1
+    """With ``selected_blocks``: checkpoint blocks 0, N, 2N, ..."""
+
+    def validate(self) -> None:
+        if self.block_interval <= 0:
+            raise self._invalid("block_interval", f"must be positive, got {self.block_interval}")
+
+    def selects(self, block_index: int) -> bool:
+        if self.mode == ActivationCheckpointingMode.full:
+            return True
+        return block_index % self.block_interval == 0
+
+
+@dataclass
+class TransformerTrainModuleConfig(Config):
+    """Everything about how a transformer is trained, built with :meth:`build`."""
+
+    rank_microbatch_size: int
+    """Tokens per forward/backward pass on one rank; the rank batch must be a multiple of it."""
+    optim: OptimConfig = field(default_factory=AdamWConfig)
+    scheduler: Scheduler | None = None
+    """LR schedule over the trainer's ``max_duration``; ``None`` keeps the optimizer's LR."""
+    max_grad_norm: float | None = None
+    """Clip the total gradient norm (over all ranks' shards) to this value."""
+    z_loss_multiplier: float | None = None
+    """Weight of the z-loss (squared log-partition), which keeps logits from drifting; 1e-4 is
+    a common choice for large runs."""
+    label_smoothing: float = 0.0
+    label_ignore_index: int = -100
+    autocast_precision: DType | None = None
+    """Run forward and backward under ``torch.autocast`` in this dtype (e.g. bfloat16)."""
+    compile_model: bool = False
+    """``torch.compile`` each transformer block (the blocks are identical, so one compile)."""
+    compile_backend: str = "inductor"
+    dp_config: DataParallelConfig | None = None
+    """Data parallelism; ``None`` means DDP when running on several ranks."""
+    ac_config: ActivationCheckpointingConfig | None = None
+    init_seed: int = 0
+    """Seed for the weights when the model was built on the ``meta`` device."""
+
+    def validate(self) -> None:
+        if self.rank_microbatch_size <= 0:
+            raise self._invalid("rank_microbatch_size", "must be a positive number of tokens")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise self._invalid("max_grad_norm", f"must be positive, got {self.max_grad_norm}")
+        if self.z_loss_multiplier is not None and self.z_loss_multiplier < 0:
+            raise self._invalid("z_loss_multiplier", "must be >= 0")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise self._invalid("label_smoothing", "must be in [0, 1)")
+
+    def build(
+        self,
+        model: nn.Module,
+        device: torch.device | None = None,
+        dp_process_group: dist.ProcessGroup | None = None,
+    ) -> TransformerTrainModule:
+        """Parallelise ``model`` (AC, compile, sharding), put it on ``device``, build the optimizer.
+
+        ``model`` may live on the ``meta`` device: it is then sharded first and materialised
+        shard by shard, so the full model never has to fit in one process's memory.
+        """
+        self.validate()
+        return TransformerTrainModule(self, model, device or get_default_device(), dp_process_group)
+
+
+class TransformerTrainModule(TrainModule):
+    """The train module for :class:`~olmolike.nn.Transformer` (or any LM with ``blocks``).
+
+    The loss is normalised by the number of non-ignored tokens in the whole global batch (a
+    count all-reduced across data-parallel ranks), so neither the micro-batch split nor the
+    number of ranks changes the result.
+    """
+
+    def __init__(
+        self,
+        config: TransformerTrainModuleConfig,
+        model: nn.Module,
+        device: torch.device,
+        dp_process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.device = device
+        self.dp_process_group = dp_process_group
+        self.dp_world_size = get_world_size(dp_process_group) if is_distributed() else 1
+        self.model = model
+        self._ddp: DDP | None = None
+        self._parallelize(model)
+        self.optim = config.optim.build(model)
+        self.scheduler = config.scheduler
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._autocast = (
+            torch.autocast(device.type, dtype=DType(config.autocast_precision).as_pt())
+            if config.autocast_precision is not None
+            else contextlib.nullcontext()
+        )
+
+    # -- building ---------------------------------------------------------------------------
+
+    def _parallelize(self, model: nn.Module) -> None:
+        config = self.config
+        dp = config.dp_config
+        if dp is None and self.dp_world_size > 1:
+            dp = DataParallelConfig(name=DataParallelType.ddp)
+            log.info("dp_config is unset on %d ranks: using DDP", self.dp_world_size)
+        on_meta = any(p.is_meta for p in model.parameters())
+        if config.ac_config is not None:
+            self._apply_activation_checkpointing(model, config.ac_config)
+        if config.compile_model:
+            for block in self._blocks(model):
+                block.compile(backend=config.compile_backend)
+        sharded = dp is not None and dp.name != DataParallelType.ddp
+        if not on_meta:
+            model.to(self.device)
+        if sharded:
+            assert dp is not None
+            if self.dp_process_group is not None and self.dp_world_size != get_world_size():
+                raise ConfigurationError(
+                    "FSDP/HSDP shard over all ranks; a dp_process_group smaller than the world "
+                    "is only supported with DDP",
+                    path="dp_config.name",
+                )
+            apply_fsdp(
+                model,
+                dp.build_mesh(self.device.type),
+                param_dtype=dp.param_dtype.as_pt() if dp.param_dtype else None,
+                reduce_dtype=dp.reduce_dtype.as_pt(),
+                reshard_after_forward=dp.reshard_after_forward,
+            )
+        if on_meta:
+            self._materialize(model)
+        if dp is not None and dp.name == DataParallelType.ddp:
+            self._ddp = apply_ddp(model, self.dp_process_group)
+
+    def _materialize(self, model: nn.Module) -> None:
+        materialize: Callable[..., Any] | None = getattr(model, "materialize", None)
+        if materialize is None:
+            raise ConfigurationError(
+                f"{type(model).__name__} was built on the meta device but has no "
+                "materialize(device, seed=...) method; build it on a real device instead",
+                path="model",
+            )
+        materialize(self.device, seed=self.config.init_seed)
+
+    @staticmethod
+    def _blocks(model: nn.Module) -> Iterator[nn.Module]:
+        blocks = getattr(model, "blocks", None)
+        if blocks is None:
+            raise ConfigurationError(
+                f"{type(model).__name__} has no `blocks`: activation checkpointing and compile "
+                "work per transformer block",
+                path="model",
+            )
+        yield from blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks
+
+    def _apply_activation_checkpointing(
+        self, model: nn.Module, ac: ActivationCheckpointingConfig
+    ) -> None:
+        # Replacing `forward` on the instance (instead of wrapping the block in another module)
+        # keeps parameter names, so checkpoints do not depend on whether AC was on.
+        for index, block in enumerate(self._blocks(model)):
+            if ac.selects(index):
+                block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+    # -- TrainModule --------------------------------------------------------------------------
+
+    @property
+    def _forward_module(self) -> nn.Module:
+        return self._ddp if self._ddp is not None else self.model
+
+    def on_attach(self) -> None:
+        rank_batch = self.trainer.rank_batch_size
+        if rank_batch % self.config.rank_microbatch_size:
+            raise ConfigurationError(
+                f"the rank batch size ({rank_batch} tokens) must be a multiple of "
+                f"rank_microbatch_size ({self.config.rank_microbatch_size} tokens)",
+                path="train_module.rank_microbatch_size",
+            )
+        if self.scheduler is not None:
+            # A schedule that needs the run's length fails here, before any step, not mid-run.
+            self.scheduler.get_lr(1.0, 0, self._schedule_position()[1])
+
+    def state_dict(self) -> dict[str, Any]:
+        # An optimizer that has not stepped has no state; asking for it would create some.
+        return model_and_optim_state_dict(self.model, self.optim if self.optim.state else None)
+
+    def state_dict_to_load(self, optim: bool = True) -> dict[str, Any]:
+        return model_and_optim_state_dict(self.model, self.optim if optim else None)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        apply_model_and_optim_state_dict(self.model, self.optim, state_dict)
+
+    def train_batch(self, batch: dict[str, Any], dry_run: bool = False) -> None:
+        if not self.model.training:
+            self.model.train()
+        input_ids = batch["input_ids"]
+        labels = labels_from_batch(batch, self.config.label_ignore_index)
+        split = self._microbatch_rows(input_ids)
+        micro_ids, micro_labels = input_ids.split(split), labels.split(split)
+        # The denominator is this step's non-ignored token count over all ranks; each rank's
+        # gradient is scaled by the world size because DDP and FSDP average across ranks.
+        scale = self._global_token_count(labels).reciprocal() * self.dp_world_size
+        ce_total = torch.zeros((), device=input_ids.device)
+        z_total = torch.zeros((), device=input_ids.device)
+        for i, (ids, mb_labels) in enumerate(zip(micro_ids, micro_labels)):
+            with self._grad_sync(last=i == len(micro_ids) - 1), self._autocast:
+                logits = self._forward_module(ids)
+                ce_loss, z_loss = cross_entropy_loss(
+                    logits,
+                    mb_labels,
+                    ignore_index=self.config.label_ignore_index,
+                    reduction="sum",
+                    z_loss_multiplier=self.config.z_loss_multiplier,
+                    label_smoothing=self.config.label_smoothing,
+                )
+                loss = ce_loss if z_loss is None else ce_loss + z_loss
+            (loss * scale).backward()
+            ce_total += ce_loss.detach()
+            if z_loss is not None:
+                z_total += z_loss.detach()
+        if dry_run:
+            return
+        # Mean-reduced across ranks, these are exactly the global per-token means.
+        self.record_ce_loss(ce_total * scale, ReduceType.mean)
+        if self.config.z_loss_multiplier is not None:
+            self.record_metric("Z loss", z_total * scale, ReduceType.mean, namespace="train")
+
+    def _microbatch_rows(self, input_ids: torch.Tensor) -> int:
+        seq_len = input_ids.shape[-1]
+        microbatch = self.config.rank_microbatch_size
+        if microbatch % seq_len:
+            raise ConfigurationError(
+                f"must be a whole number of sequences: a multiple of the sequence length "
+                f"({seq_len} tokens), got {microbatch}",
+                path="train_module.rank_microbatch_size",
+            )
+        return microbatch // seq_len
+
+    def _global_token_count(self, labels: torch.Tensor) -> torch.Tensor:
+        count = (labels != self.config.label_ignore_index).sum()
+        if self.dp_world_size > 1:
+            dist.all_reduce(count, group=self.dp_process_group)
+        return count.clamp(min=1).float()
+
+    def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """Synchronise gradients only in the last micro-batch's backward."""
+        if self._ddp is not None and not last:
+            return self._ddp.no_sync()
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def eval_batch(self, batch: dict[str, Any], labels: torch.Tensor | None = None) -> Any:
+        """The logits of ``batch``, or with ``labels`` the mean CE loss over non-ignored tokens."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self._autocast:
+                logits = self.model(batch["input_ids"])
+        finally:
+            self.model.train(was_training)
+        if labels is None:
+            return logits
+        ce_loss, _ = cross_entropy_loss(
+            logits, labels, ignore_index=self.config.label_ignore_index, reduction="mean"
+        )
+        return ce_loss
+
+    def optim_step(self) -> None:
+        if self.scheduler is not None:
+            current, t_max = self._schedule_position()
+            self.scheduler.set_lr(self.optim, current, t_max)
+        if self.config.max_grad_norm is not None:
+            grad_norm = nn.utils.clip_grad_norm_(self._params, self.config.max_grad_norm)
+            if isinstance(grad_norm, DTensor):
+                grad_norm = grad_norm.full_tensor()
+            self.record_metric("total grad norm", grad_norm, namespace="optim")
+        for i, group in enumerate(self.optim.param_groups):
+            name = group.get("name", f"group {i}")
+            self.record_metric(f"LR ({name})", float(group["lr"]), namespace="optim")
+        self.optim.step()
+
+    def _schedule_position(self) -> tuple[int, int | None]:
+        trainer = self.trainer
+        if self.scheduler is not None and self.scheduler.units == SchedulerUnits.tokens:
+            return trainer.global_train_tokens_seen, trainer.max_tokens
+        return trainer.global_step, trainer.max_steps
+
+    def zero_grads(self) -> None:
+        self.optim.zero_grad(set_to_none=True)
+
+    def num_flops_per_token(self, seq_len: int) -> int | None:
+        own = getattr(self.model, "num_flops_per_token", None)
+        return int(own(seq_len)) if callable(own) else None
