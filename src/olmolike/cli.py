@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from . import __version__
+from .data.prepare import add_prepare_data_command
 from .distributed.unshard import UnshardStrategy, UnshardStrategyType, unshard_checkpoint
 from .exceptions import ConfigurationError, OLMoLikeError
 from .train import TrainerConfig
@@ -110,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("overrides", nargs=argparse.REMAINDER, help="--dotted.key=value ...")
     check.set_defaults(run=_check_config)
     _add_unshard_command(commands)
+    add_prepare_data_command(commands)
     return parser
 
 

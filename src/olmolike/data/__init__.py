@@ -1,5 +1,25 @@
-"""Data: loaders that know which tokens come next and resume exactly."""
+"""Data: tokenizers, token-file preparation, datasets, and loaders that resume exactly."""
 
 from .data_loader import DataLoaderBase, TokenTensorDataLoader
+from .numpy_data_loader import NumpyDataLoader, NumpyDataLoaderConfig, iter_eval_batches
+from .numpy_dataset import NumpyDatasetConfig, NumpyFSLDataset, SourceMixtureConfig
+from .prepare import PreparedData, prepare_data, stdlib_python_files
+from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerConfig
 
-__all__ = ["DataLoaderBase", "TokenTensorDataLoader"]
+__all__ = [
+    "ByteTokenizer",
+    "DataLoaderBase",
+    "HFTokenizer",
+    "NumpyDataLoader",
+    "NumpyDataLoaderConfig",
+    "NumpyDatasetConfig",
+    "NumpyFSLDataset",
+    "PreparedData",
+    "SourceMixtureConfig",
+    "TokenTensorDataLoader",
+    "Tokenizer",
+    "TokenizerConfig",
+    "iter_eval_batches",
+    "prepare_data",
+    "stdlib_python_files",
+]

@@ -1,0 +1,603 @@
+"""``prepare-data``: text and JSONL files -> memory-mappable token shards plus ``metadata.json``.
+
+The run has two phases, both resumable:
+
+1. **Tokenize** each source file (in parallel over files) into a *part* under
+   ``OUT/.prepare/parts/``: its train and validation tokens (an EOS after every document) and
+   the document lengths. A part is written under a temporary name and renamed, so a killed run
+   leaves whole parts or none, and a rerun tokenizes only the missing ones.
+2. **Write shards**: the parts are concatenated in source order and cut into ``.npy`` shards at
+   document boundaries (a shard closes after the document that brings it to ``shard_tokens``).
+   The cuts depend only on document lengths, never on which worker tokenized what, so the
+   output is bit-identical for any number of workers.
+
+``metadata.json`` is written last and marks the output complete. The arguments of a run are
+recorded before any work (``.prepare/args.json``), so a rerun with other arguments or inputs is
+refused instead of mixing two datasets, unless ``overwrite`` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import sys
+import sysconfig
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from ..exceptions import DataError, OLMoLikeError
+from .numpy_dataset import METADATA_FILE, NumpyDatasetConfig
+from .tokenizer import Tokenizer, TokenizerConfig
+
+__all__ = [
+    "DEFAULT_SHARD_TOKENS",
+    "PreparedData",
+    "Source",
+    "add_prepare_data_command",
+    "prepare_data",
+    "resolve_inputs",
+    "stdlib_python_files",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SHARD_TOKENS = 1 << 28
+"""About 268 M tokens (512 MiB as uint16) per shard: few files, each far longer than a sequence."""
+
+FORMAT_VERSION = 1
+WORK_DIR = ".prepare"
+SPLITS = ("train", "val")
+_GLOB_CHARS = frozenset("*?[")
+_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+
+
+# -- inputs ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input file. ``name`` is the path as expanded from the user's input (not resolved),
+    so the validation split, which hashes it, does not depend on the current directory."""
+
+    path: Path
+    name: str
+    size: int
+
+    @property
+    def is_jsonl(self) -> bool:
+        return self.name.endswith((".jsonl", ".jsonl.gz"))
+
+
+def stdlib_python_files() -> list[Path]:
+    """The running Python's standard-library ``.py`` files, in a fixed (sorted) order.
+
+    Installed packages (``site-packages``/``dist-packages``) are left out: they differ between
+    machines, while the standard library of one Python version is the same everywhere.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found: list[Path] = []
+    for directory, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS)
+        found.extend(Path(directory) / f for f in sorted(files) if f.endswith(".py"))
+    return found
+
+
+def _walk(directory: Path) -> list[Path]:
+    """Files under ``directory`` in sorted order, skipping hidden files and folders."""
+    found: list[Path] = []
+    for parent, dirs, files in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found.extend(Path(parent) / f for f in sorted(files) if not f.startswith("."))
+    return found
+
+
+def _expand(item: str) -> list[Path]:
+    if _GLOB_CHARS & set(item):
+        import glob
+
+        matches = [Path(m) for m in sorted(glob.glob(item, recursive=True))]
+        if not matches:
+            raise DataError(f"no files match the glob {item!r}; check the pattern and the path")
+        return [f for m in matches for f in (_walk(m) if m.is_dir() else [m])]
+    path = Path(item)
+    if path.is_dir():
+        files = _walk(path)
+        if not files:
+            raise DataError(f"the input directory {item!r} holds no files")
+        return files
+    if path.is_file():
+        return [path]
+    raise DataError(f"the input {item!r} does not exist; give text/JSONL files, folders or globs")
+
+
+def resolve_inputs(inputs: Sequence[str | Path], *, exclude: Path | None = None) -> list[Source]:
+    """Expand files, folders (recursively) and globs into sources, in a deterministic order.
+
+    Files under ``exclude`` (the output directory) are skipped; a file reached twice is kept
+    once, at its first position.
+    """
+    if not inputs:
+        raise DataError("no inputs given; name text or JSONL files, folders or globs")
+    skip = os.path.join(os.path.abspath(exclude), "") if exclude is not None else None
+    seen: set[str] = set()
+    sources: list[Source] = []
+    for item in inputs:
+        for path in _expand(str(item)):
+            absolute = os.path.abspath(path)
+            if (skip is not None and absolute.startswith(skip)) or absolute in seen:
+                continue
+            seen.add(absolute)
+            sources.append(Source(path, path.as_posix(), path.stat().st_size))
+    if not sources:
+        raise DataError(f"the inputs {list(map(str, inputs))} hold no files outside the output")
+    return sources
+
+
+def read_documents(source: Source, text_field: str) -> Iterator[tuple[int, str]]:
+    """``(document index, text)`` pairs: the whole file, or one per non-blank JSONL line.
+
+    Bytes that are not UTF-8 become U+FFFD rather than failing a large run on one stray file.
+    """
+    if not source.is_jsonl:
+        yield 0, source.path.read_bytes().decode("utf-8", errors="replace")
+        return
+    opener: Any = gzip.open if source.name.endswith(".gz") else open
+    with opener(source.path, "rt", encoding="utf-8", errors="replace") as f:
+        for line_number, line in enumerate(f, start=1):
+            if line.strip():
+                yield line_number, _document_text(line, source, line_number, text_field)
+
+
+def _document_text(line: str, source: Source, line_number: int, text_field: str) -> str:
+    where = f"{source.name}, line {line_number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f"{where}: not valid JSON ({e}); each line must be one JSON object"
+        ) from None
+    if not isinstance(record, dict) or text_field not in record:
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise DataError(
+            f"{where}: no {text_field!r} field (found {keys}); set text_field "
+            "(--text-field) to the field that holds the document text"
+        )
+    text = record[text_field]
+    if not isinstance(text, str):
+        raise DataError(f"{where}: field {text_field!r} holds a {type(text).__name__}, not text")
+    return text
+
+
+def _in_validation(seed: int, source: str, document: int, fraction: float) -> bool:
+    """A document's split, from a hash of what identifies it: stable across runs and workers."""
+    if fraction <= 0.0:
+        return False
+    digest = hashlib.blake2b(f"{seed}\0{source}\0{document}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < fraction * 2.0**64
+
+
+# -- phase 1: tokenize each source into a part -------------------------------------------------
+
+
+PART_BYTES = 1 << 22
+"""Input bytes per part (more if one file is larger): few part files, yet work for each worker."""
+
+
+def _group_sources(sources: list[Source]) -> list[list[Source]]:
+    """Consecutive sources in parts of about :data:`PART_BYTES`; independent of ``workers``,
+    so a rerun with another worker count resumes with the same parts."""
+    groups: list[list[Source]] = [[]]
+    size = 0
+    for source in sources:
+        if size >= PART_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(source)
+        size += source.size
+    return groups
+
+
+@dataclass(frozen=True)
+class _PartJob:
+    sources: tuple[Source, ...]
+    part_path: Path
+    text_field: str
+    seed: int
+    val_fraction: float
+    dtype: str
+
+
+def _tokenize(job: _PartJob, tokenizer: Tokenizer) -> int:
+    """Write one part file; return its input bytes (for the progress bar)."""
+    dtype = np.dtype(job.dtype)
+    eos = np.array([tokenizer.eos_token_id], dtype=dtype)
+    chunks: dict[str, list[np.ndarray]] = {split: [] for split in SPLITS}
+    lengths: dict[str, list[int]] = {split: [] for split in SPLITS}
+    documents = np.zeros(len(job.sources), dtype=np.int64)
+    for i, source in enumerate(job.sources):
+        for document, text in read_documents(source, job.text_field):
+            ids = tokenizer.encode_to_array(text).astype(dtype, copy=False)
+            if not len(ids):
+                continue  # an empty document would only add a lone EOS
+            split = SPLITS[_in_validation(job.seed, source.name, document, job.val_fraction)]
+            chunks[split] += [ids, eos]
+            lengths[split].append(len(ids) + 1)
+            documents[i] += 1
+    arrays: dict[str, Any] = {"documents": documents}
+    for split in SPLITS:
+        arrays[split] = np.concatenate(chunks[split]) if chunks[split] else np.empty(0, dtype)
+        arrays[f"{split}_lengths"] = np.asarray(lengths[split], dtype=np.int64)
+    _write_atomically(job.part_path, lambda f: np.savez(f, **arrays))
+    return sum(source.size for source in job.sources)
+
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(config: TokenizerConfig) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = config.build()
+
+
+def _tokenize_in_worker(job: _PartJob) -> int:
+    assert _worker_tokenizer is not None
+    return _tokenize(job, _worker_tokenizer)
+
+
+def _write_atomically(path: Path, fill: Any) -> None:
+    """Fill ``path``'s temporary twin, then rename it: never a half-written file under ``path``."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            fill(f)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _run_jobs(
+    jobs: list[_PartJob], tokenizer: TokenizerConfig, workers: int, bar: Progress
+) -> None:
+    if not jobs:
+        return
+    total = sum(source.size for job in jobs for source in job.sources)
+    task = bar.add_task("tokenizing", total=total)
+    if workers <= 1 or len(jobs) == 1:
+        built = tokenizer.build()
+        for job in jobs:
+            bar.advance(task, _tokenize(job, built))
+        return
+    # fork where there is one: a spawned worker would re-import the parent's main module,
+    # torch included (seconds per worker), while the workers only need numpy and the tokenizer.
+    forking = "fork" in multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if forking else "spawn")
+    with context.Pool(min(workers, len(jobs)), _init_worker, (tokenizer,)) as pool:
+        for size in pool.imap_unordered(_tokenize_in_worker, jobs):
+            bar.advance(task, size)
+
+
+# -- phase 2: cut the parts into shards --------------------------------------------------------
+
+
+def _shard_ends(lengths: np.ndarray, shard_tokens: int) -> list[int]:
+    """Document counts at which shards end: each closes once it holds ``shard_tokens``."""
+    ends: list[int] = []
+    ends_at = np.cumsum(lengths)
+    start_doc, start_token = 0, 0
+    while start_doc < len(lengths):
+        last = int(np.searchsorted(ends_at, start_token + shard_tokens, side="left"))
+        end = min(last + 1, len(lengths))
+        ends.append(end)
+        start_doc, start_token = end, int(ends_at[end - 1])
+    return ends
+
+
+def _split_tokens(parts: list[Path], split: str) -> Iterator[np.ndarray]:
+    """Each part's tokens of ``split`` in order, one part in memory at a time."""
+    for path in parts:
+        with np.load(path) as part:
+            yield part[split]
+
+
+def _take(stream: Iterator[np.ndarray], rest: np.ndarray, count: int) -> tuple[list, np.ndarray]:
+    """The next ``count`` tokens (as slices of the parts) and what is left of the last part."""
+    chunks = []
+    while count:
+        if not len(rest):
+            rest = next(stream)
+        chunks.append(rest[:count])
+        count -= len(chunks[-1])
+        rest = rest[len(chunks[-1]) :]
+    return chunks, rest
+
+
+def _write_shard(path: Path, dtype: np.dtype, chunks: list[np.ndarray]) -> None:
+    """Write ``chunks`` as one flat ``.npy`` array, whole or not at all, without joining them."""
+
+    def fill(f: Any) -> None:
+        header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False}
+        count = sum(len(c) for c in chunks)
+        np.lib.format.write_array_header_1_0(f, {**header, "shape": (count,)})
+        for chunk in chunks:
+            f.write(np.ascontiguousarray(chunk, dtype=dtype).tobytes())
+
+    _write_atomically(path, fill)
+
+
+def _write_split(
+    out: Path, split: str, parts: list[Path], dtype: np.dtype, shard_tokens: int, bar: Progress
+) -> list[dict[str, Any]]:
+    """Write one split's shards (skipping finished ones) and return their metadata."""
+    per_part: list[np.ndarray] = [np.empty(0, np.int64)]
+    for path in parts:
+        with np.load(path) as part:
+            per_part.append(part[f"{split}_lengths"])
+    lengths = np.concatenate(per_part)
+    stream, rest = _split_tokens(parts, split), np.empty(0, dtype)
+    task = bar.add_task(f"writing {split}", total=int(lengths.sum()))
+    shards, ends_at, start_doc = [], np.cumsum(lengths), 0
+    for number, end_doc in enumerate(_shard_ends(lengths, shard_tokens)):
+        start = int(ends_at[start_doc - 1]) if start_doc else 0
+        end = int(ends_at[end_doc - 1])
+        relative = f"{split}/part-{number:05d}.npy"
+        chunks, rest = _take(stream, rest, end - start)
+        if not (out / relative).exists():  # present: written whole by an interrupted run
+            (out / split).mkdir(exist_ok=True)
+            _write_shard(out / relative, dtype, chunks)
+        shards.append({"path": relative, "tokens": end - start, "documents": end_doc - start_doc})
+        bar.advance(task, end - start)
+        start_doc = end_doc
+    return shards
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """The result of :func:`prepare_data`: where the shards are and what ``metadata.json`` says."""
+
+    output_dir: Path
+    metadata: dict[str, Any]
+
+    @classmethod
+    def load(cls, output_dir: str | Path) -> PreparedData:
+        path = Path(output_dir) / METADATA_FILE
+        if not path.is_file():
+            raise DataError(f"{output_dir} holds no {METADATA_FILE}; run olmolike prepare-data")
+        return cls(Path(output_dir), json.loads(path.read_text()))
+
+    def paths(self, split: str = "train") -> list[str]:
+        return [str(self.output_dir / s["path"]) for s in self.metadata["splits"][split]]
+
+    def num_tokens(self, split: str = "train") -> int:
+        return sum(s["tokens"] for s in self.metadata["splits"][split])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.metadata["vocab_size"])
+
+    @property
+    def eos_token_id(self) -> int:
+        return int(self.metadata["eos_token_id"])
+
+    def dataset_config(
+        self, sequence_length: int, *, split: str = "train", seed: int = 0
+    ) -> NumpyDatasetConfig:
+        """A dataset over one split; a missing validation split is a clear error."""
+        paths = self.paths(split)
+        if not paths:
+            raise DataError(
+                f"{self.output_dir} has no {split!r} shards; prepare it with val_fraction > 0 "
+                "(--val-fraction) to get a validation split"
+            )
+        return NumpyDatasetConfig(
+            paths=paths,
+            sequence_length=sequence_length,
+            vocab_size=self.vocab_size,
+            eos_token_id=self.eos_token_id,
+            seed=seed,
+        )
+
+
+def _claim_output(out: Path, arguments: dict[str, Any], overwrite: bool) -> dict[str, Any] | None:
+    """Check ``out`` may receive this run; return the finished metadata if it already has it."""
+    recorded = None
+    for path in (out / METADATA_FILE, out / WORK_DIR / "args.json"):
+        if path.is_file():
+            recorded = json.loads(path.read_text()).get("arguments")
+            break
+    if overwrite:
+        for name in (*SPLITS, WORK_DIR, METADATA_FILE):
+            target = out / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+    elif recorded is not None and recorded != arguments:
+        differing = sorted(k for k in arguments if recorded.get(k) != arguments[k])
+        raise DataError(
+            f"{out} holds data prepared with different {', '.join(differing)}; pass "
+            "overwrite=True (--overwrite) to replace it, or choose another output directory"
+        )
+    elif recorded is None and out.is_dir() and any(out.iterdir()):
+        raise DataError(
+            f"{out} is not empty and holds no prepare-data output; choose an empty directory "
+            "or pass overwrite=True (--overwrite)"
+        )
+    if not overwrite and (out / METADATA_FILE).is_file():
+        return dict(json.loads((out / METADATA_FILE).read_text()))
+    return None
+
+
+def _clean_temporaries(out: Path) -> None:
+    """Remove half-written files that a killed run left under temporary names."""
+    for directory in (out, out / WORK_DIR, out / WORK_DIR / "parts", *(out / s for s in SPLITS)):
+        for tmp in directory.glob("*.tmp"):
+            log.info("Removing %s, left by an interrupted run", tmp)
+            tmp.unlink()
+
+
+def prepare_data(
+    inputs: Sequence[str | Path],
+    output_dir: str | Path,
+    *,
+    tokenizer: TokenizerConfig | None = None,
+    text_field: str = "text",
+    val_fraction: float = 0.0,
+    seed: int = 0,
+    workers: int = 1,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> PreparedData:
+    """Tokenize ``inputs`` into ``.npy`` shards under ``output_dir`` (see the module docstring).
+
+    Documents go to the validation split with probability ``val_fraction``, decided by a hash
+    of ``(seed, source name, document index)``.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if shard_tokens < 1 or workers < 1:
+        raise DataError("shard_tokens and workers must be at least 1")
+    out = Path(output_dir)
+    resolved = (tokenizer or TokenizerConfig()).resolve()
+    assert resolved.vocab_size is not None and resolved.eos_token_id is not None
+    dtype = np.dtype(np.uint16 if resolved.vocab_size <= 1 << 16 else np.uint32)
+    sources = resolve_inputs(inputs, exclude=out)
+    # Everything the output depends on; not ``workers``, which never changes it.
+    arguments = {
+        "format_version": FORMAT_VERSION,
+        "tokenizer": resolved.as_config_dict(),
+        "dtype": dtype.name,
+        "text_field": text_field,
+        "val_fraction": val_fraction,
+        "seed": seed,
+        "shard_tokens": shard_tokens,
+        "sources": [{"path": s.name, "bytes": s.size} for s in sources],
+    }
+    finished = _claim_output(out, arguments, overwrite)
+    if finished is not None:
+        log.info("%s already holds this data; nothing to do", out)
+        return PreparedData(out, finished)
+    parts_dir = out / WORK_DIR / "parts"
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    _clean_temporaries(out)
+    _write_atomically(
+        out / WORK_DIR / "args.json",
+        lambda f: f.write(json.dumps({"arguments": arguments}).encode()),
+    )
+    groups = _group_sources(sources)
+    parts = [parts_dir / f"{i:06d}.npz" for i in range(len(groups))]
+    jobs = [
+        _PartJob(tuple(group), part, text_field, seed, val_fraction, dtype.name)
+        for group, part in zip(groups, parts)
+        if not part.exists()
+    ]
+    if len(jobs) < len(parts):
+        log.info("Resuming: %d of %d parts already tokenized", len(parts) - len(jobs), len(parts))
+    columns = (TextColumn("{task.description}"), BarColumn(), TimeRemainingColumn())
+    with Progress(*columns, disable=not progress) as bar:
+        _run_jobs(jobs, resolved, workers, bar)
+        splits = {s: _write_split(out, s, parts, dtype, shard_tokens, bar) for s in SPLITS}
+    metadata = _metadata(resolved, dtype, arguments, splits, parts)
+    _write_atomically(
+        out / METADATA_FILE, lambda f: f.write(json.dumps(metadata, indent=2).encode())
+    )
+    shutil.rmtree(out / WORK_DIR)
+    return PreparedData(out, metadata)
+
+
+def _metadata(
+    tokenizer: TokenizerConfig,
+    dtype: np.dtype,
+    arguments: dict[str, Any],
+    splits: dict[str, list[dict[str, Any]]],
+    parts: list[Path],
+) -> dict[str, Any]:
+    documents: list[int] = []
+    for path in parts:
+        with np.load(path) as part:
+            documents += part["documents"].tolist()
+    sources = [{**s, "documents": n} for s, n in zip(arguments["sources"], documents)]
+    return {
+        "format_version": FORMAT_VERSION,
+        "tokenizer": tokenizer.identifier,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "dtype": dtype.name,
+        "splits": splits,
+        "sources": sources,
+        "arguments": arguments,
+    }
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    inputs: list[str | Path] = list(args.inputs)
+    if args.stdlib:
+        inputs += stdlib_python_files()
+    try:
+        if not inputs:
+            raise DataError("name INPUT files, folders or globs, or pass --stdlib")
+        prepared = prepare_data(
+            inputs,
+            args.output,
+            tokenizer=TokenizerConfig(identifier=args.tokenizer),
+            text_field=args.text_field,
+            val_fraction=args.val_fraction,
+            seed=args.seed,
+            workers=args.workers,
+            shard_tokens=args.shard_tokens,
+            overwrite=args.overwrite,
+            progress=True,
+        )
+    except OLMoLikeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for split in SPLITS:
+        print(
+            f"{split}: {prepared.num_tokens(split):,d} tokens in {len(prepared.paths(split))} shard(s)"
+        )
+    print(f"metadata: {prepared.output_dir / METADATA_FILE}")
+    return 0
+
+
+def add_prepare_data_command(commands: argparse._SubParsersAction) -> None:
+    """Register ``olmolike prepare-data`` on the CLI's subcommands."""
+    cmd = commands.add_parser(
+        "prepare-data",
+        help="tokenize text/JSONL files into memory-mappable .npy token shards for training",
+    )
+    cmd.add_argument("inputs", nargs="*", metavar="INPUT", help="files, folders or globs")
+    cmd.add_argument("-o", "--output", required=True, help="the output directory")
+    cmd.add_argument(
+        "--tokenizer", default="byte", help="'byte' or a tokenizer.json file (default: byte)"
+    )
+    cmd.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    cmd.add_argument("--val-fraction", type=float, default=0.0, help="share of documents held out")
+    cmd.add_argument("--seed", type=int, default=0, help="seed of the validation split")
+    cmd.add_argument("--workers", type=int, default=1, help="processes tokenizing files")
+    cmd.add_argument(
+        "--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard"
+    )
+    cmd.add_argument("--overwrite", action="store_true", help="replace different earlier output")
+    cmd.add_argument(
+        "--stdlib",
+        action="store_true",
+        help="also use this Python's standard-library .py files (the embedded default corpus)",
+    )
+    cmd.set_defaults(run=_run_command)
