@@ -56,8 +56,8 @@ class TransformerPreset(StrEnum):
 
 # The mid-size OLMo-2 names count non-embedding parameters, so they hold for any vocabulary.
 _PRESETS: dict[TransformerPreset, dict[str, Any]] = {
-    TransformerPreset.tiny: dict(d_model=128, n_layers=4, n_heads=4, max_sequence_length=1024),
-    TransformerPreset.small: dict(d_model=256, n_layers=6, n_heads=4, max_sequence_length=1024),
+    TransformerPreset.tiny: dict(d_model=128, n_layers=4, n_heads=4),
+    TransformerPreset.small: dict(d_model=256, n_layers=6, n_heads=4),
     TransformerPreset.olmo2_30M: dict(
         d_model=512, n_layers=8, n_heads=8, mlp_hidden_size=1792, qk_norm=True
     ),
