@@ -16,6 +16,8 @@ from olmolike.data.prepare import PreparedData
 from olmolike.exceptions import DataError
 
 EOS = 256
+VAL_DOCS = 20
+"""Documents of :func:`many_documents` in the validation split at fraction 0.25, seed 0."""
 
 
 def byte_doc(text: str) -> list[int]:
@@ -62,7 +64,12 @@ def test_jsonl_text_and_glob_inputs_become_one_eos_separated_stream(tmp_path: Pa
     assert meta["splits"]["train"] == [
         {"path": "train/part-00000.npy", "tokens": len(tokens), "documents": 4}
     ]
-    assert [s["documents"] for s in meta["sources"]] == [2, 1, 1, 0]
+    assert [s["path"] for s in meta["sources"]] == [
+        f"{data}/a.jsonl",
+        f"{data}/b.jsonl.gz",
+        f"{data}/texts/c.txt",
+        f"{data}/texts/d.txt",
+    ]
     assert [s["bytes"] for s in meta["sources"]][2:] == [10, 0]
 
 
@@ -119,15 +126,15 @@ def test_shards_close_at_document_boundaries(tmp_path: Path) -> None:
 def test_validation_split_is_stable_and_output_identical_for_any_worker_count(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    data = many_documents(tmp_path / "data")
+    monkeypatch.chdir(tmp_path)  # relative inputs: the source names, hence the split, are fixed
+    data = many_documents(Path("data"))
     monkeypatch.setattr(prepare, "PART_BYTES", 600)  # several parts, so both workers get some
-    one = prepare_data([data], tmp_path / "w1", val_fraction=0.25, shard_tokens=700)
-    two = prepare_data([data], tmp_path / "w2", val_fraction=0.25, shard_tokens=700, workers=2)
+    one = prepare_data([data], "w1", val_fraction=0.25, shard_tokens=700)
+    two = prepare_data([data], "w2", val_fraction=0.25, shard_tokens=700, workers=2)
     assert tree_of_files(tmp_path / "w1") == tree_of_files(tmp_path / "w2")
     val_docs = sum(s["documents"] for s in one.metadata["splits"]["val"])
-    assert 5 <= val_docs <= 35  # about a quarter of 72
-    assert len(two.paths("val")) >= 1 and two.num_tokens("val") > 0
-    other_seed = prepare_data([data], tmp_path / "s1", val_fraction=0.25, seed=1)
+    assert val_docs == VAL_DOCS and 0 < two.num_tokens("val") < two.num_tokens("train")
+    other_seed = prepare_data([data], "s1", val_fraction=0.25, seed=1)
     assert (
         np.load(other_seed.paths("val")[0]).tolist()
         != np.concatenate([np.load(p) for p in one.paths("val")]).tolist()

@@ -28,7 +28,7 @@ import os
 import shutil
 import sys
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,10 +74,6 @@ class Source:
     name: str
     size: int
 
-    @property
-    def is_jsonl(self) -> bool:
-        return self.name.endswith((".jsonl", ".jsonl.gz"))
-
 
 def stdlib_python_files() -> list[Path]:
     """The running Python's standard-library ``.py`` files, in a fixed (sorted) order.
@@ -86,19 +82,19 @@ def stdlib_python_files() -> list[Path]:
     machines, while the standard library of one Python version is the same everywhere.
     """
     root = Path(sysconfig.get_paths()["stdlib"])
-    found: list[Path] = []
-    for directory, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS)
-        found.extend(Path(directory) / f for f in sorted(files) if f.endswith(".py"))
-    return found
+    return _walk(root, lambda d: d not in _SKIPPED_DIRS, lambda f: f.endswith(".py"))
 
 
-def _walk(directory: Path) -> list[Path]:
-    """Files under ``directory`` in sorted order, skipping hidden files and folders."""
+def _walk(
+    root: Path,
+    keep_dir: Callable[[str], bool] = lambda d: not d.startswith("."),
+    keep_file: Callable[[str], bool] = lambda f: not f.startswith("."),
+) -> list[Path]:
+    """Files under ``root`` in sorted order (by default without hidden files and folders)."""
     found: list[Path] = []
-    for parent, dirs, files in os.walk(directory):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found.extend(Path(parent) / f for f in sorted(files) if not f.startswith("."))
+    for parent, dirs, files in os.walk(root):
+        dirs[:] = sorted(filter(keep_dir, dirs))
+        found.extend(Path(parent) / f for f in sorted(files) if keep_file(f))
     return found
 
 
@@ -149,7 +145,7 @@ def read_documents(source: Source, text_field: str) -> Iterator[tuple[int, str]]
 
     Bytes that are not UTF-8 become U+FFFD rather than failing a large run on one stray file.
     """
-    if not source.is_jsonl:
+    if not source.name.endswith((".jsonl", ".jsonl.gz")):
         yield 0, source.path.read_bytes().decode("utf-8", errors="replace")
         return
     opener: Any = gzip.open if source.name.endswith(".gz") else open
@@ -224,8 +220,7 @@ def _tokenize(job: _PartJob, tokenizer: Tokenizer) -> int:
     eos = np.array([tokenizer.eos_token_id], dtype=dtype)
     chunks: dict[str, list[np.ndarray]] = {split: [] for split in SPLITS}
     lengths: dict[str, list[int]] = {split: [] for split in SPLITS}
-    documents = np.zeros(len(job.sources), dtype=np.int64)
-    for i, source in enumerate(job.sources):
+    for source in job.sources:
         for document, text in read_documents(source, job.text_field):
             ids = tokenizer.encode_to_array(text).astype(dtype, copy=False)
             if not len(ids):
@@ -233,8 +228,7 @@ def _tokenize(job: _PartJob, tokenizer: Tokenizer) -> int:
             split = SPLITS[_in_validation(job.seed, source.name, document, job.val_fraction)]
             chunks[split] += [ids, eos]
             lengths[split].append(len(ids) + 1)
-            documents[i] += 1
-    arrays: dict[str, Any] = {"documents": documents}
+    arrays: dict[str, Any] = {}
     for split in SPLITS:
         arrays[split] = np.concatenate(chunks[split]) if chunks[split] else np.empty(0, dtype)
         arrays[f"{split}_lengths"] = np.asarray(lengths[split], dtype=np.int64)
@@ -509,7 +503,7 @@ def prepare_data(
     with Progress(*columns, disable=not progress) as bar:
         _run_jobs(jobs, resolved, workers, bar)
         splits = {s: _write_split(out, s, parts, dtype, shard_tokens, bar) for s in SPLITS}
-    metadata = _metadata(resolved, dtype, arguments, splits, parts)
+    metadata = _metadata(resolved, arguments, splits)
     _write_atomically(
         out / METADATA_FILE, lambda f: f.write(json.dumps(metadata, indent=2).encode())
     )
@@ -518,27 +512,16 @@ def prepare_data(
 
 
 def _metadata(
-    tokenizer: TokenizerConfig,
-    dtype: np.dtype,
-    arguments: dict[str, Any],
-    splits: dict[str, list[dict[str, Any]]],
-    parts: list[Path],
+    tokenizer: TokenizerConfig, arguments: dict[str, Any], splits: dict[str, Any]
 ) -> dict[str, Any]:
-    documents: list[int] = []
-    for path in parts:
-        with np.load(path) as part:
-            documents += part["documents"].tolist()
-    sources = [{**s, "documents": n} for s, n in zip(arguments["sources"], documents)]
+    ids = ("vocab_size", "eos_token_id", "pad_token_id", "bos_token_id")
     return {
         "format_version": FORMAT_VERSION,
         "tokenizer": tokenizer.identifier,
-        "vocab_size": tokenizer.vocab_size,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-        "bos_token_id": tokenizer.bos_token_id,
-        "dtype": dtype.name,
+        **{name: getattr(tokenizer, name) for name in ids},
+        "dtype": arguments["dtype"],
         "splits": splits,
-        "sources": sources,
+        "sources": arguments["sources"],
         "arguments": arguments,
     }
 
