@@ -191,6 +191,8 @@ def fit(save: Path, dataset: NumpyFSLDataset, cancel_at: int = 0) -> dict[int, l
     return recorder.seen
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_the_trainer_resumes_the_data_exactly_across_an_epoch_boundary(tmp_path: Path) -> None:
     np.save(tmp_path / "small.npy", np.arange(22 * SEQ, dtype=np.uint16))
     small = NumpyDatasetConfig(paths=[str(tmp_path / "small.npy")], sequence_length=SEQ).build()

@@ -482,6 +482,7 @@ def prepare_data(
     finished = _claim_output(out, arguments, overwrite)
     if finished is not None:
         log.info("%s already holds this data; nothing to do", out)
+        shutil.rmtree(out / WORK_DIR, ignore_errors=True)  # killed after the metadata landed
         return PreparedData(out, finished)
     parts_dir = out / WORK_DIR / "parts"
     parts_dir.mkdir(parents=True, exist_ok=True)
