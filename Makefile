@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 # torch first, pinned, so pip takes the local CPU wheel instead of resolving CUDA packages.
 TORCH_SPEC := torch==2.13.0
 
-.PHONY: install lint format typecheck pytest test bench clean
+.PHONY: install run lint format typecheck pytest test bench clean
 
 install: $(STAMP)
 
@@ -16,6 +16,20 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
+
+# `make run`: the embedded default corpus (the .py files of this Python's standard library,
+# byte-tokenized), a few CPU minutes of training with checkpoints and validation, then a sample.
+# Run again, it resumes (or, if finished, only samples). RUN_ARGS takes dotted overrides.
+DATA_DIR := data/stdlib
+RUN_NAME ?= stdlib-demo
+RUN_ARGS ?=
+PROMPT ?= def
+
+run: install
+	$(VENV)/bin/olmolike prepare-data --stdlib -o $(DATA_DIR) --val-fraction 0.02 --workers 2
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) src/examples/train_lm/train.py $(RUN_NAME) $(RUN_ARGS)
+	@echo "--- a sample from the trained model (olmolike generate runs/$(RUN_NAME) --prompt '$(PROMPT) ') ---"
+	@$(VENV)/bin/olmolike generate runs/$(RUN_NAME) --prompt '$(PROMPT) ' --max-new-tokens 300
 
 lint: install
 	$(VENV)/bin/ruff check src
@@ -39,3 +53,4 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	@echo "runs/ and data/ are kept: remove them yourself if you want them gone"

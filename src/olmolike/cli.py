@@ -97,6 +97,72 @@ def _add_unshard_command(commands: argparse._SubParsersAction) -> None:
     unshard.set_defaults(run=_unshard)
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from .inference import generate_text, load_checkpoint_model
+
+    try:
+        loaded = load_checkpoint_model(args.checkpoint, device=args.device)
+        for i in range(args.num_samples):
+            text = generate_text(
+                loaded,
+                args.prompt,
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                seed=args.seed + i,
+            )
+            print(args.prompt + text)
+            if i + 1 < args.num_samples:
+                print("-" * 40)
+    except (OLMoLikeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_generate_command(commands: argparse._SubParsersAction) -> None:
+    generate = commands.add_parser(
+        "generate", help="sample text from a training checkpoint (stepN folder)"
+    )
+    generate.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/my-run/step600")
+    generate.add_argument("--prompt", default="", help="text to continue (default: none)")
+    generate.add_argument("--max-new-tokens", type=int, default=200)
+    generate.add_argument(
+        "--temperature", type=float, default=0.8, help="0 picks the likeliest token (greedy)"
+    )
+    generate.add_argument("--top-k", type=int, default=40)
+    generate.add_argument("--top-p", type=float, default=None)
+    generate.add_argument("--seed", type=int, default=0, help="same seed, same text")
+    generate.add_argument("--num-samples", type=int, default=1)
+    generate.add_argument("--device", default="cpu")
+    generate.set_defaults(run=_generate)
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from .inference import export_checkpoint_to_hf
+
+    try:
+        out = export_checkpoint_to_hf(args.checkpoint, args.output, overwrite=args.overwrite)
+    except (OLMoLikeError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+def _add_export_hf_command(commands: argparse._SubParsersAction) -> None:
+    export = commands.add_parser(
+        "export-hf",
+        help="write a checkpoint's model in the Hugging Face Llama format "
+        "(model.safetensors + config.json)",
+    )
+    export.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/my-run/step600")
+    export.add_argument("output", help="the directory to write into")
+    export.add_argument("--overwrite", action="store_true", help="replace existing files")
+    export.set_defaults(run=_export_hf)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="olmolike", description=__doc__)
     parser.add_argument("--version", action="version", version=f"olmolike {__version__}")
@@ -111,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("overrides", nargs=argparse.REMAINDER, help="--dotted.key=value ...")
     check.set_defaults(run=_check_config)
     _add_unshard_command(commands)
+    _add_generate_command(commands)
+    _add_export_hf_command(commands)
     add_prepare_data_command(commands)
     return parser
 

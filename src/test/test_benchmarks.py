@@ -15,7 +15,11 @@ BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("script", "expected"),
-    [("trainer_overhead.py", "ratio"), ("checkpoint_stall.py", "async blocking / sync blocking")],
+    [
+        ("trainer_overhead.py", "ratio"),
+        ("checkpoint_stall.py", "async blocking / sync blocking"),
+        ("gpu_throughput.py", "tokens/s per device"),
+    ],
 )
 def test_benchmark_smoke(script: str, expected: str, tmp_path: Path) -> None:
     result = subprocess.run(

@@ -1,0 +1,143 @@
+"""Use a training checkpoint outside training: load its model and tokenizer, sample, export.
+
+A checkpoint (``{save_folder}/step{N}``) holds the weights; the experiment's ``config.json``
+(written by :class:`~olmolike.train.callbacks.ConfigSaverCallback`) in the checkpoint folder
+or the save folder above it says how to build the model and which tokenizer it was trained with.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import io
+from .data.tokenizer import Tokenizer, TokenizerConfig
+from .distributed.checkpoint import load_model_and_optim_state
+from .exceptions import CheckpointError
+from .nn import Transformer, TransformerConfig
+from .nn.generation import generate
+from .nn.hf_export import export_hf_llama
+from .train.checkpoint import MODEL_AND_OPTIM, Checkpointer
+
+__all__ = ["LoadedCheckpoint", "export_checkpoint_to_hf", "generate_text", "load_checkpoint_model"]
+
+log = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.json"
+
+
+@dataclass
+class LoadedCheckpoint:
+    model: Transformer
+    tokenizer: Tokenizer
+    config: dict[str, Any]
+    """The experiment config the checkpoint was trained with, as plain values."""
+
+
+def find_experiment_config(checkpoint: str) -> dict[str, Any]:
+    """The ``config.json`` in ``checkpoint`` or in the save folder that contains it."""
+    parent = checkpoint.rstrip("/").rsplit("/", 1)[0] if "/" in checkpoint.rstrip("/") else "."
+    for folder in (checkpoint, parent):
+        path = io.join_path(folder, CONFIG_NAME)
+        if io.exists(path):
+            return dict(json.loads(io.read_bytes(path)))
+    raise CheckpointError(
+        f"no {CONFIG_NAME} in {checkpoint} or its parent folder, so the model's shape is unknown. "
+        "Train with ConfigSaverCallback (the train_lm example adds it), or write the experiment "
+        "config (with its 'model' and 'tokenizer' sections) there."
+    )
+
+
+def resolve_checkpoint(path: str) -> str:
+    """``path`` if it is a complete checkpoint, else the newest complete one under it."""
+    if Checkpointer.dir_is_checkpoint(path):
+        return path
+    try:
+        latest = Checkpointer.latest_checkpoint(path)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path} is neither a complete checkpoint nor a save folder holding one; pass a "
+            "step folder such as runs/my-run/step1000 or the run's save folder"
+        ) from None
+    log.info("Using the newest checkpoint in %s: %s", path, latest)
+    return latest
+
+
+def load_checkpoint_model(
+    checkpoint: str | Path, *, device: torch.device | str = "cpu"
+) -> LoadedCheckpoint:
+    """Build the model a checkpoint was trained with and load its weights (no process group).
+
+    ``checkpoint`` is a checkpoint folder (``.../step1000``) or a save folder, which means its
+    newest complete checkpoint.
+    """
+    checkpoint = resolve_checkpoint(str(checkpoint))
+    weights = io.join_path(checkpoint, MODEL_AND_OPTIM)
+    config = find_experiment_config(checkpoint)
+    for section in ("model", "tokenizer"):
+        if section not in config:
+            raise CheckpointError(
+                f"the experiment config of {checkpoint} has no {section!r} section"
+            )
+    model_config = TransformerConfig.from_dict(_without_class(config["model"]), path="model")
+    model = model_config.build(init_device="meta").materialize(torch.device(device))
+    load_model_and_optim_state(weights, model)
+    model.eval()
+    tokenizer = TokenizerConfig.from_dict(_without_class(config["tokenizer"])).build()
+    return LoadedCheckpoint(model, tokenizer, config)
+
+
+def _without_class(section: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in section.items() if k != "_CLASS_"}
+
+
+def generate_text(
+    loaded: LoadedCheckpoint,
+    prompt: str,
+    *,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 40,
+    top_p: float | None = None,
+    seed: int = 0,
+) -> str:
+    """Sample a continuation of ``prompt``; returns only the new text.
+
+    The prompt is preceded by the end-of-document token, as every document was in training,
+    so an empty prompt samples the start of a new document.
+    """
+    tokenizer = loaded.tokenizer
+    ids = torch.tensor([tokenizer.eos_token_id, *tokenizer.encode(prompt)], dtype=torch.long)
+    device = next(loaded.model.parameters()).device
+    out = generate(
+        loaded.model,
+        ids.to(device),
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_token_id=tokenizer.eos_token_id,
+        generator=torch.Generator(device=device).manual_seed(seed),
+    )
+    return tokenizer.decode(out.reshape(-1)[ids.numel() :].tolist())
+
+
+def export_checkpoint_to_hf(
+    checkpoint: str | Path, output_dir: str | Path, *, overwrite: bool = False
+) -> Path:
+    """Write a checkpoint's model in the Hugging Face Llama format (safetensors + config.json)."""
+    loaded = load_checkpoint_model(checkpoint)
+    tokenizer = loaded.tokenizer
+    return export_hf_llama(
+        loaded.model.state_dict(),
+        loaded.model.config,
+        output_dir,
+        overwrite=overwrite,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )

@@ -1,0 +1,199 @@
+"""Periodic evaluation during training: held-out LM loss and perplexity, across ranks."""
+
+from __future__ import annotations
+
+import logging
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ...data.numpy_dataset import NumpyDatasetConfig, NumpyFSLDataset
+from ...distributed.utils import get_rank, get_world_size, is_distributed
+from ...exceptions import ConfigurationError
+from ...nn.functional import cross_entropy_loss
+from .callback import Callback
+
+if TYPE_CHECKING:
+    from ..train_module import TrainModule
+
+__all__ = ["Evaluator", "EvaluatorCallback", "LMEvaluator", "LMEvaluatorCallbackConfig"]
+
+log = logging.getLogger(__name__)
+
+
+class Evaluator(ABC):
+    """Computes named metrics over some data with the train module's model."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @abstractmethod
+    def evaluate(self, train_module: TrainModule) -> dict[str, torch.Tensor]:
+        """Metrics already reduced over all ranks (every rank must call this together)."""
+
+
+class LMEvaluator(Evaluator):
+    """Mean cross-entropy and perplexity of next-token prediction on a token dataset.
+
+    Instances are dealt round-robin to the data-parallel ranks and none is dropped. Every rank
+    runs the same number of forward passes (a rank that has run out runs a batch whose labels
+    are all ignored), because a sharded model needs every rank in every forward.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        dataset: NumpyFSLDataset,
+        *,
+        rank_batch_instances: int,
+        max_batches: int | None = None,
+        device: torch.device,
+        label_ignore_index: int = -100,
+    ) -> None:
+        super().__init__(name)
+        self.dataset = dataset
+        self.rank_batch_instances = rank_batch_instances
+        self.max_batches = max_batches
+        self.device = device
+        self.ignore_index = label_ignore_index
+
+    def _rank_batches(self) -> tuple[list[list[int]], int]:
+        world, rank = get_world_size(), get_rank()
+        mine = list(range(rank, len(self.dataset), world))
+        per_rank = math.ceil(len(self.dataset) / world)
+        count = math.ceil(per_rank / self.rank_batch_instances)
+        if self.max_batches is not None:
+            count = min(count, self.max_batches)
+        size = self.rank_batch_instances
+        return [mine[i * size : (i + 1) * size] for i in range(count)], count
+
+    def _batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        if not indices:  # this rank ran out: a placeholder whose labels are all ignored
+            ids = self.dataset[0]["input_ids"].unsqueeze(0)
+            return ids.to(self.device), torch.full_like(ids, self.ignore_index).to(self.device)
+        ids = torch.stack([self.dataset[i]["input_ids"] for i in indices]).to(self.device)
+        labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=self.ignore_index)
+        return ids, labels
+
+    def evaluate(self, train_module: TrainModule) -> dict[str, torch.Tensor]:
+        totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # loss sum, tokens
+        batches, _ = self._rank_batches()
+        for indices in batches:
+            ids, labels = self._batch(indices)
+            logits = train_module.eval_batch({"input_ids": ids})
+            loss_sum, _ = cross_entropy_loss(
+                logits, labels, ignore_index=self.ignore_index, reduction="sum"
+            )
+            totals[0] += loss_sum.double()
+            totals[1] += (labels != self.ignore_index).sum()
+        if is_distributed():
+            dist.all_reduce(totals)
+        ce_loss = (totals[0] / totals[1].clamp(min=1)).float()
+        return {"CE loss": ce_loss, "PPL": ce_loss.exp()}
+
+
+@dataclass
+class _PeriodicEvaluation(Callback):
+    eval_interval: int = 1000
+    """Evaluate every this many steps."""
+    eval_on_startup: bool = False
+    """Also evaluate before the first step (step 0 metrics are logged with step 1's)."""
+    eval_on_finish: bool = True
+    """Also evaluate after the last step, if that step is not a multiple of the interval."""
+
+    priority = 10  # before loggers, so the metrics of an eval step are in that step's log
+
+    def validate(self) -> None:
+        if self.eval_interval < 1:
+            raise ConfigurationError(
+                f"must be >= 1, got {self.eval_interval}", path="eval_interval"
+            )
+
+    @abstractmethod
+    def _evaluators(self) -> list[Evaluator]: ...
+
+    def pre_train(self) -> None:
+        if self.eval_on_startup and not self.trainer.no_evals:
+            self._run()
+
+    def post_step(self) -> None:
+        if self.trainer.no_evals:
+            return
+        due = self.step % self.eval_interval == 0
+        if due or (self.eval_on_finish and self.trainer.training_complete):
+            self._run()
+
+    def _run(self) -> None:
+        train_module = self.trainer.train_module
+        for evaluator in self._evaluators():
+            metrics = evaluator.evaluate(train_module)
+            for metric, value in metrics.items():
+                self.trainer.record_metric(
+                    f"{evaluator.name}/{metric}", value, None, namespace="eval"
+                )
+            log.info(
+                "eval %s at step %d: %s",
+                evaluator.name,
+                self.step,
+                ", ".join(f"{k}={v.item():.4f}" for k, v in metrics.items()),
+            )
+
+
+@dataclass
+class EvaluatorCallback(_PeriodicEvaluation, name="evaluator"):
+    """Runs the given :class:`Evaluator` objects periodically (built in Python, not a config)."""
+
+    evaluators: list[Evaluator] = field(default_factory=list)
+
+    def _evaluators(self) -> list[Evaluator]:
+        return self.evaluators
+
+
+@dataclass
+class LMEvaluatorCallbackConfig(_PeriodicEvaluation, name="lm_evaluator"):
+    """Validation loss and perplexity on held-out token data, from config values alone."""
+
+    eval_dataset: NumpyDatasetConfig | None = None
+    eval_batch_size: int = 8
+    """Instances per forward pass on each rank."""
+    max_batches: int | None = None
+    """Evaluate on at most this many batches per rank (``None``: the whole dataset)."""
+    label: str = "lm"
+    """The metrics are named ``eval/{label}/CE loss`` and ``eval/{label}/PPL``."""
+    _built: list[Evaluator] = field(default_factory=list, init=False, repr=False)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.eval_dataset is None:
+            raise ConfigurationError("is required: the held-out token data", path="eval_dataset")
+        if self.eval_batch_size < 1:
+            raise ConfigurationError(
+                f"must be >= 1, got {self.eval_batch_size}", path="eval_batch_size"
+            )
+
+    def post_attach(self) -> None:
+        assert self.eval_dataset is not None
+        dataset = self.eval_dataset.build()
+        if len(dataset) == 0:
+            raise ConfigurationError("holds no complete instance; add data", path="eval_dataset")
+        ignore = getattr(self.trainer.train_module, "label_ignore_index", -100)
+        self._built = [
+            LMEvaluator(
+                self.label,
+                dataset,
+                rank_batch_instances=self.eval_batch_size,
+                max_batches=self.max_batches,
+                device=self.trainer.device,
+                label_ignore_index=ignore,
+            )
+        ]
+
+    def _evaluators(self) -> list[Evaluator]:
+        return self._built
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
