@@ -65,7 +65,7 @@ def test_byte_config_resolves_fixed_ids_and_pads_the_vocabulary() -> None:
     assert TokenizerConfig().padded_vocab_size(64) == 320
     assert TokenizerConfig(vocab_size=512).padded_vocab_size() == 512
     assert TokenizerConfig.from_dict(resolved.as_config_dict()) == resolved
-    with pytest.raises(ConfigurationError, match="eos_token_id.*fixed at 256"):
+    with pytest.raises(ConfigurationError, match=r"eos_token_id.*fixed at 256"):
         TokenizerConfig(eos_token_id=0)
     with pytest.raises(ConfigurationError, match="at least 258"):
         TokenizerConfig(vocab_size=100)
