@@ -50,6 +50,8 @@ test: lint typecheck pytest
 bench: install
 	$(PY) src/benchmarks/trainer_overhead.py
 	$(PY) src/benchmarks/checkpoint_stall.py
+	$(PY) src/benchmarks/data_loader.py
+	$(PY) src/benchmarks/gpu_throughput.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

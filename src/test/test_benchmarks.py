@@ -19,6 +19,7 @@ BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
         ("trainer_overhead.py", "ratio"),
         ("checkpoint_stall.py", "async blocking / sync blocking"),
         ("gpu_throughput.py", "tokens/s per device"),
+        ("data_loader.py", "load / step"),
     ],
 )
 def test_benchmark_smoke(script: str, expected: str, tmp_path: Path) -> None:

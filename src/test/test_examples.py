@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -86,14 +87,30 @@ def run_train_lm(
         *extra,
     ]
     command = [*(launcher or (sys.executable,)), str(TRAIN_LM), *args]
-    return subprocess.run(
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return run_in_own_session(command, cwd=run_dir.parent, env=env, timeout=280)
+
+
+def run_in_own_session(
+    command: list[str], *, cwd: Path, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """Run ``command``; on timeout kill its whole process group (torchrun's workers too)."""
+    proc = subprocess.Popen(
         command,
-        cwd=run_dir.parent,
-        capture_output=True,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=280,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,
     )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{command[:3]} hung for {timeout:.0f}s; stderr tail:\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 @pytest.mark.slow

@@ -94,21 +94,21 @@ def default_config(run_name: str) -> ExperimentConfig:
         train_module=TransformerTrainModuleConfig(
             rank_microbatch_size=16 * SEQUENCE_LENGTH,
             optim=AdamWConfig(lr=4e-3, weight_decay=0.1, betas=(0.9, 0.95)),
-            scheduler=CosWithWarmup(warmup=50, alpha_f=0.1),
+            scheduler=CosWithWarmup(warmup=40, alpha_f=0.1),
             max_grad_norm=1.0,
         ),
         trainer=TrainerConfig(
             save_folder=f"runs/{run_name}",
-            max_duration=Duration.steps(600),
+            max_duration=Duration.steps(400),
             metrics_collect_interval=10,
             callbacks={
-                "checkpointer": CheckpointerCallback(save_interval=200, ephemeral_save_interval=50),
+                "checkpointer": CheckpointerCallback(save_interval=100, ephemeral_save_interval=25),
                 "console_logger": ConsoleLoggerCallback(log_interval=50),
                 "lm_evaluator": LMEvaluatorCallbackConfig(
                     eval_dataset=NumpyDatasetConfig(
                         paths=[f"{DATA_DIR}/val"], sequence_length=SEQUENCE_LENGTH
                     ),
-                    eval_interval=100,
+                    eval_interval=50,
                     eval_batch_size=16,
                     max_batches=8,
                 ),
