@@ -23,6 +23,9 @@ PEAK_FLOPS: dict[str, dict[torch.dtype, float]] = {
 }
 """Peak FLOP/s per device name fragment; the longest fragment found in the name wins."""
 
+_warned_unknown: set[str] = set()
+"""Device names already warned about: a caller may ask on every step, the log needs it once."""
+
 
 def peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> float | None:
     """The device's peak FLOP/s for matmuls in ``dtype``, or ``None`` if unknown (e.g. a CPU).
@@ -34,6 +37,12 @@ def peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> flo
     name = torch.cuda.get_device_name(device)
     matches = [fragment for fragment in PEAK_FLOPS if fragment in name]
     if not matches:
-        log.warning("No peak FLOP/s known for %r; MFU will not be reported", name)
+        if name not in _warned_unknown:
+            _warned_unknown.add(name)
+            log.warning(
+                "No peak FLOP/s known for %r; MFU will not be reported (add its data-sheet "
+                "figure to olmolike.hardware.PEAK_FLOPS to get it)",
+                name,
+            )
         return None
     return PEAK_FLOPS[max(matches, key=len)].get(dtype)
