@@ -23,7 +23,10 @@ class ConfigSaverCallback(Callback, name="config_saver"):
 
     Tools that read checkpoints (``olmolike generate``, the Hugging Face export) find the model
     config there. A resumed run whose config changed keeps the previous file as
-    ``config-before-step{N}.json``, so every checkpoint's settings stay on record.
+    ``config-before-step{N}.json``, so every checkpoint's settings stay on record. An existing
+    backup for step N is kept: it means an earlier run also resumed at step N and saved no
+    checkpoint since (it would not resume at N again otherwise), so the backup holds the config
+    of the checkpoints up to N, while the config being replaced made none.
     """
 
     config: dict[str, Any] | None = None
@@ -33,13 +36,29 @@ class ConfigSaverCallback(Callback, name="config_saver"):
     priority = 5
 
     def validate(self) -> None:
-        if not self.fname or "/" in self.fname:
-            raise ConfigurationError(f"must be a plain file name, got {self.fname!r}", path="fname")
+        if not self.fname or "/" in self.fname or self.fname in (".", ".."):
+            raise ConfigurationError(
+                f"must be a plain file name such as 'config.json', got {self.fname!r}",
+                path="fname",
+            )
+        if self.config is not None:
+            # Here, not at pre_train: there only rank 0 writes, and it would fail alone mid-start.
+            try:
+                self._text()
+            except (TypeError, ValueError) as e:
+                raise ConfigurationError(
+                    f"must hold plain JSON values (dicts, lists, strings, numbers, booleans, "
+                    f"null), e.g. from as_config_dict(); {e}",
+                    path="config",
+                ) from None
+
+    def _text(self) -> str:
+        return json.dumps(self.config, indent=2, sort_keys=True) + "\n"
 
     def pre_train(self) -> None:
         if self.config is None or get_rank() != 0:
             return
-        text = json.dumps(self.config, indent=2, sort_keys=True) + "\n"
+        text = self._text()
         folder = self.trainer.save_folder
         path = io.join_path(folder, self.fname)
         if io.exists(path):
@@ -48,6 +67,14 @@ class ConfigSaverCallback(Callback, name="config_saver"):
                 return
             stem = self.fname.rsplit(".", 1)[0]
             backup = f"{stem}-before-step{self.step}.json"
-            io.write_file(folder, backup, previous, overwrite=True)
-            log.info("The config changed since the last run; the old one is kept as %s", backup)
+            if io.exists(io.join_path(folder, backup)):
+                log.info(
+                    "The config changed since the last run, which saved no checkpoint; %s keeps "
+                    "the config of the checkpoints up to step %d",
+                    backup,
+                    self.step,
+                )
+            else:
+                io.write_file(folder, backup, previous)
+                log.info("The config changed since the last run; the old one is kept as %s", backup)
         io.write_file(folder, self.fname, text, overwrite=True)
