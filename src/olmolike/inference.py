@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from . import io
 from .data.tokenizer import Tokenizer, TokenizerConfig
@@ -96,6 +97,26 @@ def _without_class(section: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in section.items() if k != "_CLASS_"}
 
 
+class _TokenizerLogits(nn.Module):
+    """The model's logits for the tokenizer's ids only.
+
+    A model's vocabulary is usually padded past the tokenizer's (to a multiple of 128, for
+    fast matmuls). The padding rows are never trained towards, but an early checkpoint or a
+    high temperature can still sample them, and the tokenizer cannot decode them.
+    """
+
+    def __init__(self, model: Transformer, vocab_size: int) -> None:
+        super().__init__()
+        self.model = model
+        self.vocab_size = vocab_size
+        self.config = model.config  # generate() crops the context to its max_sequence_length
+        # generate() restores this module's mode on the model when done: make it the model's.
+        self.train(model.training)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)[..., : self.vocab_size]
+
+
 def generate_text(
     loaded: LoadedCheckpoint,
     prompt: str,
@@ -115,7 +136,7 @@ def generate_text(
     ids = torch.tensor([tokenizer.eos_token_id, *tokenizer.encode(prompt)], dtype=torch.long)
     device = next(loaded.model.parameters()).device
     out = generate(
-        loaded.model,
+        _TokenizerLogits(loaded.model, tokenizer.vocab_size),
         ids.to(device),
         max_new_tokens=max_new_tokens,
         temperature=temperature,
