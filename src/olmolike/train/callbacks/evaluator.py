@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ...data.numpy_dataset import NumpyDatasetConfig, NumpyFSLDataset
 from ...distributed.utils import get_rank, get_world_size, is_distributed
-from ...exceptions import ConfigurationError
+from ...exceptions import ConfigurationError, DataError
 from ...nn.functional import cross_entropy_loss
 from .callback import Callback
 
@@ -174,12 +174,24 @@ class LMEvaluatorCallbackConfig(_PeriodicEvaluation, name="lm_evaluator"):
             raise ConfigurationError(
                 f"must be >= 1, got {self.eval_batch_size}", path="eval_batch_size"
             )
+        if self.max_batches is not None and self.max_batches < 1:
+            # Zero batches would report a loss of 0 and a perplexity of 1: a silent wrong metric.
+            raise ConfigurationError(
+                f"must be >= 1 or null (the whole dataset), got {self.max_batches}",
+                path="max_batches",
+            )
+        if not self.label.strip():
+            raise ConfigurationError(
+                "must not be empty: it names the metrics (eval/{label}/CE loss)", path="label"
+            )
 
     def post_attach(self) -> None:
         assert self.eval_dataset is not None
-        dataset = self.eval_dataset.build()
-        if len(dataset) == 0:
-            raise ConfigurationError("holds no complete instance; add data", path="eval_dataset")
+        try:
+            dataset = self.eval_dataset.build()
+        except DataError as e:
+            # Named here: the training data is another dataset with the same kinds of error.
+            raise ConfigurationError(f"is unusable: {e}", path="eval_dataset") from e
         ignore = getattr(self.trainer.train_module, "label_ignore_index", -100)
         self._built = [
             LMEvaluator(
