@@ -610,3 +610,31 @@ def test_persist_checks_file_or_directory(tmp_path: Any) -> None:
         trainer.persist_working_file("d")
     with pytest.raises(NotADirectoryError):
         trainer.persist_working_subdir("f")
+
+
+def test_one_cpu_process_runs_bookkeeping_inline_unless_asked(tmp_path: Path) -> None:
+    import threading
+
+    seen: list[str] = []
+
+    @dataclass
+    class ThreadProbe(Callback):
+        def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+            del step, metrics
+            seen.append(threading.current_thread().name)
+
+    default = build_trainer(tmp_path / "a", max_duration=Duration.steps(2), device="cpu")
+    assert default.async_bookkeeping is False
+    op_threads: list[str] = []
+    default.run_bookkeeping_op(lambda: op_threads.append(threading.current_thread().name))
+    assert op_threads == [threading.current_thread().name]
+
+    asked = build_trainer(
+        tmp_path / "b", max_duration=Duration.steps(2), device="cpu", async_bookkeeping=True
+    )
+    asked.add_callback("probe", ThreadProbe())
+    asked.run_bookkeeping_op(lambda: op_threads.append(threading.current_thread().name))
+    asked.fit()
+    assert asked.async_bookkeeping is True
+    assert op_threads[1] != threading.current_thread().name
+    assert seen and all(name == threading.current_thread().name for name in seen)

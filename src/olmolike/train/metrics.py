@@ -160,7 +160,10 @@ def _as_metric_value(name: str, value: MetricValue) -> MetricValue:
             raise MetricError(
                 f"metric {name!r} must be a scalar, got a tensor of shape {tuple(value.shape)}"
             )
-        return value.detach().reshape(())
+        # Skip the ops when they would change nothing: this runs for every metric of every step.
+        if value.requires_grad:
+            value = value.detach()
+        return value if value.dim() == 0 else value.reshape(())
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     raise MetricError(f"metric {name!r} must be a number or a scalar tensor, got {value!r}")

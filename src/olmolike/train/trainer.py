@@ -119,7 +119,10 @@ class Trainer(TrainerCheckpointing):
     def _set_up_bookkeeping(self) -> None:
         cpu_capable = backend_supports_cpu() if is_distributed() else True
         if self.async_bookkeeping is None:
-            self.async_bookkeeping = cpu_capable
+            # One process on the CPU has nothing to overlap: the ops are cheap host work with
+            # no collective, and a worker thread would only contend for the GIL with training.
+            single_cpu = not is_distributed() and self.device.type == "cpu"
+            self.async_bookkeeping = cpu_capable and not single_cpu
         elif self.async_bookkeeping and not cpu_capable:
             raise ConfigurationError(
                 "needs a CPU-capable backend for its separate process group; initialize with "

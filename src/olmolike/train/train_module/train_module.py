@@ -185,35 +185,53 @@ class BasicTrainModule(TrainModule):
             self.model.train()
         input_ids = batch["input_ids"]
         labels = labels_from_batch(batch, self.label_ignore_index)
-        micro_ids, micro_labels = self._split(input_ids), self._split(labels)
+        rows = self._microbatch_rows(input_ids)
         # Normalise by the whole rank batch's token count: the same loss for any micro-batch split.
         num_tokens = (labels != self.label_ignore_index).sum().clamp(min=1)
-        total_loss = torch.zeros((), device=input_ids.device)
-        for i, (ids, mb_labels) in enumerate(zip(micro_ids, micro_labels)):
+        if rows >= input_ids.shape[0]:
+            # One micro-batch, the common case: no splitting and no running total.
+            loss = self._loss_sum(self._forward_module(input_ids), labels) / num_tokens
+            loss.backward()
+            mean_loss = loss.detach()
+        else:
+            mean_loss = self._accumulate(input_ids.split(rows), labels.split(rows), num_tokens)
+        if not dry_run:
+            self.record_ce_loss(mean_loss, ReduceType.mean)
+
+    def _accumulate(
+        self,
+        micro_ids: tuple[torch.Tensor, ...],
+        micro_labels: tuple[torch.Tensor, ...],
+        num_tokens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Forward and backward over micro-batches; gradients are synchronised on the last."""
+        total = torch.zeros((), device=micro_ids[0].device)
+        for i, (ids, labels) in enumerate(zip(micro_ids, micro_labels)):
             last = i == len(micro_ids) - 1
             sync = contextlib.nullcontext() if last or self._ddp is None else self._ddp.no_sync()
             with sync:
-                logits = self._forward_module(ids)
-                loss_sum = F.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]).float(),
-                    mb_labels.reshape(-1),
-                    ignore_index=self.label_ignore_index,
-                    reduction="sum",
-                )
+                loss_sum = self._loss_sum(self._forward_module(ids), labels)
                 (loss_sum / num_tokens).backward()
-            total_loss += loss_sum.detach()
-        if not dry_run:
-            self.record_ce_loss(total_loss / num_tokens, ReduceType.mean)
+            total += loss_sum.detach()
+        return total / num_tokens
 
-    def _split(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        seq_len = tensor.shape[-1]
+    def _loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(),
+            labels.reshape(-1),
+            ignore_index=self.label_ignore_index,
+            reduction="sum",
+        )
+
+    def _microbatch_rows(self, input_ids: torch.Tensor) -> int:
+        seq_len = input_ids.shape[-1]
         if self.rank_microbatch_size % seq_len:
             raise ConfigurationError(
                 f"must be a whole number of sequences: a multiple of the sequence length "
                 f"({seq_len} tokens), got {self.rank_microbatch_size}",
                 path="rank_microbatch_size",
             )
-        return torch.split(tensor, self.rank_microbatch_size // seq_len, dim=0)
+        return self.rank_microbatch_size // seq_len
 
     @torch.no_grad()
     def eval_batch(self, batch: dict[str, Any], labels: torch.Tensor | None = None) -> Any:
