@@ -19,7 +19,6 @@ refused instead of mixing two datasets, unless ``overwrite`` is set.
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
 import json
 import logging
@@ -27,8 +26,7 @@ import multiprocessing
 import os
 import shutil
 import sys
-import sysconfig
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..exceptions import DataError, OLMoLikeError
 from .numpy_dataset import METADATA_FILE, NumpyDatasetConfig
+from .sources import Source, read_documents, resolve_inputs, stdlib_python_files
 from .tokenizer import Tokenizer, TokenizerConfig
 
 __all__ = [
@@ -58,121 +57,6 @@ DEFAULT_SHARD_TOKENS = 1 << 28
 FORMAT_VERSION = 1
 WORK_DIR = ".prepare"
 SPLITS = ("train", "val")
-_GLOB_CHARS = frozenset("*?[")
-_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
-
-
-# -- inputs ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Source:
-    """One input file. ``name`` is the path as expanded from the user's input (not resolved),
-    so the validation split, which hashes it, does not depend on the current directory."""
-
-    path: Path
-    name: str
-    size: int
-
-
-def stdlib_python_files() -> list[Path]:
-    """The running Python's standard-library ``.py`` files, in a fixed (sorted) order.
-
-    Installed packages (``site-packages``/``dist-packages``) are left out: they differ between
-    machines, while the standard library of one Python version is the same everywhere.
-    """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return _walk(root, lambda d: d not in _SKIPPED_DIRS, lambda f: f.endswith(".py"))
-
-
-def _walk(
-    root: Path,
-    keep_dir: Callable[[str], bool] = lambda d: not d.startswith("."),
-    keep_file: Callable[[str], bool] = lambda f: not f.startswith("."),
-) -> list[Path]:
-    """Files under ``root`` in sorted order (by default without hidden files and folders)."""
-    found: list[Path] = []
-    for parent, dirs, files in os.walk(root):
-        dirs[:] = sorted(filter(keep_dir, dirs))
-        found.extend(Path(parent) / f for f in sorted(files) if keep_file(f))
-    return found
-
-
-def _expand(item: str) -> list[Path]:
-    if _GLOB_CHARS & set(item):
-        import glob
-
-        matches = [Path(m) for m in sorted(glob.glob(item, recursive=True))]
-        if not matches:
-            raise DataError(f"no files match the glob {item!r}; check the pattern and the path")
-        return [f for m in matches for f in (_walk(m) if m.is_dir() else [m])]
-    path = Path(item)
-    if path.is_dir():
-        files = _walk(path)
-        if not files:
-            raise DataError(f"the input directory {item!r} holds no files")
-        return files
-    if path.is_file():
-        return [path]
-    raise DataError(f"the input {item!r} does not exist; give text/JSONL files, folders or globs")
-
-
-def resolve_inputs(inputs: Sequence[str | Path], *, exclude: Path | None = None) -> list[Source]:
-    """Expand files, folders (recursively) and globs into sources, in a deterministic order.
-
-    Files under ``exclude`` (the output directory) are skipped; a file reached twice is kept
-    once, at its first position.
-    """
-    if not inputs:
-        raise DataError("no inputs given; name text or JSONL files, folders or globs")
-    skip = os.path.join(os.path.abspath(exclude), "") if exclude is not None else None
-    seen: set[str] = set()
-    sources: list[Source] = []
-    for item in inputs:
-        for path in _expand(str(item)):
-            absolute = os.path.abspath(path)
-            if (skip is not None and absolute.startswith(skip)) or absolute in seen:
-                continue
-            seen.add(absolute)
-            sources.append(Source(path, path.as_posix(), path.stat().st_size))
-    if not sources:
-        raise DataError(f"the inputs {list(map(str, inputs))} hold no files outside the output")
-    return sources
-
-
-def read_documents(source: Source, text_field: str) -> Iterator[tuple[int, str]]:
-    """``(document index, text)`` pairs: the whole file, or one per non-blank JSONL line.
-
-    Bytes that are not UTF-8 become U+FFFD rather than failing a large run on one stray file.
-    """
-    if not source.name.endswith((".jsonl", ".jsonl.gz")):
-        yield 0, source.path.read_bytes().decode("utf-8", errors="replace")
-        return
-    opener: Any = gzip.open if source.name.endswith(".gz") else open
-    with opener(source.path, "rt", encoding="utf-8", errors="replace") as f:
-        for line_number, line in enumerate(f, start=1):
-            if line.strip():
-                yield line_number, _document_text(line, source, line_number, text_field)
-
-
-def _document_text(line: str, source: Source, line_number: int, text_field: str) -> str:
-    where = f"{source.name}, line {line_number}"
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(
-            f"{where}: not valid JSON ({e}); each line must be one JSON object"
-        ) from None
-    if not isinstance(record, dict) or text_field not in record:
-        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise DataError(
-            f"{where}: no {text_field!r} field (found {keys}); set text_field "
-            "(--text-field) to the field that holds the document text"
-        )
-    text = record[text_field]
-    if not isinstance(text, str):
-        raise DataError(f"{where}: field {text_field!r} holds a {type(text).__name__}, not text")
-    return text
 
 
 def _in_validation(seed: int, source: str, document: int, fraction: float) -> bool:
