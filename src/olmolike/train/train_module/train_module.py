@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from ..trainer import Trainer
 
-__all__ = ["BasicTrainModule", "TrainModule"]
+__all__ = ["BasicTrainModule", "ModelAndOptimTrainModule", "TrainModule"]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,36 @@ class TrainModule(ABC):
         self.trainer.record_ce_loss(value, reduce_type)
 
 
+class ModelAndOptimTrainModule(TrainModule):
+    """A train module holding one ``model`` and one ``optim``: their state is its state."""
+
+    model: nn.Module
+    optim: torch.optim.Optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        # An optimizer that has not stepped has no state to save; asking for its state dict
+        # would create some (a zero-lr step), which changes Adam's step count for the run.
+        return model_and_optim_state_dict(self.model, self.optim if self.optim.state else None)
+
+    def state_dict_to_load(self, optim: bool = True) -> dict[str, Any]:
+        return model_and_optim_state_dict(self.model, self.optim if optim else None)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        apply_model_and_optim_state_dict(self.model, self.optim, state_dict)
+
+
+def microbatch_rows(input_ids: torch.Tensor, rank_microbatch_size: int, path: str) -> int:
+    """Sequences per micro-batch; the micro-batch size must be whole sequences."""
+    seq_len = input_ids.shape[-1]
+    if rank_microbatch_size % seq_len:
+        raise ConfigurationError(
+            f"must be a whole number of sequences: a multiple of the sequence length "
+            f"({seq_len} tokens), got {rank_microbatch_size}",
+            path=path,
+        )
+    return rank_microbatch_size // seq_len
+
+
 def labels_from_batch(batch: dict[str, Any], ignore_index: int) -> torch.Tensor:
     """Next-token labels: ``batch["labels"]`` if given, else ``input_ids`` shifted left by one."""
     labels = batch.get("labels")
@@ -117,7 +147,7 @@ def labels_from_batch(batch: dict[str, Any], ignore_index: int) -> torch.Tensor:
     return labels.long()  # cross-entropy needs int64 targets; token files are often int32
 
 
-class BasicTrainModule(TrainModule):
+class BasicTrainModule(ModelAndOptimTrainModule):
     """Trains any ``nn.Module`` that maps ``input_ids`` of shape ``(B, T)`` to logits ``(B, T, V)``.
 
     With several ranks the model is wrapped in DDP, and gradients are synchronised only on the
@@ -169,23 +199,12 @@ class BasicTrainModule(TrainModule):
                 path="rank_microbatch_size",
             )
 
-    def state_dict(self) -> dict[str, Any]:
-        # An optimizer that has not stepped has no state to save; asking for its state dict
-        # would create some (a zero-lr step), which changes Adam's step count for the run.
-        return model_and_optim_state_dict(self.model, self.optim if self.optim.state else None)
-
-    def state_dict_to_load(self, optim: bool = True) -> dict[str, Any]:
-        return model_and_optim_state_dict(self.model, self.optim if optim else None)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        apply_model_and_optim_state_dict(self.model, self.optim, state_dict)
-
     def train_batch(self, batch: dict[str, Any], dry_run: bool = False) -> None:
         if not self.model.training:  # train() walks every submodule: not on every step
             self.model.train()
         input_ids = batch["input_ids"]
         labels = labels_from_batch(batch, self.label_ignore_index)
-        rows = self._microbatch_rows(input_ids)
+        rows = microbatch_rows(input_ids, self.rank_microbatch_size, "rank_microbatch_size")
         # Normalise by the whole rank batch's token count: the same loss for any micro-batch split.
         num_tokens = (labels != self.label_ignore_index).sum().clamp(min=1)
         if rows >= input_ids.shape[0]:
@@ -222,16 +241,6 @@ class BasicTrainModule(TrainModule):
             ignore_index=self.label_ignore_index,
             reduction="sum",
         )
-
-    def _microbatch_rows(self, input_ids: torch.Tensor) -> int:
-        seq_len = input_ids.shape[-1]
-        if self.rank_microbatch_size % seq_len:
-            raise ConfigurationError(
-                f"must be a whole number of sequences: a multiple of the sequence length "
-                f"({seq_len} tokens), got {self.rank_microbatch_size}",
-                path="rank_microbatch_size",
-            )
-        return self.rank_microbatch_size // seq_len
 
     @torch.no_grad()
     def eval_batch(self, batch: dict[str, Any], labels: torch.Tensor | None = None) -> Any:

@@ -18,7 +18,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 from ...config import Config, DType, StrEnum
-from ...distributed.checkpoint import apply_model_and_optim_state_dict, model_and_optim_state_dict
 from ...distributed.parallel import DataParallelConfig, DataParallelType, apply_ddp, apply_fsdp
 from ...distributed.utils import get_world_size, is_distributed
 from ...exceptions import ConfigurationError
@@ -26,7 +25,7 @@ from ...nn.functional import cross_entropy_loss
 from ...optim import AdamWConfig, OptimConfig, Scheduler, SchedulerUnits
 from ...utils import get_default_device
 from ..common import ReduceType
-from .train_module import TrainModule, labels_from_batch
+from .train_module import ModelAndOptimTrainModule, labels_from_batch, microbatch_rows
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -113,7 +112,7 @@ class TransformerTrainModuleConfig(Config):
         return TransformerTrainModule(self, model, device or get_default_device(), dp_process_group)
 
 
-class TransformerTrainModule(TrainModule):
+class TransformerTrainModule(ModelAndOptimTrainModule):
     """The train module for :class:`~olmolike.nn.Transformer` (or any LM with ``blocks``).
 
     The loss is normalised by the number of non-ignored tokens in the whole global batch (a
@@ -230,22 +229,14 @@ class TransformerTrainModule(TrainModule):
             # A schedule that needs the run's length fails here, before any step, not mid-run.
             self.scheduler.get_lr(1.0, 0, self._schedule_position()[1])
 
-    def state_dict(self) -> dict[str, Any]:
-        # An optimizer that has not stepped has no state; asking for it would create some.
-        return model_and_optim_state_dict(self.model, self.optim if self.optim.state else None)
-
-    def state_dict_to_load(self, optim: bool = True) -> dict[str, Any]:
-        return model_and_optim_state_dict(self.model, self.optim if optim else None)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        apply_model_and_optim_state_dict(self.model, self.optim, state_dict)
-
     def train_batch(self, batch: dict[str, Any], dry_run: bool = False) -> None:
         if not self.model.training:
             self.model.train()
         input_ids = batch["input_ids"]
         labels = labels_from_batch(batch, self.config.label_ignore_index)
-        split = self._microbatch_rows(input_ids)
+        split = microbatch_rows(
+            input_ids, self.config.rank_microbatch_size, "train_module.rank_microbatch_size"
+        )
         micro_ids, micro_labels = input_ids.split(split), labels.split(split)
         # The denominator is this step's non-ignored token count over all ranks; each rank's
         # gradient is scaled by the world size because DDP and FSDP average across ranks.
@@ -274,17 +265,6 @@ class TransformerTrainModule(TrainModule):
         self.record_ce_loss(ce_total * scale, ReduceType.mean)
         if self.config.z_loss_multiplier is not None:
             self.record_metric("Z loss", z_total * scale, ReduceType.mean, namespace="train")
-
-    def _microbatch_rows(self, input_ids: torch.Tensor) -> int:
-        seq_len = input_ids.shape[-1]
-        microbatch = self.config.rank_microbatch_size
-        if microbatch % seq_len:
-            raise ConfigurationError(
-                f"must be a whole number of sequences: a multiple of the sequence length "
-                f"({seq_len} tokens), got {microbatch}",
-                path="train_module.rank_microbatch_size",
-            )
-        return microbatch // seq_len
 
     def _global_token_count(self, labels: torch.Tensor) -> torch.Tensor:
         count = (labels != self.config.label_ignore_index).sum()
