@@ -1,0 +1,159 @@
+"""MetricSaverCallback: one JSON line per step, durable and duplicate-free across resumes."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+from testutils import SEQ_LEN, build_trainer
+
+from olmolike.exceptions import ConfigurationError
+from olmolike.train import Callback, Duration, Trainer
+from olmolike.train.callbacks import CheckpointerCallback
+from olmolike.train.callbacks.metric_saver import MetricSaverCallback, read_metrics_file
+
+TOKENS_PER_STEP = 8 * SEQ_LEN
+
+
+class Crash(RuntimeError):
+    pass
+
+
+@dataclass
+class CrashAtStep(Callback):
+    """Fails at the start of ``step``, as a preempted or crashed job would."""
+
+    step_to_crash: int = 0
+
+    def pre_step(self, batch: dict[str, Any]) -> None:
+        del batch
+        if self.step == self.step_to_crash:
+            raise Crash(f"crash at step {self.step}")
+
+
+def run(save: str | Path, steps: int, crash_at: int = 0, **kwargs: Any) -> Trainer:
+    callbacks: dict[str, Callback] = {
+        "metric_saver": MetricSaverCallback(),
+        "checkpointer": CheckpointerCallback(save_interval=4, pre_train_checkpoint=False),
+        "crash": CrashAtStep(step_to_crash=crash_at),
+    }
+    trainer = build_trainer(
+        save,
+        num_instances=64,
+        max_duration=Duration.steps(steps),
+        metrics_collect_interval=1,
+        callbacks=callbacks,
+        **kwargs,
+    )
+    trainer.fit()
+    return trainer
+
+
+def lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_one_line_per_step_with_tokens_time_and_metrics(tmp_path: Path) -> None:
+    trainer = build_trainer(
+        tmp_path,
+        max_duration=Duration.steps(5),
+        metrics_collect_interval=2,  # metrics arrive late: tokens must still match each step
+        no_checkpoints=True,
+        callbacks={"metric_saver": MetricSaverCallback()},
+    )
+    trainer.fit()
+    records = lines(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert [r["tokens"] for r in records] == [s * TOKENS_PER_STEP for s in range(1, 6)]
+    assert all(set(r) == {"step", "tokens", "time", "metrics"} for r in records)
+    times = [r["time"] for r in records]
+    assert times == sorted(times) and times[0] > 1.6e9
+    assert all(isinstance(r["metrics"]["train/CE loss"], float) for r in records)
+    assert any(name.startswith("optim/LR") for name in records[0]["metrics"])
+
+
+def test_lines_are_flushed_while_training_runs(tmp_path: Path) -> None:
+    seen: list[int] = []
+
+    @dataclass
+    class ReadBack(Callback):
+        def post_step(self) -> None:
+            seen.append(len((tmp_path / "metrics.jsonl").read_text().splitlines()))
+
+    build_trainer(
+        tmp_path,
+        max_duration=Duration.steps(3),
+        metrics_collect_interval=1,
+        no_checkpoints=True,
+        callbacks={"metric_saver": MetricSaverCallback(), "read": ReadBack()},
+    ).fit()
+    # post_step of step N runs before step N's metrics are logged: N-1 lines are on disk.
+    assert seen == [0, 1, 2]
+
+
+def test_resume_drops_steps_after_the_checkpoint_and_appends(tmp_path: Path) -> None:
+    with pytest.raises(Crash):
+        run(tmp_path, steps=8, crash_at=7)
+    first = lines(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in first] == [1, 2, 3, 4, 5, 6]
+    run(tmp_path, steps=8)  # resumes from the checkpoint at step 4
+    resumed = lines(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert resumed[:4] == first[:4]
+    assert resumed[4]["time"] > first[5]["time"]  # steps 5 and 6 come from the second run
+
+
+def test_fresh_run_empties_a_file_left_by_a_run_without_checkpoints(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 9, "metrics": {}}) + "\n")
+    run(tmp_path, steps=2)
+    assert [r["step"] for r in lines(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_torn_last_line_is_dropped_on_resume(tmp_path: Path) -> None:
+    run(tmp_path, steps=4)
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(path.read_text() + '{"step": 5, "tok')
+    run(tmp_path, steps=5)
+    assert [r["step"] for r in lines(path)] == [1, 2, 3, 4, 5]
+
+
+def test_read_metrics_file_rejects_damage_before_the_last_line() -> None:
+    assert read_metrics_file('{"step": 1}\n{"st') == [{"step": 1}]
+    with pytest.raises(json.JSONDecodeError):
+        read_metrics_file('{"st\n{"step": 1}\n')
+
+
+def test_only_rank_zero_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("olmolike.train.callbacks.metric_saver.get_rank", lambda: 1)
+    run(tmp_path, steps=2)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_remote_save_folder_gets_a_copy_at_checkpoints_and_the_end(tmp_path: Path) -> None:
+    folder = f"memory://metrics-{uuid.uuid4().hex}/run"
+    fs = fsspec.filesystem("memory")
+    remote_file = folder.removeprefix("memory://") + "/metrics.jsonl"
+    with pytest.raises(Crash):
+        run(folder, steps=8, crash_at=5, work_dir=str(tmp_path / "work"))
+    # The copy made at the step-4 checkpoint, then refreshed when the run failed.
+    assert [json.loads(x)["step"] for x in fs.cat(remote_file).decode().splitlines()] == [
+        1,
+        2,
+        3,
+        4,
+    ]
+    (tmp_path / "work" / "metrics.jsonl").unlink()  # a new machine: only the remote copy is left
+    run(folder, steps=6, work_dir=str(tmp_path / "work2"))
+    steps = [json.loads(x)["step"] for x in fs.cat(remote_file).decode().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("fname", ["", "a/b.jsonl", ".", ".."])
+def test_file_name_must_be_plain(fname: str) -> None:
+    with pytest.raises(ConfigurationError, match="fname"):
+        MetricSaverCallback(fname=fname)
