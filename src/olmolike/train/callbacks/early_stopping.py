@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
+from ...config import StrEnum
 from ...exceptions import ConfigurationError
 from .callback import Callback
 
