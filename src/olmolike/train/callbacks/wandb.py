@@ -1,0 +1,153 @@
+"""Metrics to Weights & Biases, and canceling a run by tagging it there."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...distributed.utils import get_rank
+from ...exceptions import ConfigurationError
+from .callback import Callback
+
+__all__ = ["WandBCallback"]
+
+log = logging.getLogger(__name__)
+
+MODES = ("online", "offline", "disabled")
+
+
+def _wandb() -> Any:
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigurationError(
+            "WandBCallback needs the 'wandb' package; install it with: "
+            "pip install 'olmolike[wandb]' (or remove the callback)",
+            path="wandb",
+        ) from None
+    return wandb
+
+
+@dataclass
+class WandBCallback(Callback, name="wandb"):
+    """Logs every metric to a W&B run at its step (rank 0), and stops the run when tagged.
+
+    Every ``cancel_check_interval`` steps rank 0 looks up the run's tags; if ``cancel_tag`` is
+    among them it asks the trainer to stop (all ranks agree at the trainer's next cancel check,
+    and the final checkpoint is saved as on any graceful stop). So a run can be stopped from the
+    W&B page without access to the cluster. Offline runs cannot be tagged remotely; their files
+    go to ``{dir or work_dir}/wandb`` and can be uploaded later with ``wandb sync``.
+
+    A resumed run continues the same W&B run: its id is kept in the checkpoints.
+    """
+
+    enabled: bool = True
+    project: str | None = None
+    entity: str | None = None
+    run_name: str | None = None
+    """The run's display name (W&B's ``name``)."""
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+    notes: str | None = None
+    config: dict[str, Any] | None = None
+    """The experiment config as plain values, shown on the run's page."""
+    mode: str = "online"
+    """``online``, ``offline`` (no network; sync later) or ``disabled``."""
+    dir: str | None = None
+    """Local folder for W&B's files; default: the trainer's ``work_dir``."""
+    cancel_tag: str | None = "cancel"
+    """Tag that stops the run; ``None`` turns the check off."""
+    cancel_check_interval: int = 10
+    """Steps between tag lookups (each is a request to the W&B API)."""
+
+    _run: Any = field(default=None, init=False, repr=False)
+    _run_id: str | None = field(default=None, init=False, repr=False)
+
+    priority = -1  # after evaluators and other producers of a step's metrics
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigurationError(f"must be one of {MODES}, got {self.mode!r}", path="mode")
+        if self.cancel_check_interval < 1:
+            raise ConfigurationError(
+                f"must be >= 1, got {self.cancel_check_interval}", path="cancel_check_interval"
+            )
+        if self.cancel_tag == "":
+            raise ConfigurationError(
+                "must be a tag name, or None to turn tag-based canceling off", path="cancel_tag"
+            )
+
+    @property
+    def _active(self) -> bool:
+        return self.enabled and self.mode != "disabled" and get_rank() == 0
+
+    def post_attach(self) -> None:
+        if self._active:
+            _wandb()  # a missing package fails at build time, not mid-run
+
+    def pre_train(self) -> None:
+        if not self._active:
+            return
+        folder = Path(self.dir) if self.dir else self.trainer.work_dir
+        folder.mkdir(parents=True, exist_ok=True)
+        self._run = _wandb().init(
+            project=self.project,
+            entity=self.entity,
+            name=self.run_name,
+            group=self.group,
+            tags=list(self.tags),
+            notes=self.notes,
+            config=self.config,
+            mode=self.mode,
+            dir=str(folder),
+            id=self._run_id,
+            resume="allow" if self._run_id else None,
+        )
+        self._run_id = self._run.id
+        log.info("W&B run %s (%s), files in %s", self._run.id, self.mode, self._run.dir)
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        if self._run is not None:
+            self._run.log({name: float(value) for name, value in metrics.items()}, step=step)
+
+    def post_step(self) -> None:
+        if self._run is None or self.cancel_tag is None:
+            return
+        if self.step % self.cancel_check_interval == 0 and self.cancel_tag in self.fetch_tags():
+            self.trainer.cancel_run(f"the W&B run has the tag {self.cancel_tag!r}")
+
+    def fetch_tags(self) -> list[str]:
+        """The run's current tags. Offline runs cannot be tagged from outside: their own tags.
+
+        A failed lookup (network, API) returns no tags: a W&B outage must not stop training.
+        """
+        if self.mode == "offline":
+            return list(self.tags)
+        try:
+            api = _wandb().Api()
+            return list(api.run(f"{self._run.entity}/{self._run.project}/{self._run.id}").tags)
+        except Exception as e:
+            log.warning("Could not read the W&B run's tags (%s); not canceling", e)
+            return []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"run_id": self._run_id} if self._run_id else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._run_id = state_dict.get("run_id", self._run_id)
+
+    def post_train(self) -> None:
+        self._finish(exit_code=0)
+
+    def on_error(self, exc: BaseException) -> None:
+        self._finish(exit_code=1)
+
+    def close(self) -> None:
+        self._finish(exit_code=0)
+
+    def _finish(self, exit_code: int) -> None:
+        if self._run is not None:
+            self._run.finish(exit_code=exit_code)
+            self._run = None
