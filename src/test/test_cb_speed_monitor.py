@@ -62,6 +62,7 @@ def fit_with_clock(
         instances_per_batch=INSTANCES,
         max_duration=Duration.steps(steps),
         metrics_collect_interval=1,
+        no_checkpoints=True,
         callbacks=callbacks,
         **config,
     )
@@ -101,7 +102,7 @@ def test_other_callbacks_time_counts_in_the_step_and_the_average(
     )
 
 
-def test_skipped_steps_and_the_step_after_a_new_fit_are_not_timed(
+def test_skipped_steps_are_not_timed_and_the_next_step_is(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, clock = fit_with_clock(tmp_path, monkeypatch, steps=6, steps_to_skip=[StepSkipRange(4, 5)])
@@ -174,6 +175,7 @@ def two_rank_worker(save_folder: str) -> dict[int, dict[str, float]]:
         save_folder,
         max_duration=Duration.steps(3),
         metrics_collect_interval=1,
+        no_checkpoints=True,
         callbacks={"speed": SpeedMonitorCallback(), "keep": keep},
     )
     trainer.fit()
