@@ -35,7 +35,7 @@ METRICS_FILE = "metrics.jsonl"
 DEFAULT_PANELS: dict[str, list[str]] = {
     "loss": ["train/CE loss", "eval/*loss*"],
     "learning rate": ["optim/LR*"],
-    "tokens per second": ["throughput/*tokens*"],
+    "tokens per second": ["throughput/device/TPS"],
 }
 """Panel title -> glob patterns of the metrics it shows. A panel nothing matches is left out."""
 

@@ -26,7 +26,7 @@ def write_run(folder: Path, steps: int = 5, lr_scale: float = 1.0, evals: bool =
             "train/CE loss": 4.0 / step,
             "optim/LR (group 0)": lr_scale * step,
             "optim/total grad norm": 1.0,
-            "throughput/device/tokens per second": 1000.0 + step,
+            "throughput/device/TPS": 1000.0 + step,
         }
         if evals and step % 2 == 0:
             metrics["eval/val/CE loss"] = 5.0 / step

@@ -4,7 +4,17 @@ from .callback import CALLBACK_HOOKS, Callback, callback_registry
 from .checkpointer import CheckpointerCallback
 from .config_saver import ConfigSaverCallback
 from .console_logger import ConsoleLoggerCallback
+from .early_stopping import EarlyStoppingCallback, EarlyStoppingMode
 from .evaluator import Evaluator, EvaluatorCallback, LMEvaluator, LMEvaluatorCallbackConfig
+from .garbage_collector import GarbageCollectorCallback
+from .gpu_memory_monitor import GPUMemoryMonitorCallback
+from .metric_saver import MetricSaverCallback
+from .profiler import ProfilerCallback
+from .progress import ProgressCallback
+from .speed_monitor import SpeedMonitorCallback
+from .stability import StabilityMonitorCallback, StabilityPolicy
+from .tensorboard import TensorBoardCallback
+from .wandb import WandBCallback
 
 __all__ = [
     "CALLBACK_HOOKS",
@@ -12,9 +22,21 @@ __all__ = [
     "CheckpointerCallback",
     "ConfigSaverCallback",
     "ConsoleLoggerCallback",
+    "EarlyStoppingCallback",
+    "EarlyStoppingMode",
     "Evaluator",
     "EvaluatorCallback",
+    "GPUMemoryMonitorCallback",
+    "GarbageCollectorCallback",
     "LMEvaluator",
     "LMEvaluatorCallbackConfig",
+    "MetricSaverCallback",
+    "ProfilerCallback",
+    "ProgressCallback",
+    "SpeedMonitorCallback",
+    "StabilityMonitorCallback",
+    "StabilityPolicy",
+    "TensorBoardCallback",
+    "WandBCallback",
     "callback_registry",
 ]
