@@ -51,6 +51,17 @@ from olmolike.train import (
     TrainerConfig,
     prepare_training_environment,
 )
+from olmolike.train.callbacks import (
+    ConfigSaverCallback,
+    EarlyStoppingCallback,
+    GarbageCollectorCallback,
+    GPUMemoryMonitorCallback,
+    MetricSaverCallback,
+    ProgressCallback,
+    SpeedMonitorCallback,
+    StabilityMonitorCallback,
+    TensorBoardCallback,
+)
 
 IGNORE_INDEX = -100
 MAX_GRAD_NORM = 1.0
@@ -192,6 +203,26 @@ def time_hand(size: Size, batches: list[torch.Tensor]) -> tuple[float, nn.Module
     return time.perf_counter() - start, model
 
 
+def library_callbacks() -> dict[str, Callback]:
+    """Every built-in callback that runs without a GPU, a network service or eval data, at its
+    default settings: what ``--with-callbacks`` adds to the trainer."""
+    return {
+        "speed_monitor": SpeedMonitorCallback(),
+        "gpu_memory_monitor": GPUMemoryMonitorCallback(),
+        "garbage_collector": GarbageCollectorCallback(),
+        "progress": ProgressCallback(),
+        "metric_saver": MetricSaverCallback(),
+        "config_saver": ConfigSaverCallback(config={"benchmark": "trainer_overhead"}),
+        "stability_monitor": StabilityMonitorCallback(),
+        "early_stopping": EarlyStoppingCallback(),
+        "tensorboard": TensorBoardCallback(),
+    }
+
+
+WITH_LIBRARY_CALLBACKS = False
+"""Set by ``--with-callbacks``: every trainer the benchmark builds gets :func:`library_callbacks`."""
+
+
 def build_trainer(
     size: Size, instances: torch.Tensor, save_folder: str, extra: dict[str, Callback] | None = None
 ) -> tuple[Trainer, nn.Module]:
@@ -205,7 +236,7 @@ def build_trainer(
         max_duration=Duration.steps(instances.shape[0] // size.batch_size),
         no_checkpoints=True,
         device="cpu",
-        callbacks=dict(extra or {}),
+        callbacks={**(library_callbacks() if WITH_LIBRARY_CALLBACKS else {}), **(extra or {})},
     )
     return config.build(train_module, loader), model
 
@@ -374,6 +405,8 @@ def print_setup(console: Console, settings: Settings, threads: int) -> None:
         "Logging: the 'olmolike' loggers are set to WARNING: the default ConsoleLoggerCallback "
         "(log_interval=1)\nstill runs at every metric collection, but its INFO records are dropped."
     )
+    if WITH_LIBRARY_CALLBACKS:
+        console.print(f"With the library callbacks: {', '.join(library_callbacks())}")
     for size in SIZES:
         console.print(
             f"{size.name}: TinyCausalLM d_model={size.d_model} n_layers={size.n_layers} "
@@ -391,6 +424,11 @@ def usable_cores() -> int:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="a short smoke run (< 1 min)")
+    parser.add_argument(
+        "--with-callbacks",
+        action="store_true",
+        help="add every built-in callback that needs no GPU, service or eval data",
+    )
     parser.add_argument("--steps", type=int, help="timed steps per run, for every size")
     parser.add_argument("--rounds", type=int, help="alternating rounds per size (default 15)")
     parser.add_argument(
@@ -405,7 +443,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    global WITH_LIBRARY_CALLBACKS
     args = parse_args()
+    WITH_LIBRARY_CALLBACKS = args.with_callbacks
     prepare_training_environment(backend=None)
     logging.getLogger("olmolike").setLevel(logging.WARNING)
     torch.set_num_threads(args.threads)
