@@ -1,0 +1,240 @@
+"""Check that a saved checkpoint reproduces the live model, right after it is saved.
+
+A checkpoint that loads without error can still be wrong: a parameter left out of a custom
+``state_dict``, a dtype cast on the way to disk, a staging buffer reused too early by an
+async save. Such bugs surface only at the resume, possibly weeks later. This callback loads
+each (or every n-th) checkpoint into a copy of the model whose weights were first set to NaN,
+runs a few fixed batches through both models and requires the same logits and loss.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ... import io
+from ...distributed.checkpoint import load_model_and_optim_state
+from ...exceptions import CheckpointError, ConfigurationError
+from ..checkpoint import MODEL_AND_OPTIM
+from .callback import Callback
+from .checkpointer import CheckpointerCallback
+
+__all__ = ["ReproducibilityCheckCallback"]
+
+log = logging.getLogger(__name__)
+
+_IGNORE_INDEX = -100
+
+
+@dataclass
+class _Reference:
+    """The live model's outputs at the step a checkpoint was saved, awaiting that checkpoint."""
+
+    path: str
+    logits: list[torch.Tensor]
+    losses: list[torch.Tensor]
+
+
+@dataclass
+class ReproducibilityCheckCallback(Callback, name="reproducibility_check"):
+    """After a checkpoint save, reload its model state and compare outputs with the live model.
+
+    The live model's logits and loss on ``num_batches`` fixed batches are taken at the step
+    the checkpoint is saved (its weights are exactly what was saved then). The check itself
+    runs once the checkpoint is complete:
+
+    * synchronous saves: in the same step, right after the checkpointer;
+    * async saves: when the next save starts or training ends, the points at which every rank
+      knows the earlier save has finished (a per-step look at the folder could see the marker
+      on one rank and not on another, and the load's collectives would then not match).
+
+    With several ranks (DDP) every rank loads the whole model state into its own copy, through
+    the checkpointer's process group, and checks its replica. Sharded models (FSDP, DTensor
+    parameters) are refused at build time: their copy would need to be sharded the same way.
+
+    A mismatch raises :class:`~olmolike.exceptions.CheckpointError` naming the checkpoint and
+    the largest difference, which stops the run. Each check costs one extra copy of the model
+    in memory and ``2 x num_batches`` forward passes; ``every_n_saves`` spreads it out.
+    """
+
+    num_batches: int = 2
+    """Fixed batches to compare on (the data loader's mock batch and permutations of it)."""
+    every_n_saves: int = 1
+    """Check the first save and then every n-th one (``1``: every save)."""
+    atol: float = 0.0
+    """Allowed absolute difference; ``0`` with ``rtol=0`` means bit-exact (right on CPU)."""
+    rtol: float = 0.0
+    """Allowed difference relative to the live model's value."""
+    seed: int = 0
+    """Seeds the permutations that turn the mock batch into ``num_batches`` batches."""
+    enabled: bool = True
+
+    _saves_seen: int = field(default=0, init=False, repr=False)
+    _pending: list[_Reference] = field(default_factory=list, init=False, repr=False)
+    _checkpointer: CheckpointerCallback | None = field(default=None, init=False, repr=False)
+    _last_counted: str | None = field(default=None, init=False, repr=False)
+
+    priority = -5  # after the checkpointer (1), which must have saved the step first
+
+    def validate(self) -> None:
+        if self.num_batches < 1:
+            raise ConfigurationError(f"must be >= 1, got {self.num_batches}", path="num_batches")
+        if self.every_n_saves < 1:
+            raise ConfigurationError(
+                f"must be >= 1, got {self.every_n_saves}", path="every_n_saves"
+            )
+        for name in ("atol", "rtol"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigurationError(f"must be a finite number >= 0, got {value}", path=name)
+
+    def post_attach(self) -> None:
+        if not self.enabled:
+            return
+        found = [
+            cb for cb in self.trainer.callbacks.values() if isinstance(cb, CheckpointerCallback)
+        ]
+        if not found:
+            raise ConfigurationError(
+                "needs a CheckpointerCallback to check the checkpoints it saves; add one, or "
+                "set enabled=False",
+                path="reproducibility_check",
+            )
+        self._checkpointer = found[0]
+        if any(isinstance(p, DTensor) for p in self._model().parameters()):
+            raise ConfigurationError(
+                "cannot check a sharded (FSDP) model: its copy would have to be sharded the "
+                "same way; run the check in a DDP or single-process run, or set enabled=False",
+                path="reproducibility_check",
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"saves_seen": self._saves_seen}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._saves_seen = int(state_dict.get("saves_seen", 0))
+
+    def pre_train(self) -> None:
+        self._after_possible_save()
+
+    def post_step(self) -> None:
+        self._after_possible_save()
+
+    def post_train(self) -> None:
+        # The checkpointer has saved the final checkpoint and waited for every pending save.
+        self._after_possible_save()
+        self._verify_pending()
+
+    def _after_possible_save(self) -> None:
+        checkpointer = self._checkpointer
+        if checkpointer is None or not checkpointer.active:
+            return
+        step = self.trainer.global_step
+        path = io.join_path(self.trainer.save_folder, f"step{step}")
+        # post_train follows the last post_step: the same save must not be counted twice.
+        if checkpointer._last_saved_step != step or path == self._last_counted:
+            return
+        self._saves_seen += 1
+        self._last_counted = path
+        if (self._saves_seen - 1) % self.every_n_saves == 0:
+            self._pending.append(self._reference(path))
+        if not checkpointer.save_async:
+            self._verify_pending()
+        elif len(self._pending) > 1:
+            # Starting this save waited for the previous one: every older one is complete.
+            older, self._pending = self._pending[:-1], self._pending[-1:]
+            for reference in older:
+                self._verify(reference)
+
+    def _verify_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for reference in pending:
+            self._verify(reference)
+
+    def _model(self) -> nn.Module:
+        model = getattr(self.trainer.train_module, "model", None)
+        if not isinstance(model, nn.Module):
+            raise ConfigurationError(
+                f"{type(self.trainer.train_module).__name__} has no `model` module to check; "
+                "use a train module that holds its model as .model, or set enabled=False",
+                path="reproducibility_check",
+            )
+        return model
+
+    def _batches(self) -> list[torch.Tensor]:
+        """``num_batches`` fixed batches: the mock batch, then seeded shuffles of its tokens."""
+        ids = self.trainer.data_loader.get_mock_batch()["input_ids"].long()
+        generator = torch.Generator().manual_seed(self.seed)
+        batches = [ids]
+        for _ in range(self.num_batches - 1):
+            order = torch.randperm(ids.numel(), generator=generator)
+            batches.append(ids.reshape(-1)[order].reshape(ids.shape))
+        return [b.to(self.trainer.device) for b in batches]
+
+    @torch.no_grad()
+    def _outputs(self, model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        was_training = model.training
+        model.eval()
+        logits, losses = [], []
+        try:
+            for ids in self._batches():
+                out = model(ids).float()
+                labels = F.pad(ids[:, 1:], (0, 1), value=_IGNORE_INDEX)
+                loss = F.cross_entropy(
+                    out.reshape(-1, out.shape[-1]), labels.reshape(-1), ignore_index=_IGNORE_INDEX
+                )
+                logits.append(out)
+                losses.append(loss)
+        finally:
+            model.train(was_training)
+        return logits, losses
+
+    def _reference(self, path: str) -> _Reference:
+        logits, losses = self._outputs(self._model())
+        return _Reference(path, logits, losses)
+
+    def _verify(self, reference: _Reference) -> None:
+        live = self._model()
+        fresh = copy.deepcopy(live)
+        with torch.no_grad():
+            # Anything the checkpoint fails to restore stays NaN and cannot match by accident.
+            for tensor in fresh.state_dict().values():
+                if tensor.is_floating_point():
+                    tensor.fill_(float("nan"))
+        weights = io.join_path(reference.path, MODEL_AND_OPTIM)
+        load_model_and_optim_state(
+            weights, fresh, process_group=self.trainer.checkpointer.process_group
+        )
+        logits, losses = self._outputs(fresh)
+        del fresh
+        self._compare(reference, logits, losses)
+        log.info("Checkpoint %s reproduces the live model's outputs", reference.path)
+
+    def _compare(
+        self, reference: _Reference, logits: list[torch.Tensor], losses: list[torch.Tensor]
+    ) -> None:
+        pairs = list(zip(reference.logits, logits)) + list(zip(reference.losses, losses))
+        if all(
+            torch.allclose(got, want, atol=self.atol, rtol=self.rtol, equal_nan=False)
+            for want, got in pairs
+        ):
+            return
+        max_diff = max(float((got - want).abs().max()) for want, got in pairs)
+        loss_text = ", ".join(
+            f"{float(want):.6g} vs {float(got):.6g}" for want, got in zip(reference.losses, losses)
+        )
+        raise CheckpointError(
+            f"checkpoint {reference.path} does not reproduce the model it was saved from: the "
+            f"largest difference in logits or loss is {max_diff:.6g} (atol={self.atol}, "
+            f"rtol={self.rtol}; loss live vs reloaded: {loss_text}). Resuming from it would "
+            "not continue this run: check the train module's state_dict_to_save and the "
+            "model's persistent buffers, or raise atol/rtol on a nondeterministic device"
+        )
