@@ -6,14 +6,14 @@ import hashlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ..distributed.utils import get_rank, get_world_size
 from ..exceptions import ConfigurationError, DataError
 
-__all__ = ["DataLoaderBase", "TokenTensorDataLoader"]
+__all__ = ["DataLoaderBase", "TokenTensorDataLoader", "check_resized_resume"]
 
 log = logging.getLogger(__name__)
 
@@ -23,12 +23,17 @@ Batch = dict[str, Any]
 class DataLoaderBase(ABC):
     """Base class for the trainer's data loader.
 
-    A loader yields this rank's slice of each global batch. It counts what it has yielded in
-    the current epoch so that :meth:`state_dict` / :meth:`load_state_dict` resume at exactly
-    the next batch.
+    A loader yields this rank's slice of each global batch. Its position in the current epoch
+    is :attr:`tokens_processed`, the global tokens yielded so far: a count that stays exact when
+    the batch size changes mid-epoch, so :meth:`state_dict` / :meth:`load_state_dict` resume at
+    exactly the next batch either way.
 
     :param global_batch_size: tokens per optimizer step across all data-parallel ranks.
     """
+
+    supports_batch_size_changes: ClassVar[bool] = False
+    """Whether ``global_batch_size`` may change between two batches of an epoch. Loaders that
+    read the size again for every batch set this; the rest fix their layout per epoch."""
 
     def __init__(
         self,
@@ -43,12 +48,12 @@ class DataLoaderBase(ABC):
             raise ConfigurationError(
                 f"dp_rank must be in [0, {self.dp_world_size}), got {self.dp_rank}", path="dp_rank"
             )
-        self.global_batch_size = global_batch_size
         self.batches_processed = 0
-        """Batches yielded so far in the current epoch."""
+        """Batches yielded so far in the current epoch (of whatever size each had)."""
         self.tokens_processed = 0
-        """Tokens (global) yielded so far in the current epoch."""
+        """Tokens (global) yielded so far in the current epoch: the position in the epoch."""
         self.epoch: int | None = None
+        self.global_batch_size = global_batch_size
 
     @property
     def global_batch_size(self) -> int:
@@ -57,6 +62,15 @@ class DataLoaderBase(ABC):
     @global_batch_size.setter
     def global_batch_size(self, value: int) -> None:
         self._check_global_batch_size(value)
+        if self.tokens_processed % value:
+            # Batches of each size are windows at multiples of that size in the epoch's order;
+            # an unaligned start would break that, and with it epoch ends and exact resumes.
+            raise DataError(
+                f"cannot change global_batch_size to {value} tokens now: {self.tokens_processed} "
+                f"tokens of this epoch are consumed, which is not a multiple of {value}. Change "
+                "it at a step where the consumed tokens are a multiple of the new size, or at "
+                "the start of an epoch"
+            )
         self._global_batch_size = value
 
     def _check_global_batch_size(self, value: int) -> None:
@@ -76,24 +90,36 @@ class DataLoaderBase(ABC):
     @property
     @abstractmethod
     def total_batches(self) -> int | None:
-        """Batches in one epoch, or ``None`` if unknown ahead of time (e.g. streaming)."""
+        """Batches of the current size in one epoch, or ``None`` if unknown (e.g. streaming)."""
+
+    @property
+    def next_batch_index(self) -> int:
+        """Which batch of the current size comes next in the epoch (0-based).
+
+        Exact because the setter keeps :attr:`tokens_processed` a multiple of the batch size.
+        """
+        return self.tokens_processed // self.global_batch_size
 
     @property
     def epoch_finished(self) -> bool:
         total = self.total_batches
-        return total is not None and self.batches_processed >= total
+        return total is not None and self.next_batch_index >= total
 
     def __iter__(self) -> Iterator[Batch]:
         if self.epoch is None:
             raise RuntimeError("call reshuffle(epoch) before iterating over the data loader")
         for batch in self._iter_batches():
+            # Nothing runs between building the batch and this line: the size is the batch's.
             self.batches_processed += 1
             self.tokens_processed += self.global_batch_size
             yield batch
 
     @abstractmethod
     def _iter_batches(self) -> Iterator[Batch]:
-        """Yield this rank's batches of the current epoch, starting after ``batches_processed``."""
+        """Yield this rank's batches of the current epoch from :attr:`next_batch_index` on.
+
+        A loader that supports batch size changes reads the size again for every batch.
+        """
 
     def reshuffle(self, epoch: int | None = None) -> None:
         """Prepare to iterate over ``epoch`` (1-based; default: the next one).
@@ -128,8 +154,11 @@ class TokenTensorDataLoader(DataLoaderBase):
 
     The order of instances is a permutation seeded by ``seed + epoch``, the same on every rank;
     each rank takes its contiguous share of every global batch. Instances that do not fill a
-    whole global batch at the end of an epoch are dropped.
+    whole global batch at the end of an epoch are dropped. Batch ``b`` of the current size is
+    the window ``[b * I, (b + 1) * I)`` of the order, so the size may change between batches.
     """
+
+    supports_batch_size_changes = True
 
     def __init__(
         self,
@@ -178,6 +207,11 @@ class TokenTensorDataLoader(DataLoaderBase):
         return self.instances.shape[0] // self.instances_per_batch
 
     @property
+    def instances_consumed(self) -> int:
+        """Instances of the current epoch already yielded, summed over all ranks."""
+        return self.tokens_processed // self.seq_len
+
+    @property
     def fingerprint(self) -> str:
         """A hash of the token data, so a resumed run can tell it is reading the same data."""
         if self._fingerprint is None:
@@ -194,12 +228,9 @@ class TokenTensorDataLoader(DataLoaderBase):
 
     def _iter_batches(self) -> Iterator[Batch]:
         order = self._order()
-        per_batch, per_rank = (
-            self.instances_per_batch,
-            self.instances_per_batch // self.dp_world_size,
-        )
-        for batch_index in range(self.batches_processed, self._batches_per_epoch):
-            start = batch_index * per_batch + self.dp_rank * per_rank
+        while self.next_batch_index < self._batches_per_epoch:
+            per_rank = self.instances_per_batch // self.dp_world_size
+            start = self.instances_consumed + self.dp_rank * per_rank
             yield {"input_ids": self.instances[order[start : start + per_rank]]}
 
     def state_dict(self) -> dict[str, Any]:
@@ -214,18 +245,27 @@ class TokenTensorDataLoader(DataLoaderBase):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue at the next batch after the saved position.
+
+        The global batch size may differ from the saved one by an integer factor, as long as
+        the saved position is a whole number of batches of the current size.
+        """
         if state_dict["fingerprint"] != self.fingerprint:
             raise DataError(
                 "the checkpoint was trained on different token data than this loader holds; "
                 "resuming would not continue the same run. Load without trainer state "
                 "(load_trainer_state=False) to start the data from the beginning."
             )
-        for key in ("seed", "shuffle", "global_batch_size"):
+        for key in ("seed", "shuffle"):
             if state_dict[key] != getattr(self, key):
                 raise DataError(
                     f"data loader {key} was {state_dict[key]!r} in the checkpoint but is "
                     f"{getattr(self, key)!r} now; set it back to resume exactly"
                 )
+        consumed = state_dict["tokens_processed"] // self.seq_len
+        check_resized_resume(
+            consumed, state_dict["global_batch_size"] // self.seq_len, self.instances_per_batch
+        )
         self.epoch = state_dict["epoch"]
         self.batches_processed = state_dict["batches_processed"]
         self.tokens_processed = state_dict["tokens_processed"]
@@ -235,3 +275,23 @@ class TokenTensorDataLoader(DataLoaderBase):
         generator = torch.Generator().manual_seed(self.seed)
         rows = torch.randint(0, self.instances.shape[0], (per_rank,), generator=generator)
         return {"input_ids": self.instances[rows].clone()}
+
+
+def check_resized_resume(consumed: int, saved: int, now: int) -> None:
+    """Check a loader can resume ``consumed`` instances into an epoch with a global batch of
+    ``now`` instances where the checkpoint had ``saved``.
+
+    :raises DataError: if the sizes differ by no integer factor, or the position is not a
+        whole number of the new batches (the next batch would not be a window of the order).
+    """
+    if max(saved, now) % min(saved, now):
+        raise DataError(
+            f"the global batch changed from {saved} to {now} instances, not by an integer "
+            "factor; resume with a size that is a multiple or divisor of the saved one"
+        )
+    if consumed % now:
+        raise DataError(
+            f"the checkpoint consumed {consumed} instances of the epoch, not a multiple of "
+            f"the new global batch of {now} instances; resume from a step where it is, or "
+            "keep the old global_batch_size until the epoch ends"
+        )

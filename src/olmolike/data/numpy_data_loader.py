@@ -8,7 +8,10 @@ Instances left over after the last whole global batch are not used in that epoch
 
 Because a batch is a window over a fixed order, the position in an epoch is one number, the
 instances consumed, which :meth:`NumpyDataLoader.state_dict` saves: resuming continues with
-exactly the next batch, also with a global batch size changed by an integer factor.
+exactly the next batch, also with a global batch size changed by an integer factor. The size
+is read again for every batch, so it may also change between two batches of a running epoch
+(e.g. by a batch size schedule) as long as the instances consumed are a multiple of the new
+batch: the next batch is then the next window of the new size.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..exceptions import ConfigurationError, DataError
-from .data_loader import Batch, DataLoaderBase
+from .data_loader import Batch, DataLoaderBase, check_resized_resume
 from .numpy_dataset import NumpyFSLDataset
 
 __all__ = ["NumpyDataLoader", "NumpyDataLoaderConfig", "iter_eval_batches"]
@@ -63,6 +66,8 @@ class NumpyDataLoader(DataLoaderBase):
     ``torch.utils.data.DataLoader`` worker processes (pinned when CUDA is available); they are
     the same batches, in the same order, as with no workers.
     """
+
+    supports_batch_size_changes = True
 
     def __init__(
         self,
@@ -115,7 +120,7 @@ class NumpyDataLoader(DataLoaderBase):
     @property
     def instances_consumed(self) -> int:
         """Instances of the current epoch already yielded, summed over all ranks."""
-        return self.batches_processed * self.instances_per_batch
+        return self.tokens_processed // self.sequence_length
 
     def order(self, epoch: int) -> np.ndarray:
         """Dataset indices in the order ``epoch`` visits them (identical on every rank)."""
@@ -130,21 +135,35 @@ class NumpyDataLoader(DataLoaderBase):
         return self._order_cache[1]
 
     def _rank_rows(self) -> np.ndarray:
-        """This rank's instances of each remaining batch of the epoch, one row per batch."""
+        """This rank's instances of each remaining batch of the current size, one row each."""
         per_batch = self.instances_per_batch
         per_rank = per_batch // self.dp_world_size
         order = self.order(self.epoch or 1)
-        windows = order[self.batches_processed * per_batch : self.total_batches * per_batch]
+        windows = order[self.instances_consumed : self.total_batches * per_batch]
         rows = windows.reshape(-1, per_batch)
         return rows[:, self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
 
+    def _next_rank_row(self) -> np.ndarray:
+        """This rank's instances of the next batch of the current size."""
+        per_rank = self.instances_per_batch // self.dp_world_size
+        start = self.instances_consumed + self.dp_rank * per_rank
+        return self.order(self.epoch or 1)[start : start + per_rank]
+
     def _iter_batches(self) -> Iterator[Batch]:
-        rows = self._rank_rows()
         if self.num_workers == 0:
-            for row in rows:
-                yield _collate(self.dataset, row)
+            while not self.epoch_finished:
+                yield _collate(self.dataset, self._next_rank_row())
             return
-        loader = torch.utils.data.DataLoader(
+        while not self.epoch_finished:
+            size = self.global_batch_size
+            for batch in self._worker_loader(self._rank_rows()):
+                yield batch
+                if self.global_batch_size != size:
+                    # The workers read ahead in the old layout: restart them in the new one.
+                    break
+
+    def _worker_loader(self, rows: np.ndarray) -> torch.utils.data.DataLoader[Batch]:
+        return torch.utils.data.DataLoader(
             _Batches(self.dataset, rows),
             batch_size=None,
             shuffle=False,
@@ -152,7 +171,6 @@ class NumpyDataLoader(DataLoaderBase):
             prefetch_factor=self.prefetch_factor,
             pin_memory=torch.cuda.is_available(),
         )
-        yield from loader
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -194,27 +212,15 @@ class NumpyDataLoader(DataLoaderBase):
                 state_dict["epoch"],
                 state_dict["instances_consumed"],
             )
-        batches = self._batches_for(state_dict)
-        self.epoch = state_dict["epoch"]
-        self.batches_processed = batches
-        self.tokens_processed = batches * self.global_batch_size
-
-    def _batches_for(self, state_dict: dict[str, Any]) -> int:
         consumed = int(state_dict["instances_consumed"])
         saved = state_dict["global_batch_size"] // state_dict["sequence_length"]
-        now = self.instances_per_batch
-        if max(saved, now) % min(saved, now):
-            raise DataError(
-                f"the global batch changed from {saved} to {now} instances, not by an integer "
-                "factor; resume with a size that is a multiple or divisor of the saved one"
-            )
-        if consumed % now:
-            raise DataError(
-                f"the checkpoint consumed {consumed} instances of the epoch, not a multiple of "
-                f"the new global batch of {now} instances; resume from a step where it is, or "
-                "keep the old global_batch_size until the epoch ends"
-            )
-        return min(consumed // now, self.total_batches)
+        check_resized_resume(consumed, saved, self.instances_per_batch)
+        self.epoch = state_dict["epoch"]
+        self.batches_processed = int(state_dict["batches_processed"])
+        # Another dataset's epoch may be shorter: then the saved position is its end.
+        self.tokens_processed = (
+            min(consumed, self.total_batches * self.instances_per_batch) * self.sequence_length
+        )
 
     def get_mock_batch(self) -> Batch:
         rows = self.instances_per_batch // self.dp_world_size
