@@ -13,6 +13,7 @@ from . import __version__
 from .data.prepare import add_prepare_data_command
 from .distributed.unshard import UnshardStrategy, UnshardStrategyType, unshard_checkpoint
 from .exceptions import ConfigurationError, OLMoLikeError
+from .inference import add_evaluate_command
 from .plot import add_plot_command
 from .train import TrainerConfig
 
@@ -182,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export_hf_command(commands)
     add_prepare_data_command(commands)
     add_plot_command(commands)
+    add_evaluate_command(commands)
     return parser
 
 

@@ -7,8 +7,11 @@ or the save folder above it says how to build the model and which tokenizer it w
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,15 +20,25 @@ import torch
 from torch import nn
 
 from . import io
+from .data.numpy_dataset import NumpyDatasetConfig
 from .data.tokenizer import Tokenizer, TokenizerConfig
 from .distributed.checkpoint import load_model_and_optim_state
-from .exceptions import CheckpointError
+from .exceptions import CheckpointError, ConfigurationError, DataError, OLMoLikeError
 from .nn import Transformer, TransformerConfig
 from .nn.generation import generate
 from .nn.hf_export import export_hf_llama
+from .train.callbacks.evaluator import LMEvaluator
 from .train.checkpoint import MODEL_AND_OPTIM, Checkpointer
+from .train.train_module import BasicTrainModule
 
-__all__ = ["LoadedCheckpoint", "export_checkpoint_to_hf", "generate_text", "load_checkpoint_model"]
+__all__ = [
+    "LoadedCheckpoint",
+    "add_evaluate_command",
+    "evaluate_checkpoint",
+    "export_checkpoint_to_hf",
+    "generate_text",
+    "load_checkpoint_model",
+]
 
 log = logging.getLogger(__name__)
 
@@ -162,3 +175,129 @@ def export_checkpoint_to_hf(
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
     )
+
+
+def evaluate_checkpoint(
+    checkpoint: str | Path,
+    data: Sequence[str],
+    *,
+    sequence_length: int | None = None,
+    batch_size: int = 8,
+    max_batches: int | None = None,
+    device: torch.device | str = "cpu",
+) -> dict[str, float]:
+    """Mean next-token cross-entropy (``"CE loss"``) and perplexity (``"PPL"``) over token data.
+
+    The numbers are those the in-training :class:`~olmolike.train.callbacks.LMEvaluatorCallbackConfig`
+    reports (the same :class:`~olmolike.train.callbacks.evaluator.LMEvaluator` computes them),
+    so a checkpoint can be scored on new data after the run. ``data`` are token files, folders
+    or globs as in :class:`~olmolike.data.numpy_dataset.NumpyDatasetConfig`;
+    ``sequence_length`` defaults to the experiment config's ``dataset.sequence_length``.
+    """
+    if not data:
+        raise ConfigurationError("must name at least one token file, folder or glob", path="data")
+    if batch_size < 1:
+        raise ConfigurationError(f"must be >= 1, got {batch_size}", path="batch_size")
+    if max_batches is not None and max_batches < 1:
+        raise ConfigurationError(
+            f"must be >= 1 or None (all the data), got {max_batches}", path="max_batches"
+        )
+    if sequence_length is not None and sequence_length < 1:
+        raise ConfigurationError(f"must be >= 1, got {sequence_length}", path="sequence_length")
+    loaded = load_checkpoint_model(checkpoint, device=device)
+    model = loaded.model
+    seq_len = (
+        sequence_length if sequence_length is not None else _config_sequence_length(loaded.config)
+    )
+    if seq_len > model.config.max_sequence_length:
+        raise ConfigurationError(
+            f"{seq_len} is longer than the model's max_sequence_length "
+            f"({model.config.max_sequence_length}); pass a shorter --sequence-length",
+            path="sequence_length",
+        )
+    dataset = NumpyDatasetConfig(paths=list(data), sequence_length=seq_len).build()
+    if dataset.vocab_size is not None and dataset.vocab_size > model.config.vocab_size:
+        raise DataError(
+            f"the data's vocabulary ({dataset.vocab_size} ids, from its metadata.json) is larger "
+            f"than the model's ({model.config.vocab_size}); it was tokenized with another "
+            "tokenizer than the one this model was trained with"
+        )
+    # The evaluator drives a train module; plain SGD has no state, so this one costs nothing.
+    module = BasicTrainModule(
+        model, torch.optim.SGD(model.parameters(), lr=0.0), rank_microbatch_size=seq_len
+    )
+    evaluator = LMEvaluator(
+        "lm",
+        dataset,
+        rank_batch_instances=batch_size,
+        max_batches=max_batches,
+        device=torch.device(device),
+    )
+    return {name: float(value) for name, value in evaluator.evaluate(module).items()}
+
+
+def _config_sequence_length(config: dict[str, Any]) -> int:
+    dataset = config.get("dataset")
+    value = dataset.get("sequence_length") if isinstance(dataset, dict) else None
+    if not isinstance(value, int):
+        raise ConfigurationError(
+            "is not given and the experiment config has no dataset.sequence_length; pass "
+            "--sequence-length (e.g. the length the model was trained on)",
+            path="sequence_length",
+        )
+    return value
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    try:
+        metrics = evaluate_checkpoint(
+            args.checkpoint,
+            args.data,
+            sequence_length=args.sequence_length,
+            batch_size=args.batch_size,
+            max_batches=args.max_batches,
+            device=args.device,
+        )
+    except OLMoLikeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for name, value in metrics.items():
+        print(f"{name}: {value:.6f}")
+    return 0
+
+
+def add_evaluate_command(commands: argparse._SubParsersAction) -> None:
+    """Register ``olmolike evaluate`` (held-out loss and perplexity of a checkpoint)."""
+    evaluate = commands.add_parser(
+        "evaluate",
+        help="print the cross-entropy loss and perplexity of a checkpoint on token data",
+    )
+    evaluate.add_argument(
+        "checkpoint", help="a checkpoint folder (runs/my-run/step600) or a save folder (its newest)"
+    )
+    evaluate.add_argument(
+        "--data",
+        nargs="+",
+        action="extend",
+        required=True,
+        metavar="PATH_OR_GLOB",
+        help="token files (.npy/.bin), folders of them, or globs, as prepare-data writes them "
+        "(repeatable; put the checkpoint first or it is taken for data)",
+    )
+    evaluate.add_argument(
+        "--sequence-length",
+        type=int,
+        metavar="N",
+        help="tokens per instance (default: the experiment config's dataset.sequence_length)",
+    )
+    evaluate.add_argument(
+        "--batch-size", type=int, default=8, metavar="N", help="instances per forward pass"
+    )
+    evaluate.add_argument(
+        "--max-batches",
+        type=int,
+        metavar="N",
+        help="evaluate at most this many batches (default: all data)",
+    )
+    evaluate.add_argument("--device", default="cpu")
+    evaluate.set_defaults(run=_evaluate)
