@@ -118,6 +118,22 @@ def test_a_tampered_async_checkpoint_fails_by_the_next_save(
     assert not (tmp_path / "step6").exists()
 
 
+def test_an_async_checkpoint_is_checked_at_the_next_save_even_an_unchecked_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_save = train_checkpoint.async_save_state_dict
+
+    def tampering_save(dir: Any, state: dict[str, Any], **kwargs: Any) -> Any:
+        tampered = perturb_first_weight(state) if "step0" in str(dir) else state
+        return real_save(dir, tampered, **kwargs)
+
+    monkeypatch.setattr(train_checkpoint, "async_save_state_dict", tampering_save)
+    check = ReproducibilityCheckCallback(every_n_saves=2)  # step0 is checked, step2 is not
+    with pytest.raises(CheckpointError, match=r"step0 does not reproduce"):
+        fit(tmp_path, check, save_async=True, steps=6)
+    assert check.state_dict() == {"saves_seen": 2}  # found when step2's save began, not later
+
+
 def test_a_weight_missing_from_the_load_is_caught(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -167,21 +183,10 @@ def test_no_checkpoints_means_no_checks(
 
 
 def _ddp_run(folder: str) -> tuple[int, str]:
-    """A clean run, then one whose step-2 checkpoint is tampered with: (saves, its error)."""
+    """A run whose step-2 checkpoint is tampered with: (saves seen, the error it stopped with).
 
-    def trainer_in(sub: str) -> Any:
-        return build_trainer(
-            f"{folder}/{sub}",
-            num_instances=32,
-            max_duration=Duration.steps(2),
-            callbacks={
-                "checkpointer": CheckpointerCallback(save_interval=2),
-                "reproducibility_check": ReproducibilityCheckCallback(),
-            },
-        )
-
-    clean = trainer_in("clean")
-    clean.fit()
+    Its step-0 checkpoint is sound, so one run shows both a passing and a failing check.
+    """
     real_save = train_checkpoint.save_state_dict
 
     def tampering_save(dir: Any, state: dict[str, Any], **kwargs: Any) -> None:
@@ -189,11 +194,21 @@ def _ddp_run(folder: str) -> tuple[int, str]:
         real_save(dir, tampered, **kwargs)
 
     train_checkpoint.save_state_dict = tampering_save  # type: ignore[assignment]
+    check = ReproducibilityCheckCallback()
+    trainer = build_trainer(
+        folder,
+        num_instances=32,
+        max_duration=Duration.steps(2),
+        callbacks={
+            "checkpointer": CheckpointerCallback(save_interval=2),
+            "reproducibility_check": check,
+        },
+    )
     try:
-        trainer_in("tampered").fit()
+        trainer.fit()
     except CheckpointError as e:
-        return int(clean.callbacks["reproducibility_check"].state_dict()["saves_seen"]), str(e)
-    return int(clean.callbacks["reproducibility_check"].state_dict()["saves_seen"]), ""
+        return int(check.state_dict()["saves_seen"]), str(e)
+    return int(check.state_dict()["saves_seen"]), ""
 
 
 @pytest.mark.timeout(120)
@@ -201,3 +216,17 @@ def test_ddp_ranks_each_check_their_replica(tmp_path: Path) -> None:
     for saves, error in run_distributed_test(_ddp_run, 2, args=(str(tmp_path),)):
         assert saves == 2
         assert "step2 does not reproduce" in error
+
+
+def test_saves_seen_survives_a_resume(tmp_path: Path, check_logs: pytest.LogCaptureFixture) -> None:
+    fit(tmp_path, ReproducibilityCheckCallback(every_n_saves=2), steps=1, save_interval=1)
+    # Saves so far: step0 (checked), step1. After the resume: step2 (checked), step3.
+    fit(tmp_path, ReproducibilityCheckCallback(every_n_saves=2), steps=3, save_interval=1)
+    assert checked_steps(check_logs) == ["step0", "step2"]
+
+
+def test_without_a_checkpointer_it_is_a_build_error(tmp_path: Path) -> None:
+    trainer = build_trainer(tmp_path, max_duration=Duration.steps(1))
+    del trainer.callbacks["checkpointer"]
+    with pytest.raises(ConfigurationError, match="needs a CheckpointerCallback"):
+        trainer.add_callback("reproducibility_check", ReproducibilityCheckCallback())

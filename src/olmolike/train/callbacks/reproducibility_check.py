@@ -117,7 +117,13 @@ class ReproducibilityCheckCallback(Callback, name="reproducibility_check"):
             )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"saves_seen": self._saves_seen}
+        # Called while the checkpointer saves this step, before post_step counts that save: the
+        # count stored in a checkpoint includes the checkpoint itself, so a resume keeps the
+        # every_n_saves rhythm.
+        saving_now = (
+            self._checkpointer is not None and self._checkpoint_path() != self._last_counted
+        )
+        return {"saves_seen": self._saves_seen + int(saving_now)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._saves_seen = int(state_dict.get("saves_seen", 0))
@@ -138,7 +144,7 @@ class ReproducibilityCheckCallback(Callback, name="reproducibility_check"):
         if checkpointer is None or not checkpointer.active:
             return
         step = self.trainer.global_step
-        path = io.join_path(self.trainer.save_folder, f"step{step}")
+        path = self._checkpoint_path()
         # post_train follows the last post_step: the same save must not be counted twice.
         if checkpointer._last_saved_step != step or path == self._last_counted:
             return
@@ -148,11 +154,15 @@ class ReproducibilityCheckCallback(Callback, name="reproducibility_check"):
             self._pending.append(self._reference(path))
         if not checkpointer.save_async:
             self._verify_pending()
-        elif len(self._pending) > 1:
-            # Starting this save waited for the previous one: every older one is complete.
-            older, self._pending = self._pending[:-1], self._pending[-1:]
-            for reference in older:
-                self._verify(reference)
+            return
+        # Starting this save waited for the previous one: every older one is complete.
+        older = [ref for ref in self._pending if ref.path != path]
+        self._pending = [ref for ref in self._pending if ref.path == path]
+        for reference in older:
+            self._verify(reference)
+
+    def _checkpoint_path(self) -> str:
+        return io.join_path(self.trainer.save_folder, f"step{self.trainer.global_step}")
 
     def _verify_pending(self) -> None:
         pending, self._pending = self._pending, []
