@@ -11,6 +11,7 @@ from .gpu_memory_monitor import GPUMemoryMonitorCallback
 from .metric_saver import MetricSaverCallback
 from .profiler import ProfilerCallback
 from .progress import ProgressCallback
+from .reproducibility_check import ReproducibilityCheckCallback
 from .speed_monitor import SpeedMonitorCallback
 from .stability import StabilityMonitorCallback, StabilityPolicy
 from .tensorboard import TensorBoardCallback
@@ -33,6 +34,7 @@ __all__ = [
     "MetricSaverCallback",
     "ProfilerCallback",
     "ProgressCallback",
+    "ReproducibilityCheckCallback",
     "SpeedMonitorCallback",
     "StabilityMonitorCallback",
     "StabilityPolicy",

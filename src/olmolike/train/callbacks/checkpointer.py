@@ -70,6 +70,11 @@ class CheckpointerCallback(Callback, name="checkpointer"):
     def active(self) -> bool:
         return self.enabled and not self.trainer.no_checkpoints
 
+    @property
+    def last_saved_step(self) -> int | None:
+        """The step of the newest checkpoint this callback started saving in this process."""
+        return self._last_saved_step
+
     def pre_train(self) -> None:
         if not self.active:
             return

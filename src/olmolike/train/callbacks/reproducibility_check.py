@@ -146,7 +146,7 @@ class ReproducibilityCheckCallback(Callback, name="reproducibility_check"):
         step = self.trainer.global_step
         path = self._checkpoint_path()
         # post_train follows the last post_step: the same save must not be counted twice.
-        if checkpointer._last_saved_step != step or path == self._last_counted:
+        if checkpointer.last_saved_step != step or path == self._last_counted:
             return
         self._saves_seen += 1
         self._last_counted = path
