@@ -1,5 +1,6 @@
 """Trainer callbacks: one module each."""
 
+from .batch_size_scheduler import BatchSizeSchedulerCallback, BatchSizeStage, BatchSizeUnits
 from .callback import CALLBACK_HOOKS, Callback, callback_registry
 from .checkpointer import CheckpointerCallback
 from .config_saver import ConfigSaverCallback
@@ -19,6 +20,9 @@ from .wandb import WandBCallback
 
 __all__ = [
     "CALLBACK_HOOKS",
+    "BatchSizeSchedulerCallback",
+    "BatchSizeStage",
+    "BatchSizeUnits",
     "Callback",
     "CheckpointerCallback",
     "ConfigSaverCallback",
