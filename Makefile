@@ -43,7 +43,7 @@ typecheck: install
 	$(VENV)/bin/mypy
 
 pytest: install
-	$(PY) -m pytest src/test -q
+	$(PY) -m pytest src/test -q -n 2
 
 test: lint typecheck pytest
 
