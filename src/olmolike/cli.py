@@ -47,22 +47,18 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def _unshard(args: argparse.Namespace) -> int:
-    try:
-        strategy = UnshardStrategy(
-            type=UnshardStrategyType(args.strategy), chunk_size_in_bytes=args.chunk_size
-        )
-        model_path, optim_path = unshard_checkpoint(
-            args.checkpoint,
-            args.output,
-            optim=args.optim,
-            save_overwrite=args.overwrite,
-            use_safetensors=args.safetensors,
-            unshard_strategy=strategy,
-            progress=True,
-        )
-    except (OLMoLikeError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    strategy = UnshardStrategy(
+        type=UnshardStrategyType(args.strategy), chunk_size_in_bytes=args.chunk_size
+    )
+    model_path, optim_path = unshard_checkpoint(
+        args.checkpoint,
+        args.output,
+        optim=args.optim,
+        save_overwrite=args.overwrite,
+        use_safetensors=args.safetensors,
+        unshard_strategy=strategy,
+        progress=True,
+    )
     print(model_path)
     if optim_path is not None:
         print(optim_path)
@@ -117,7 +113,7 @@ def _generate(args: argparse.Namespace) -> int:
             print(args.prompt + text)
             if i + 1 < args.num_samples:
                 print("-" * 40)
-    except (OLMoLikeError, ValueError) as e:
+    except ValueError as e:  # bad sampling arguments
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
@@ -144,11 +140,7 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
 def _export_hf(args: argparse.Namespace) -> int:
     from .inference import export_checkpoint_to_hf
 
-    try:
-        out = export_checkpoint_to_hf(args.checkpoint, args.output, overwrite=args.overwrite)
-    except (OLMoLikeError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    out = export_checkpoint_to_hf(args.checkpoint, args.output, overwrite=args.overwrite)
     print(out)
     return 0
 
@@ -189,7 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.run(args))
+    try:
+        return int(args.run(args))
+    except (OLMoLikeError, FileExistsError) as e:
+        # Mistakes the user can fix get one line naming the problem, not a traceback.
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

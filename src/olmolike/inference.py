@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from . import io
 from .data.numpy_dataset import NumpyDatasetConfig
 from .data.tokenizer import Tokenizer, TokenizerConfig
 from .distributed.checkpoint import load_model_and_optim_state
-from .exceptions import CheckpointError, ConfigurationError, DataError, OLMoLikeError
+from .exceptions import CheckpointError, ConfigurationError, DataError
 from .nn import Transformer, TransformerConfig
 from .nn.generation import generate
 from .nn.hf_export import export_hf_llama
@@ -249,18 +248,14 @@ def _config_sequence_length(config: dict[str, Any]) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    try:
-        metrics = evaluate_checkpoint(
-            args.checkpoint,
-            args.data,
-            sequence_length=args.sequence_length,
-            batch_size=args.batch_size,
-            max_batches=args.max_batches,
-            device=args.device,
-        )
-    except OLMoLikeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    metrics = evaluate_checkpoint(
+        args.checkpoint,
+        args.data,
+        sequence_length=args.sequence_length,
+        batch_size=args.batch_size,
+        max_batches=args.max_batches,
+        device=args.device,
+    )
     for name, value in metrics.items():
         print(f"{name}: {value:.6f}")
     return 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import logging
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -171,11 +170,7 @@ def _draw_panel(ax: Any, title: str, patterns: list[str], runs: list[RunMetrics]
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    try:
-        output = plot_runs(args.runs, args.output, args.metrics)
-    except OLMoLikeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    output = plot_runs(args.runs, args.output, args.metrics)
     print(output)
     return 0
 

@@ -152,27 +152,25 @@ def test_train_lm_trains_resumes_generates_and_exports(
         torch.testing.assert_close(theirs(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
 
 
-def test_train_lm_dry_run_prints_the_config_with_overrides(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, str(TRAIN_LM), "demo", "--dry-run", "--train_module.optim.lr=0.001"],
-        cwd=tmp_path,
+def dry_run(cwd: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(TRAIN_LM), "demo", "--dry-run", *overrides],
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+def test_train_lm_dry_run_prints_the_config_with_overrides(tmp_path: Path) -> None:
+    result = dry_run(tmp_path, "--train_module.optim.lr=0.001")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "lr: 0.001" in result.stdout and "run_name: demo" in result.stdout
     assert not (tmp_path / "runs").exists()
 
 
 def test_train_lm_rejects_mismatched_sequence_lengths(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, str(TRAIN_LM), "demo", "--dry-run", "--dataset.sequence_length=128"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = dry_run(tmp_path, "--dataset.sequence_length=128")
     assert result.returncode != 0
     assert "eval_dataset.sequence_length" in result.stderr
 

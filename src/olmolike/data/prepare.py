@@ -25,7 +25,6 @@ import logging
 import multiprocessing
 import os
 import shutil
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Any
 import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ..exceptions import DataError, OLMoLikeError
+from ..exceptions import DataError
 from .numpy_dataset import METADATA_FILE, NumpyDatasetConfig
 from .sources import Source, read_documents, resolve_inputs, stdlib_python_files
 from .tokenizer import Tokenizer, TokenizerConfig
@@ -418,24 +417,20 @@ def _run_command(args: argparse.Namespace) -> int:
     inputs: list[str | Path] = list(args.inputs)
     if args.stdlib:
         inputs += stdlib_python_files()
-    try:
-        if not inputs:
-            raise DataError("name INPUT files, folders or globs, or pass --stdlib")
-        prepared = prepare_data(
-            inputs,
-            args.output,
-            tokenizer=TokenizerConfig(identifier=args.tokenizer),
-            text_field=args.text_field,
-            val_fraction=args.val_fraction,
-            seed=args.seed,
-            workers=args.workers,
-            shard_tokens=args.shard_tokens,
-            overwrite=args.overwrite,
-            progress=True,
-        )
-    except OLMoLikeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if not inputs:
+        raise DataError("name INPUT files, folders or globs, or pass --stdlib")
+    prepared = prepare_data(
+        inputs,
+        args.output,
+        tokenizer=TokenizerConfig(identifier=args.tokenizer),
+        text_field=args.text_field,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        workers=args.workers,
+        shard_tokens=args.shard_tokens,
+        overwrite=args.overwrite,
+        progress=True,
+    )
     for split in SPLITS:
         print(
             f"{split}: {prepared.num_tokens(split):,d} tokens in {len(prepared.paths(split))} shard(s)"
