@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import json
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import pytest
+from remote_servers import RemoteStore, gcs_bucket, gcs_server, s3_bucket, s3_server
 from testutils import SEQ_LEN, build_trainer
 
+from olmolike import io
 from olmolike.exceptions import ConfigurationError
 from olmolike.train import Callback, Duration, Trainer
 from olmolike.train.callbacks import CheckpointerCallback
 from olmolike.train.callbacks.metric_saver import MetricSaverCallback, read_metrics_file
+
+# pytest finds fixtures by name in this module; importing them is what registers them here.
+__all__ = ["gcs_bucket", "gcs_server", "s3_bucket", "s3_server"]
 
 TOKENS_PER_STEP = 8 * SEQ_LEN
 
@@ -36,11 +39,31 @@ class CrashAtStep(Callback):
             raise Crash(f"crash at step {self.step}")
 
 
-def run(save: str | Path, steps: int, crash_at: int = 0, **kwargs: Any) -> Trainer:
+@dataclass
+class RemoteCopyAtEachStep(Callback):
+    """Records, at the start of each step, the steps in the save folder's copy (None: no copy)."""
+
+    url: str = ""
+    seen: dict[int, list[int] | None] = field(default_factory=dict)
+
+    def pre_step(self, batch: dict[str, Any]) -> None:
+        del batch
+        exists = io.exists(self.url)
+        self.seen[self.step] = steps_in(io.read_bytes(self.url).decode()) if exists else None
+
+
+def run(
+    save: str | Path,
+    steps: int,
+    crash_at: int = 0,
+    extra_callbacks: dict[str, Callback] | None = None,
+    **kwargs: Any,
+) -> Trainer:
     callbacks: dict[str, Callback] = {
         "metric_saver": MetricSaverCallback(),
         "checkpointer": CheckpointerCallback(save_interval=4, pre_train_checkpoint=False),
         "crash": CrashAtStep(step_to_crash=crash_at),
+        **(extra_callbacks or {}),
     }
     trainer = build_trainer(
         save,
@@ -56,6 +79,10 @@ def run(save: str | Path, steps: int, crash_at: int = 0, **kwargs: Any) -> Train
 
 def lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def steps_in(text: str) -> list[int]:
+    return [json.loads(line)["step"] for line in text.splitlines()]
 
 
 def test_one_line_per_step_with_tokens_time_and_metrics(tmp_path: Path) -> None:
@@ -134,23 +161,55 @@ def test_only_rank_zero_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_remote_save_folder_gets_a_copy_at_checkpoints_and_the_end(tmp_path: Path) -> None:
-    folder = f"memory://metrics-{uuid.uuid4().hex}/run"
-    fs = fsspec.filesystem("memory")
-    remote_file = folder.removeprefix("memory://") + "/metrics.jsonl"
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bucket", ["gcs_bucket", "s3_bucket"])
+def test_remote_save_folder_gets_a_copy_at_checkpoints_and_the_end(
+    bucket: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    store: RemoteStore = request.getfixturevalue(bucket)
+    folder = store.url("run")
+    remote_file = store.url("run", "metrics.jsonl")
+
+    def remote_records() -> list[dict[str, Any]]:
+        store.fs.invalidate_cache()
+        return [json.loads(x) for x in store.fs.cat_file(remote_file).decode().splitlines()]
+
+    first_run = RemoteCopyAtEachStep(url=remote_file)
     with pytest.raises(Crash):
-        run(folder, steps=8, crash_at=5, work_dir=str(tmp_path / "work"))
-    # The copy made at the step-4 checkpoint, then refreshed when the run failed.
-    assert [json.loads(x)["step"] for x in fs.cat(remote_file).decode().splitlines()] == [
-        1,
-        2,
-        3,
-        4,
-    ]
-    (tmp_path / "work" / "metrics.jsonl").unlink()  # a new machine: only the remote copy is left
-    run(folder, steps=6, work_dir=str(tmp_path / "work2"))
-    steps = [json.loads(x)["step"] for x in fs.cat(remote_file).decode().splitlines()]
-    assert steps == [1, 2, 3, 4, 5, 6]
+        run(
+            folder,
+            steps=8,
+            crash_at=7,
+            extra_callbacks={"remote": first_run},
+            work_dir=str(tmp_path / "work"),
+            async_bookkeeping=False,  # metrics logged at the end of their step, also on a GPU
+        )
+    # No copy before the step-4 checkpoint; the checkpoint's copy holds the steps logged by
+    # then (step 4's metrics are logged after its checkpoint), and nothing refreshes it until
+    # the run fails, when the copy catches up with every logged step.
+    # (The crash callback runs first at step 7, so the last record is from step 6.)
+    assert first_run.seen == {1: None, 2: None, 3: None, 4: None, 5: [1, 2, 3], 6: [1, 2, 3]}
+    first = remote_records()
+    assert [r["step"] for r in first] == [1, 2, 3, 4, 5, 6]
+    assert first == lines(tmp_path / "work" / "metrics.jsonl")
+
+    # A new machine (a fresh work_dir): only the save folder's copy and checkpoints are left.
+    resumed_run = RemoteCopyAtEachStep(url=remote_file)
+    run(
+        folder,
+        steps=8,
+        extra_callbacks={"remote": resumed_run},
+        work_dir=str(tmp_path / "work2"),
+        async_bookkeeping=False,
+    )
+    assert list(resumed_run.seen) == [5, 6, 7, 8]  # resumed from the step-4 checkpoint
+    resumed = remote_records()
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6, 7, 8]  # each step exactly once
+    assert resumed[:4] == first[:4]
+    assert resumed[4]["time"] > first[5]["time"]  # steps 5 and 6 come from the second run
+    assert resumed == lines(tmp_path / "work2" / "metrics.jsonl")
+    assert any(p.startswith("step8/") for p in store.objects("run"))  # the final checkpoint
 
 
 @pytest.mark.parametrize("fname", ["", "a/b.jsonl", ".", ".."])

@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import json
 import sys
-import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import fsspec
 import pytest
+from remote_servers import RemoteStore, gcs_bucket, gcs_server, s3_bucket, s3_server
 from testutils import build_trainer
 
 from olmolike.exceptions import ConfigurationError
-from olmolike.train import Duration
+from olmolike.train import Callback, Duration
+from olmolike.train.callbacks import CheckpointerCallback
 from olmolike.train.callbacks.metric_saver import MetricSaverCallback
 from olmolike.train.callbacks.tensorboard import TensorBoardCallback
 
 pytest.importorskip("tensorboard", reason="needs the tensorboard extra")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+# pytest finds fixtures by name in this module; importing them is what registers them here.
+__all__ = ["gcs_bucket", "gcs_server", "s3_bucket", "s3_server"]
 
 
 def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -27,6 +32,17 @@ def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
         tag: [(event.step, event.value) for event in acc.Scalars(tag)]
         for tag in acc.Tags()["scalars"]
     }
+
+
+def assert_scalars_match(scalars: dict[str, list[tuple[int, float]]], metrics_jsonl: str) -> None:
+    """``scalars`` hold every metric of every line of a metrics file, at its step."""
+    logged = [json.loads(x) for x in metrics_jsonl.splitlines()]
+    assert set(scalars) == set(logged[0]["metrics"])
+    assert "train/CE loss" in scalars
+    for name, points in scalars.items():
+        expected = [(r["step"], r["metrics"][name]) for r in logged]
+        assert [step for step, _ in points] == [step for step, _ in expected]
+        assert [value for _, value in points] == pytest.approx([v for _, v in expected], rel=1e-6)
 
 
 def test_scalars_match_the_logged_metrics(tmp_path: Path) -> None:
@@ -39,13 +55,7 @@ def test_scalars_match_the_logged_metrics(tmp_path: Path) -> None:
     )
     trainer.fit()
     scalars = read_scalars(tmp_path / "tensorboard")
-    logged = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert set(scalars) == set(logged[0]["metrics"])
-    assert "train/CE loss" in scalars
-    for name, points in scalars.items():
-        expected = [(r["step"], r["metrics"][name]) for r in logged]
-        assert [step for step, _ in points] == [step for step, _ in expected]
-        assert [value for _, value in points] == pytest.approx([v for _, v in expected], rel=1e-6)
+    assert_scalars_match(scalars, (tmp_path / "metrics.jsonl").read_text())
 
 
 def test_subdir_and_disabled(tmp_path: Path) -> None:
@@ -76,19 +86,71 @@ def test_only_rank_zero_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert not (tmp_path / "tensorboard").exists()
 
 
-def test_remote_save_folder_gets_the_event_files(tmp_path: Path) -> None:
-    folder = f"memory://tb-{uuid.uuid4().hex}/run"
+def download(store: RemoteStore, remote_dir: str, local_dir: Path) -> list[str]:
+    """Copy every object under ``store.url(remote_dir)`` into ``local_dir``; their names."""
+    names = store.objects(remote_dir)
+    for name in names:
+        (local_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        store.fs.get_file(store.url(remote_dir, name), str(local_dir / name))
+    return names
+
+
+@dataclass
+class RemoteEventsAtStep(Callback):
+    """Downloads the save folder's event files at the start of ``at_step``, and reads them."""
+
+    store: RemoteStore | None = None
+    at_step: int = 0
+    into: Path = Path()
+    scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+    def pre_step(self, batch: dict[str, Any]) -> None:
+        del batch
+        if self.step == self.at_step and self.store is not None:
+            assert len(download(self.store, "run/tensorboard", self.into)) == 1
+            self.scalars = read_scalars(self.into)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bucket", ["gcs_bucket", "s3_bucket"])
+def test_remote_save_folder_gets_the_event_files(
+    bucket: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    store: RemoteStore = request.getfixturevalue(bucket)
+    at_checkpoint = RemoteEventsAtStep(store=store, at_step=3, into=tmp_path / "at-checkpoint")
     build_trainer(
-        folder,
-        max_duration=Duration.steps(2),
+        store.url("run"),
+        max_duration=Duration.steps(4),
+        metrics_collect_interval=1,
+        async_bookkeeping=False,  # metrics logged at the end of their step, also on a GPU
         work_dir=str(tmp_path / "work"),
-        callbacks={"tensorboard": TensorBoardCallback()},
+        callbacks={
+            "tensorboard": TensorBoardCallback(),
+            "metric_saver": MetricSaverCallback(),
+            "checkpointer": CheckpointerCallback(save_interval=2, pre_train_checkpoint=False),
+            "at_checkpoint": at_checkpoint,
+        },
     ).fit()
-    fs = fsspec.filesystem("memory")
-    remote = fs.ls(folder.removeprefix("memory://") + "/tensorboard", detail=False)
+    # The copy made at the step-2 checkpoint (step 2's metrics are logged after it).
+    assert [step for step, _ in at_checkpoint.scalars["train/CE loss"]] == [1]
+
+    # At the end: the same event file as the local one, byte for byte.
+    remote = store.objects("run", "tensorboard")
     assert len(remote) == 1 and "tfevents" in remote[0]
     local = tmp_path / "work" / "tensorboard"
-    assert fs.cat(remote[0]) == next(local.iterdir()).read_bytes()
+    assert [p.name for p in local.iterdir()] == remote
+    store.fs.invalidate_cache()
+    assert (
+        store.fs.cat_file(store.url("run", "tensorboard", remote[0]))
+        == (local / remote[0]).read_bytes()
+    )
+    # Downloaded, it holds every logged metric at its step (the remote metrics file's).
+    downloaded = tmp_path / "downloaded"
+    assert download(store, "run/tensorboard", downloaded) == remote
+    metrics_jsonl = store.fs.cat_file(store.url("run", "metrics.jsonl")).decode()
+    assert [json.loads(x)["step"] for x in metrics_jsonl.splitlines()] == [1, 2, 3, 4]
+    assert_scalars_match(read_scalars(downloaded), metrics_jsonl)
 
 
 def test_missing_package_fails_when_the_trainer_is_built(
