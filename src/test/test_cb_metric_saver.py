@@ -123,6 +123,52 @@ def test_lines_are_flushed_while_training_runs(tmp_path: Path) -> None:
     assert seen == [0, 1, 2]
 
 
+def test_lines_reach_the_disk_once_per_collect_interval(tmp_path: Path) -> None:
+    seen: list[int] = []
+
+    @dataclass
+    class ReadBack(Callback):
+        def post_step(self) -> None:
+            seen.append(len((tmp_path / "metrics.jsonl").read_text().splitlines()))
+
+    flushes: list[int] = []
+
+    @dataclass
+    class CountFlushes(Callback):
+        """Wraps the saver's open file (after its pre_train) to count flushes."""
+
+        priority = -10
+
+        def pre_train(self) -> None:
+            saver = self.trainer.callbacks["metric_saver"]
+            file = saver._file  # type: ignore[attr-defined]
+            real_flush = file.flush
+
+            def counted() -> None:
+                flushes.append(self.trainer.global_step)
+                real_flush()
+
+            file.flush = counted
+
+    build_trainer(
+        tmp_path,
+        max_duration=Duration.steps(7),
+        metrics_collect_interval=3,
+        no_checkpoints=True,
+        callbacks={
+            "metric_saver": MetricSaverCallback(),
+            "read": ReadBack(),
+            "count": CountFlushes(),
+        },
+    ).fit()
+    # Steps 1-3 arrive together after step 3's post_step, and are flushed together: one
+    # write per collection (steps 3 and 6), not one per line; then the end of training and
+    # closing the file flush (the second finds nothing to write).
+    assert seen == [0, 0, 0, 3, 3, 3, 6]
+    assert flushes == [3, 6, 7, 7]
+    assert steps_in((tmp_path / "metrics.jsonl").read_text()) == list(range(1, 8))
+
+
 def test_resume_drops_steps_after_the_checkpoint_and_appends(tmp_path: Path) -> None:
     with pytest.raises(Crash):
         run(tmp_path, steps=8, crash_at=7)

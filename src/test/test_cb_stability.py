@@ -18,6 +18,8 @@ from olmolike.train.callbacks.stability import (
     SKIPPED_METRIC,
     StabilityMonitorCallback,
     StabilityPolicy,
+    _DeviceRunningStats,
+    _RunningStats,
 )
 from olmolike.train.checkpoint import Checkpointer
 
@@ -160,6 +162,25 @@ def test_skip_step_zeroes_bad_gradients_on_the_device(tmp_path: Path, factor: fl
 def test_without_skipping_nan_gradients_corrupt_the_weights(tmp_path: Path) -> None:
     trainer = fit(tmp_path, Poison(step_to_poison=2), StabilityMonitorCallback(), steps=3)
     assert not params_finite(trainer)
+
+
+def test_host_and_device_statistics_make_the_same_decisions() -> None:
+    """The host judges logged values with floats, skip_step judges on the device: same rules."""
+    values = [1.0, 1.1, 0.9, 1.05, 0.95, 9.0, 1.0, 1.02, 0.98, 30.0, 1.01, 1.0]
+    host, device = _RunningStats(window=5), _DeviceRunningStats(5, torch.device("cpu"))
+    host_spikes, device_spikes = [], []
+    for value in values:
+        spike = host.is_spike(value, threshold=3.0, warmup=4)
+        if not spike:
+            host.update(value)
+        host_spikes.append(spike)
+        x = torch.tensor(value, dtype=torch.float64)
+        bad = device.is_spike(x, threshold=3.0, warmup=4)
+        device.update(x, ~bad)
+        device_spikes.append(bool(bad))
+    assert host_spikes == device_spikes
+    assert host_spikes.count(True) == 2  # 9.0 and 30.0; the first stays out of the baseline
+    assert device.state_dict() == pytest.approx(host.state_dict(), rel=1e-12)
 
 
 def test_running_statistics_survive_a_resume(tmp_path: Path) -> None:

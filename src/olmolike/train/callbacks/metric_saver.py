@@ -44,9 +44,11 @@ class MetricSaverCallback(Callback, name="metric_saver"):
     """Appends each step's metrics to ``{save_folder}/{fname}`` as one JSON line (rank 0).
 
     Each line is ``{"step": int, "tokens": int, "time": unix_seconds, "metrics": {...}}``,
-    flushed as soon as it is written, so the file is readable (``olmolike plot``) while training
-    runs. A resumed run first drops the lines of steps after the checkpoint it resumed from
-    (they are about to be trained again) and then appends, so no step appears twice. Steps
+    flushed once per ``metrics_collect_interval`` (when the trainer hands over that interval's
+    metrics) and at every checkpoint, so the file is readable (``olmolike plot``) while training
+    runs without a write system call per step, which on a shared file system can cost more than
+    a small step. A resumed run first drops the lines of steps after the checkpoint it resumed
+    from (they are about to be trained again) and then appends, so no step appears twice. Steps
     whose metrics were not yet logged when that checkpoint was saved (metrics arrive once per
     ``metrics_collect_interval``) are missing from the file.
 
@@ -127,11 +129,12 @@ class MetricSaverCallback(Callback, name="metric_saver"):
             "metrics": {name: float(value) for name, value in metrics.items()},
         }
         self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        if step % self.trainer.metrics_collect_interval == 0:  # the last step of a collection
+            self._file.flush()
 
     def state_dict(self) -> dict[str, Any]:
         # The trainer asks for callback state exactly when it saves a checkpoint: the moment
-        # the save folder's copy must catch up, so it matches that checkpoint.
+        # the file (and a remote save folder's copy) must catch up, so it matches that checkpoint.
         self._persist()
         return {}
 
@@ -148,8 +151,10 @@ class MetricSaverCallback(Callback, name="metric_saver"):
             self._file = None
 
     def _persist(self) -> None:
-        if self._file is None or not self._remote:
+        if self._file is None:
             return
         self._file.flush()
+        if not self._remote:
+            return
         # The file grows by design, so the previous copy is always replaced.
         io.persist(self.trainer.work_dir, self.trainer.save_folder, self.fname, overwrite=True)

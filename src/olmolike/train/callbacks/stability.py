@@ -44,8 +44,42 @@ class StabilityPolicy(StrEnum):
 
 
 class _RunningStats:
-    """Exponentially weighted mean and variance, as tensors so the same code runs on the host
-    (0-dim CPU tensors, no device involved) and on the training device (no host sync)."""
+    """Exponentially weighted mean and variance of plain floats, for values on the host.
+
+    Plain floats, not 0-dim tensors: this runs for every logged value, and each tensor op on
+    the host costs microseconds where a float op costs nanoseconds.
+    """
+
+    def __init__(self, window: int) -> None:
+        self.alpha = 2.0 / (window + 1)
+        self.mean = 0.0
+        self.var = 0.0
+        self.count = 0
+
+    def is_spike(self, x: float, threshold: float, warmup: int) -> bool:
+        # A floor on the spread: a perfectly flat history would otherwise flag any wiggle.
+        std = max(math.sqrt(self.var), 1e-3 * abs(self.mean))
+        return self.count >= warmup and x > self.mean + threshold * std
+
+    def update(self, x: float) -> None:
+        if self.count == 0:
+            self.mean, self.var = x, 0.0
+        else:
+            delta = x - self.mean
+            self.mean += self.alpha * delta
+            self.var = (1 - self.alpha) * (self.var + self.alpha * delta * delta)
+        self.count += 1
+
+    def state_dict(self) -> dict[str, float]:
+        return {"mean": self.mean, "var": self.var, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.mean, self.var, self.count = state["mean"], state["var"], int(state["count"])
+
+
+class _DeviceRunningStats:
+    """The same statistics as :class:`_RunningStats`, as tensors on the training device, so
+    the skip decision needs no host sync. Updates are masked rather than branched for that."""
 
     def __init__(self, window: int, device: torch.device) -> None:
         self.alpha = 2.0 / (window + 1)
@@ -54,7 +88,6 @@ class _RunningStats:
         self.count = torch.zeros((), dtype=torch.int64, device=device)
 
     def is_spike(self, x: torch.Tensor, threshold: float, warmup: int) -> torch.Tensor:
-        # A floor on the spread: a perfectly flat history would otherwise flag any wiggle.
         std = torch.maximum(self.var.sqrt(), 1e-3 * self.mean.abs())
         return (self.count >= warmup) & (x > self.mean + threshold * std)
 
@@ -114,10 +147,11 @@ class StabilityMonitorCallback(Callback, name="stability_monitor"):
 
     _loss_stats: _RunningStats = field(init=False, repr=False)
     _grad_stats: _RunningStats = field(init=False, repr=False)
-    _device_grad_stats: _RunningStats | None = field(default=None, init=False, repr=False)
+    _device_grad_stats: _DeviceRunningStats | None = field(default=None, init=False, repr=False)
     _params: list[torch.nn.Parameter] = field(default_factory=list, init=False, repr=False)
     _corrupt: bool = field(default=False, init=False, repr=False)
     _last_loss: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _checkpointers: list[CheckpointerCallback] = field(default_factory=list, init=False, repr=False)
 
     priority = 2  # before the checkpointer, so a guarded save can be prevented
 
@@ -137,8 +171,8 @@ class StabilityMonitorCallback(Callback, name="stability_monitor"):
                     f"must be > 0 (standard deviations), or None to not judge spikes; got {value}",
                     path=name,
                 )
-        self._loss_stats = _RunningStats(self.window, torch.device("cpu"))
-        self._grad_stats = _RunningStats(self.window, torch.device("cpu"))
+        self._loss_stats = _RunningStats(self.window)
+        self._grad_stats = _RunningStats(self.window)
 
     def post_attach(self) -> None:
         if self.policy != StabilityPolicy.skip_step:
@@ -152,7 +186,7 @@ class StabilityMonitorCallback(Callback, name="stability_monitor"):
                 path="policy",
             )
         self._params = list(model.parameters())
-        self._device_grad_stats = _RunningStats(self.window, self.trainer.device)
+        self._device_grad_stats = _DeviceRunningStats(self.window, self.trainer.device)
 
     # -- skip_step: on the device, before the optimizer step --------------------------------
 
@@ -212,14 +246,13 @@ class StabilityMonitorCallback(Callback, name="stability_monitor"):
         if not math.isfinite(value):
             problems.append(f"non-finite {what} ({value})")
             return True
-        x = torch.tensor(value, dtype=torch.float64)
-        spike = threshold is not None and bool(stats.is_spike(x, threshold, self.warmup_steps))
-        if spike:
+        if threshold is not None and stats.is_spike(value, threshold, self.warmup_steps):
             problems.append(
-                f"{what} spike: {value:.4g} vs running mean {stats.mean.item():.4g} "
-                f"(std {stats.var.sqrt().item():.3g}, threshold {threshold} std)"
+                f"{what} spike: {value:.4g} vs running mean {stats.mean:.4g} "
+                f"(std {math.sqrt(stats.var):.3g}, threshold {threshold} std)"
             )
-        stats.update(x, torch.tensor(not spike))
+        else:  # spikes stay out, so they do not raise the baseline
+            stats.update(value)
         return False
 
     def _act(self, step: int, problems: list[str], *, corrupt: bool) -> None:
@@ -247,12 +280,18 @@ class StabilityMonitorCallback(Callback, name="stability_monitor"):
 
     # -- guarding checkpoints -----------------------------------------------------------------
 
+    def pre_train(self) -> None:
+        # Looked up once: the guard runs every step, and the callbacks are fixed by now.
+        self._checkpointers = [
+            cb for cb in self.trainer.callbacks.values() if isinstance(cb, CheckpointerCallback)
+        ]
+
     def post_step(self) -> None:
         if not self.guard_checkpoints:
             return
         # A reference, not a value: reading it would sync. The final checkpoint (post_train)
         # comes after the metrics are collected, so it is kept here for that check.
-        self._last_loss = self.trainer.get_metric(*reversed(self.loss_metric.rsplit("/", 1)))
+        self._last_loss = self.trainer.get_metric(self.loss_metric)
         if self._checkpoint_due():
             self._guard("before the checkpoint of step")
 
@@ -261,11 +300,7 @@ class StabilityMonitorCallback(Callback, name="stability_monitor"):
             self._guard("before the final checkpoint at step")
 
     def _active_checkpointers(self) -> list[CheckpointerCallback]:
-        return [
-            cb
-            for cb in self.trainer.callbacks.values()
-            if isinstance(cb, CheckpointerCallback) and cb.active
-        ]
+        return [cb for cb in self._checkpointers if cb.active]
 
     def _checkpoint_due(self) -> bool:
         step = self.trainer.global_step
