@@ -70,6 +70,40 @@ def test_layout_and_marker(tmp_path: Path) -> None:
     assert Checkpointer.latest_checkpoint(tmp_path) == str(step2.parent / "step3")
 
 
+@pytest.mark.parametrize("save_async", [False, True])
+def test_added_files_are_part_of_every_checkpoint(tmp_path: Path, save_async: bool) -> None:
+    trainer = build_trainer(
+        tmp_path,
+        max_duration=Duration.steps(3),
+        **checkpointer_cb(save_interval=2, save_async=save_async),
+    )
+    trainer.add_checkpoint_file("notes.txt", "first")
+    trainer.add_checkpoint_file("blob.bin", b"\x00\x01")
+
+    @dataclass
+    class ChangeNotes(Callback):
+        def post_step(self) -> None:
+            if self.trainer.global_step == 2:
+                self.trainer.add_checkpoint_file("notes.txt", "second")
+
+    trainer.add_callback("change", ChangeNotes())
+    trainer.fit()
+    # The pre-train and step-2 saves come before the change (the checkpointer runs first).
+    notes = {step: (tmp_path / f"step{step}" / "notes.txt").read_text() for step in (0, 2, 3)}
+    assert notes == {0: "first", 2: "first", 3: "second"}
+    assert (tmp_path / "step3" / "blob.bin").read_bytes() == b"\x00\x01"
+    assert sorted(p.name for p in (tmp_path / "step3").iterdir()) == sorted(
+        [MARKER, "blob.bin", "model_and_optim", "notes.txt", "train"]
+    )
+
+
+@pytest.mark.parametrize("name", ["", "a/b", "..", "train", "model_and_optim", MARKER])
+def test_a_checkpoint_file_must_have_a_plain_unreserved_name(tmp_path: Path, name: str) -> None:
+    trainer = build_trainer(tmp_path, max_duration=Duration.steps(1))
+    with pytest.raises(CheckpointError, match="plain file name"):
+        trainer.add_checkpoint_file(name, "x")
+
+
 def test_incomplete_checkpoints_are_invisible(tmp_path: Path) -> None:
     train(tmp_path, max_duration=Duration.steps(2), **checkpointer_cb(save_interval=1))
     (tmp_path / "step2" / MARKER).unlink()  # as if the save had died before its marker

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 from testutils import build_trainer
 
 from olmolike.exceptions import ConfigurationError
+from olmolike.inference import find_experiment_config
 from olmolike.train import Callback, Duration, Trainer
 from olmolike.train.callbacks import CheckpointerCallback, ConfigSaverCallback
 
@@ -61,6 +63,17 @@ def test_writes_sorted_json_before_the_first_step(tmp_path: Path) -> None:
     assert json.loads(text) == unsorted
     probe = trainer.callbacks["probe"]
     assert isinstance(probe, SeenBeforeFirstStep) and probe.existed == [True]
+
+
+def test_each_checkpoint_holds_the_config_that_trained_it(tmp_path: Path) -> None:
+    run(tmp_path, CONFIG_A, 2)  # saves step 2
+    run(tmp_path, CONFIG_B, 4)  # resumes at 2, saves steps 4 (interval) and 4 is also final
+    assert (tmp_path / "step2" / "config.json").read_text() == expected_text(CONFIG_A)
+    assert (tmp_path / "step4" / "config.json").read_text() == expected_text(CONFIG_B)
+    # A checkpoint copied on its own still tells olmolike how it was trained.
+    copied = tmp_path / "elsewhere" / "step2"
+    shutil.copytree(tmp_path / "step2", copied)
+    assert find_experiment_config(str(copied)) == CONFIG_A
 
 
 def test_nothing_is_written_before_fit(tmp_path: Path) -> None:

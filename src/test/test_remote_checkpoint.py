@@ -207,6 +207,36 @@ def test_checkpoints_are_saved_to_and_found_on_the_store(
     assert max(save_seconds) < 10, f"saves took {save_seconds} s"
 
 
+@pytest.mark.timeout(120)
+def test_added_files_are_uploaded_before_the_marker(store: RemoteStore, tmp_path: Path) -> None:
+    folder = store.url("run-files")
+    seen_without_file: list[str] = []
+    real_write = olmolike.io.write_file
+
+    def check_marker_comes_last(dir: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == MARKER and not olmolike.io.exists(olmolike.io.join_path(dir, "config.json")):
+            seen_without_file.append(str(dir))
+        return real_write(dir, name, *args, **kwargs)
+
+    trainer = build_trainer(
+        folder,
+        work_dir=str(tmp_path / "work"),
+        max_duration=Duration.steps(2),
+        callbacks={"checkpointer": CheckpointerCallback(save_interval=2)},
+    )
+    trainer.add_checkpoint_file("config.json", '{"run": "files"}')
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(olmolike.io, "write_file", check_marker_comes_last)
+        trainer.fit()
+    assert steps_found(folder) == [0, 2]
+    for step in (0, 2):
+        assert store.objects("run-files", f"step{step}") == sorted(
+            [*CHECKPOINT_FILES, "config.json"]
+        )
+    assert store.fs.cat(store.url("run-files", "step2", "config.json")) == b'{"run": "files"}'
+    assert seen_without_file == []
+
+
 # -- resuming and loading ----------------------------------------------------------------------
 
 

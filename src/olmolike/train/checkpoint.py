@@ -4,6 +4,7 @@ Layout of ``{save_folder}/step{N}/``::
 
     model_and_optim/          DCP shards (every rank writes its own) and DCP's .metadata
     train/rank{R}.pt          trainer state of rank R (counters, RNG, data position, callbacks)
+    config.json, ...          files added with ``extra_files`` (rank 0), e.g. the run's config
     .olmolike-checkpoint.json the completion marker, written last
 
 The commit protocol never lets a reader see a partial checkpoint:
@@ -25,7 +26,7 @@ import logging
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,11 +104,24 @@ class CheckpointerConfig(Config):
         )
 
 
+RESERVED_NAMES = frozenset({MARKER, MODEL_AND_OPTIM, TRAIN_STATE})
+
+
+def check_extra_file_name(name: str) -> None:
+    """Reject a name that could not be a plain file at the top of a checkpoint folder."""
+    if not name or "/" in name or "\\" in name or name in (".", "..") or name in RESERVED_NAMES:
+        raise CheckpointError(
+            f"{name!r} cannot be a file of a checkpoint folder: use a plain file name such as "
+            f"'config.json', other than {', '.join(sorted(RESERVED_NAMES))}"
+        )
+
+
 @dataclass
 class _SavePlan:
     target: str
     staging: Path
     remote: bool
+    extra_files: dict[str, bytes]
 
 
 class Checkpointer:
@@ -142,10 +156,15 @@ class Checkpointer:
         train_module: TrainModule,
         train_state: dict[str, Any],
         ephemeral: bool = False,
+        extra_files: Mapping[str, str | bytes] | None = None,
     ) -> None:
-        """Save model, optimizer and trainer state to ``dir``; returns once it is complete."""
+        """Save model, optimizer and trainer state to ``dir``; returns once it is complete.
+
+        ``extra_files`` (name to contents, from rank 0) are written into the checkpoint folder
+        before its marker, so they are part of the checkpoint: present exactly when it is.
+        """
         self.wait_for_pending_save()
-        plan = self._begin(dir)
+        plan = self._begin(dir, extra_files)
         try:
             save_state_dict(
                 plan.staging / MODEL_AND_OPTIM,
@@ -165,6 +184,7 @@ class Checkpointer:
         train_module: TrainModule,
         train_state: dict[str, Any],
         ephemeral: bool = False,
+        extra_files: Mapping[str, str | bytes] | None = None,
     ) -> Future[None]:
         """Like :meth:`save`, but returns once the state is copied to CPU memory.
 
@@ -172,7 +192,7 @@ class Checkpointer:
         the returned future completes when the checkpoint is complete (or failed).
         """
         self.wait_for_pending_save()
-        plan = self._begin(dir)
+        plan = self._begin(dir, extra_files)
         state_bytes = _serialize(train_state)
         dcp_future = async_save_state_dict(
             plan.staging / MODEL_AND_OPTIM,
@@ -220,8 +240,14 @@ class Checkpointer:
         if pending is not None:
             pending.result()
 
-    def _begin(self, dir: str) -> _SavePlan:
+    def _begin(self, dir: str, extra_files: Mapping[str, str | bytes] | None) -> _SavePlan:
         target = str(dir).rstrip("/")
+        extra = {
+            name: data.encode() if isinstance(data, str) else bytes(data)
+            for name, data in (extra_files or {}).items()
+        }
+        for name in extra:
+            check_extra_file_name(name)
         if self.dir_is_checkpoint(target) and not self.save_overwrite:
             raise CheckpointError(
                 f"{target} already holds a checkpoint; set save_overwrite=True to replace it"
@@ -237,7 +263,7 @@ class Checkpointer:
         self._barrier()
         # Every rank creates it too: remote saves stage on each node's own disk.
         (staging / TRAIN_STATE).mkdir(parents=True, exist_ok=True)
-        return _SavePlan(target, staging, remote)
+        return _SavePlan(target, staging, remote, extra)
 
     def _finish(self, plan: _SavePlan, state_bytes: bytes, ephemeral: bool, ok: bool) -> None:
         rank = get_rank()
@@ -245,6 +271,9 @@ class Checkpointer:
         try:
             if ok:
                 (plan.staging / TRAIN_STATE / f"rank{rank}.pt").write_bytes(state_bytes)
+                if rank == 0:
+                    for name, data in plan.extra_files.items():
+                        (plan.staging / name).write_bytes(data)
                 if plan.remote:
                     self._upload_own_files(plan)
         except Exception as e:
@@ -273,6 +302,7 @@ class Checkpointer:
         own = sorted(dcp_dir.glob(f"__{rank}_*.distcp"))
         if rank == 0:
             own += [p for p in dcp_dir.iterdir() if not p.name.endswith(".distcp")]
+            own += [plan.staging / name for name in plan.extra_files]
         own.append(plan.staging / TRAIN_STATE / f"rank{rank}.pt")
         if self.throttle_uploads:
             self._take_turns(lambda: self._upload(plan, own))

@@ -84,6 +84,7 @@ class Trainer(TrainerCheckpointing):
     _flops_per_token: dict[int, int | None] = field(default_factory=dict, init=False, repr=False)
     _error: BaseException | None = field(default=None, init=False, repr=False)
     _checkpoint_loaded: bool = field(default=False, init=False, repr=False)
+    _checkpoint_files: dict[str, str | bytes] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.work_dir = Path(self.work_dir)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .. import io
 from ..distributed.utils import broadcast_object, get_rank
 from ..exceptions import CheckpointError
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, check_extra_file_name
 from .common import LoadStrategy
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ class TrainerCheckpointing(ABC):
     load_optim_state: bool | None
     global_step: int
     _checkpoint_loaded: bool
+    _checkpoint_files: dict[str, str | bytes]
 
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
@@ -52,17 +53,36 @@ class TrainerCheckpointing(ABC):
     def _step_dir(self) -> str:
         return io.join_path(self.save_folder, f"step{self.global_step}")
 
+    def add_checkpoint_file(self, name: str, contents: str | bytes) -> None:
+        """Include a file named ``name`` in every checkpoint saved from now on.
+
+        Rank 0 writes it into the checkpoint folder before the completion marker, so a copied
+        checkpoint folder carries it. Adding a name again replaces its contents.
+        """
+        check_extra_file_name(name)
+        self._checkpoint_files[name] = contents
+
     def save_checkpoint(self, ephemeral: bool = False) -> str:
         """Save a checkpoint of the current step to the save folder; returns its path."""
         path = self._step_dir()
-        self.checkpointer.save(path, self.train_module, self.state_dict(), ephemeral=ephemeral)
+        self.checkpointer.save(
+            path,
+            self.train_module,
+            self.state_dict(),
+            ephemeral=ephemeral,
+            extra_files=self._checkpoint_files,
+        )
         return path
 
     def save_checkpoint_async(self, ephemeral: bool = False) -> tuple[str, Future[None]]:
         """Start saving a checkpoint of the current step; the future completes when it is whole."""
         path = self._step_dir()
         future = self.checkpointer.save_async(
-            path, self.train_module, self.state_dict(), ephemeral=ephemeral
+            path,
+            self.train_module,
+            self.state_dict(),
+            ephemeral=ephemeral,
+            extra_files=self._checkpoint_files,
         )
         return path, future
 

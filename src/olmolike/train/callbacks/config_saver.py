@@ -19,10 +19,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ConfigSaverCallback(Callback, name="config_saver"):
-    """Writes ``config`` as JSON to ``{save_folder}/{fname}`` when training starts (rank 0).
+    """Saves ``config`` as JSON in every checkpoint folder and in the save folder (rank 0).
 
-    Tools that read checkpoints (``olmolike generate``, the Hugging Face export) find the model
-    config there. A resumed run whose config changed keeps the previous file as
+    Each checkpoint holds ``{fname}``, written before its completion marker, so a checkpoint
+    copied on its own still says how it was trained; tools that read checkpoints
+    (``olmolike generate``, ``olmolike export-hf``) look there first. The copy in the save
+    folder, written when training starts, describes the run as a whole. A resumed run whose config changed keeps the previous file as
     ``config-before-step{N}.json``, so every checkpoint's settings stay on record. An existing
     backup for step N is kept: it means an earlier run also resumed at step N and saved no
     checkpoint since (it would not resume at N again otherwise), so the backup holds the config
@@ -54,6 +56,10 @@ class ConfigSaverCallback(Callback, name="config_saver"):
 
     def _text(self) -> str:
         return json.dumps(self.config, indent=2, sort_keys=True) + "\n"
+
+    def post_attach(self) -> None:
+        if self.config is not None:
+            self.trainer.add_checkpoint_file(self.fname, self._text())
 
     def pre_train(self) -> None:
         if self.config is None or get_rank() != 0:
