@@ -3,25 +3,29 @@
 A checkpoint that loads without error can still be wrong: a parameter left out of a custom
 ``state_dict``, a dtype cast on the way to disk, a staging buffer reused too early by an
 async save. Such bugs surface only at the resume, possibly weeks later. This callback loads
-each (or every n-th) checkpoint into a copy of the model whose weights were first set to NaN,
-runs a few fixed batches through both models and requires the same logits and loss.
+each (or every n-th) checkpoint into the model after setting its weights to NaN, runs a few
+fixed batches through it and requires the logits and loss the live weights gave, then puts
+the live weights back bit for bit.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule
 
 from ... import io
 from ...distributed.checkpoint import load_model_and_optim_state
+from ...distributed.utils import backend_supports_cpu, get_rank, get_world_size, is_distributed
 from ...exceptions import CheckpointError, ConfigurationError
 from ..checkpoint import MODEL_AND_OPTIM
 from .callback import Callback
@@ -56,13 +60,28 @@ class ReproducibilityCheckCallback(Callback, name="reproducibility_check"):
       knows the earlier save has finished (a per-step look at the folder could see the marker
       on one rank and not on another, and the load's collectives would then not match).
 
-    With several ranks (DDP) every rank loads the whole model state into its own copy, through
-    the checkpointer's process group, and checks its replica. Sharded models (FSDP, DTensor
-    parameters) are refused at build time: their copy would need to be sharded the same way.
+    The checkpoint is loaded into the live model itself, not into a copy: its state is set
+    aside (each rank clones its own part), filled with NaN so that anything the load misses
+    cannot match by accident, loaded through the checkpointer's process group, run, and then
+    restored bit for bit. A copy would have to be sharded exactly like the live model, and
+    that cannot be had in general: FSDP2 refuses ``copy.deepcopy`` ("FSDP does not support
+    deepcopy"), and rebuilding one needs the unsharded model (a train module may be handed a
+    model that is already sharded) and every unit's ``fully_shard`` arguments (mesh,
+    ``mp_policy``, ...), which only FSDP's private state holds; a copy gathered in another
+    ``param_dtype`` would give other logits. Borrowing the live model keeps its sharding,
+    mixed precision, compiled blocks and hooks as they are, so every layout works the same
+    way: one process, DDP (each rank checks its replica), FSDP2 and HSDP (DTensor shards;
+    every rank runs the same batches, so FSDP's gathers match). FSDP modules are resharded
+    after every forward here, so no gathered copy of checkpoint weights outlives the check.
+    Nothing else reads the weights meanwhile: the checkpointer runs first, and an async save
+    has copied the state to CPU memory by the time ``save_async`` returns.
 
     A mismatch raises :class:`~olmolike.exceptions.CheckpointError` naming the checkpoint and
-    the largest difference, which stops the run. Each check costs one extra copy of the model
-    in memory and ``2 x num_batches`` forward passes; ``every_n_saves`` spreads it out.
+    the largest difference, which stops the run. The verdict is agreed across ranks first:
+    if any rank sees a difference every rank raises, as one rank stopping while the others
+    go on into training's collectives would hang them. Each check costs one extra copy of
+    this rank's model state in memory (a shard under FSDP) and ``2 x num_batches`` forward
+    passes; ``every_n_saves`` spreads it out.
     """
 
     num_batches: int = 2
@@ -109,12 +128,7 @@ class ReproducibilityCheckCallback(Callback, name="reproducibility_check"):
                 path="reproducibility_check",
             )
         self._checkpointer = found[0]
-        if any(isinstance(p, DTensor) for p in self._model().parameters()):
-            raise ConfigurationError(
-                "cannot check a sharded (FSDP) model: its copy would have to be sharded the "
-                "same way; run the check in a DDP or single-process run, or set enabled=False",
-                path="reproducibility_check",
-            )
+        self._model()  # no model to check is a build error, not one at the first save
 
     def state_dict(self) -> dict[str, Any]:
         # Called while the checkpointer saves this step, before post_step counts that save: the
@@ -205,6 +219,12 @@ class ReproducibilityCheckCallback(Callback, name="reproducibility_check"):
                 losses.append(loss)
         finally:
             model.train(was_training)
+            # FSDP keeps the root's gathered weights after a forward until a backward, which
+            # never comes here, and a later forward reuses them without gathering. Free them:
+            # they are a full copy of the root's weights, and the check is about to change or
+            # restore the shards under them. (FSDP's state_dict hooks would reshard as well;
+            # the check does not depend on that.)
+            _reshard(model)
         return logits, losses
 
     def _reference(self, path: str) -> _Reference:
@@ -212,31 +232,46 @@ class ReproducibilityCheckCallback(Callback, name="reproducibility_check"):
         return _Reference(path, logits, losses)
 
     def _verify(self, reference: _Reference) -> None:
-        live = self._model()
-        fresh = copy.deepcopy(live)
-        with torch.no_grad():
-            # Anything the checkpoint fails to restore stays NaN and cannot match by accident.
-            for tensor in fresh.state_dict().values():
-                if tensor.is_floating_point():
-                    tensor.fill_(float("nan"))
+        model = self._model()
         weights = io.join_path(reference.path, MODEL_AND_OPTIM)
-        load_model_and_optim_state(
-            weights, fresh, process_group=self.trainer.checkpointer.process_group
-        )
-        logits, losses = self._outputs(fresh)
-        del fresh
+        with _live_state_set_aside(model):
+            load_model_and_optim_state(
+                weights, model, process_group=self.trainer.checkpointer.process_group
+            )
+            logits, losses = self._outputs(model)
         self._compare(reference, logits, losses)
         log.info("Checkpoint %s reproduces the live model's outputs", reference.path)
+
+    def _ranks_that_differ(self, differs: bool) -> list[int]:
+        """Every rank's verdict, on every rank (a collective: all ranks call it in turn)."""
+        if not is_distributed():
+            return [0] if differs else []
+        group = self.trainer.checkpointer.process_group  # the group the load just used
+        # It is a gloo group whenever the backend has gloo; an NCCL-only one needs the device.
+        device = "cpu" if backend_supports_cpu(group) else self.trainer.device
+        flags = torch.zeros(get_world_size(group), dtype=torch.int32, device=device)
+        flags[get_rank(group)] = int(differs)
+        dist.all_reduce(flags, group=group)
+        return [int(rank) for rank in flags.nonzero().flatten().tolist()]
 
     def _compare(
         self, reference: _Reference, logits: list[torch.Tensor], losses: list[torch.Tensor]
     ) -> None:
         pairs = list(zip(reference.logits, logits)) + list(zip(reference.losses, losses))
-        if all(
+        same = all(
             torch.allclose(got, want, atol=self.atol, rtol=self.rtol, equal_nan=False)
             for want, got in pairs
-        ):
+        )
+        differing = self._ranks_that_differ(not same)
+        if not differing:
             return
+        if same:
+            raise CheckpointError(
+                f"checkpoint {reference.path} does not reproduce the model it was saved from "
+                f"on rank(s) {differing}, whose errors give the difference (this rank's "
+                "outputs matched). Resuming from it would not continue this run: check the "
+                "train module's state_dict_to_save and the model's persistent buffers"
+            )
         max_diff = max(float((got - want).abs().max()) for want, got in pairs)
         loss_text = ", ".join(
             f"{float(want):.6g} vs {float(got):.6g}" for want, got in zip(reference.losses, losses)
@@ -248,3 +283,40 @@ class ReproducibilityCheckCallback(Callback, name="reproducibility_check"):
             "not continue this run: check the train module's state_dict_to_save and the "
             "model's persistent buffers, or raise atol/rtol on a nondeterministic device"
         )
+
+
+def _reshard(model: nn.Module) -> None:
+    """Free the weights FSDP gathered for a forward (a no-op for unsharded models)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()  # not recursive: every FSDP unit is visited
+
+
+@contextlib.contextmanager
+def _live_state_set_aside(model: nn.Module) -> Iterator[None]:
+    """Fill ``model``'s saved state with NaN for the block, then restore it bit for bit.
+
+    The backup is this rank's own part of the state: its shards for DTensor (FSDP/HSDP)
+    parameters, whose ``clone`` and ``copy_`` stay local. Tensors are changed in place, so
+    the optimizer's references to the parameters stay valid.
+    """
+    _reshard(model)  # state_dict must hold the sharded parameters, not gathered ones
+    with torch.no_grad():
+        backup: dict[str, torch.Tensor] = {}
+        clones: dict[int, torch.Tensor] = {}  # tied weights: one clone, one NaN fill
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if id(tensor) not in clones:
+                clones[id(tensor)] = tensor.detach().clone()
+                if tensor.is_floating_point():
+                    # Anything the checkpoint fails to restore stays NaN: it cannot match.
+                    tensor.fill_(float("nan"))
+            backup[name] = clones[id(tensor)]
+    try:
+        yield
+    finally:
+        _reshard(model)
+        with torch.no_grad():
+            # Looked up again by name: a load that replaced a tensor still gets the live value.
+            current = model.state_dict(keep_vars=True)
+            for name, saved in backup.items():
+                current[name].copy_(saved)
