@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import struct
 import sys
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,8 @@ from olmolike.train.callbacks.tensorboard import TensorBoardCallback
 
 pytest.importorskip("tensorboard", reason="needs the tensorboard extra")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.compat.proto.event_pb2 import Event
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
 # pytest finds fixtures by name in this module; importing them is what registers them here.
 __all__ = ["gcs_bucket", "gcs_server", "s3_bucket", "s3_server"]
@@ -153,12 +157,63 @@ def test_remote_save_folder_gets_the_event_files(
     assert_scalars_match(read_scalars(downloaded), metrics_jsonl)
 
 
+@pytest.mark.parametrize("module", ["tensorboard.compat.proto.event_pb2", "google_crc32c"])
 def test_missing_package_fails_when_the_trainer_is_built(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str
 ) -> None:
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    monkeypatch.setitem(sys.modules, module, None)
     with pytest.raises(ConfigurationError, match=r"pip install 'olmolike\[tensorboard\]'"):
         build_trainer(tmp_path, callbacks={"tensorboard": TensorBoardCallback()})
+
+
+def read_records(path: Path) -> list[bytes]:
+    """The records of a TFRecord file, each checked against TensorBoard's own CRC32C."""
+    data, records, offset = path.read_bytes(), [], 0
+    while offset < len(data):
+        header = data[offset : offset + 8]
+        (length,) = struct.unpack("<Q", header)
+        (header_crc,) = struct.unpack("<I", data[offset + 8 : offset + 12])
+        assert header_crc == masked_crc32c(header)
+        record = data[offset + 12 : offset + 12 + length]
+        (record_crc,) = struct.unpack("<I", data[offset + 12 + length : offset + 16 + length])
+        assert record_crc == masked_crc32c(record)
+        records.append(record)
+        offset += 16 + length
+    return records
+
+
+def test_event_files_are_valid_records_with_one_event_per_step(tmp_path: Path) -> None:
+    build_trainer(
+        tmp_path,
+        max_duration=Duration.steps(3),
+        no_checkpoints=True,
+        callbacks={"tensorboard": TensorBoardCallback()},
+    ).fit()
+    (path,) = (tmp_path / "tensorboard").iterdir()
+    assert path.name.startswith("events.out.tfevents.")
+    events = [Event.FromString(record) for record in read_records(path)]
+    assert events[0].file_version == "brain.Event:2"
+    assert [event.step for event in events[1:]] == [1, 2, 3]
+    assert all(len(event.summary.value) > 1 for event in events[1:])
+
+
+def test_a_second_run_in_the_same_second_gets_its_own_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    frozen = types.SimpleNamespace(time=lambda: 1_700_000_000.0)
+    monkeypatch.setattr("olmolike.train.callbacks.tensorboard.time", frozen)
+    for _ in range(2):
+        build_trainer(
+            tmp_path,
+            max_duration=Duration.steps(1),
+            no_checkpoints=True,
+            save_overwrite=True,
+            callbacks={"tensorboard": TensorBoardCallback()},
+        ).fit()
+    files = sorted(p.name for p in (tmp_path / "tensorboard").iterdir())
+    assert len(files) == 2 and files[1] == files[0] + ".1"
+    for name in files:
+        read_records(tmp_path / "tensorboard" / name)
 
 
 @pytest.mark.parametrize("subdir", ["", "/abs", "../out", "a/../../b"])
