@@ -1,5 +1,6 @@
 """Trainer callbacks: one module each."""
 
+from .aim import AimCallback
 from .batch_size_scheduler import BatchSizeSchedulerCallback, BatchSizeStage, BatchSizeUnits
 from .callback import CALLBACK_HOOKS, Callback, callback_registry
 from .checkpointer import CheckpointerCallback
@@ -20,6 +21,7 @@ from .wandb import WandBCallback
 
 __all__ = [
     "CALLBACK_HOOKS",
+    "AimCallback",
     "BatchSizeSchedulerCallback",
     "BatchSizeStage",
     "BatchSizeUnits",
