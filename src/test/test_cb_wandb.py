@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ import pytest
 from testutils import build_trainer
 
 from olmolike.exceptions import ConfigurationError
-from olmolike.train import Duration, Trainer
+from olmolike.train import Callback, Duration, Trainer
 from olmolike.train.callbacks import CheckpointerCallback
 from olmolike.train.callbacks.metric_saver import MetricSaverCallback
 from olmolike.train.callbacks.wandb import WandBCallback
@@ -59,6 +61,59 @@ def test_offline_run_records_every_logged_metric(tmp_path: Path) -> None:
     assert b"train/CE loss" in data and b"olmolike-test" in data
 
 
+@dataclass
+class WrapRunLog(Callback):
+    """After the W&B callback started its run, wraps ``run.log`` with ``wrapper``."""
+
+    wrapper: Any = None
+    priority = -10  # pre_train after the W&B callback's
+
+    def pre_train(self) -> None:
+        callback = self.trainer.callbacks["wandb"]
+        run = callback._run  # type: ignore[attr-defined]
+        run_log = run.log
+        callback._run = _RunProxy(run, self.wrapper(run_log))  # type: ignore[attr-defined]
+
+
+class _RunProxy:
+    def __init__(self, run: Any, log: Any) -> None:
+        self._run, self.log = run, log
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._run, name)
+
+
+@pytest.mark.timeout(120)
+def test_logging_runs_on_its_own_thread_in_step_order(tmp_path: Path) -> None:
+    calls: list[tuple[str, int]] = []
+
+    def recording(run_log: Any) -> Any:
+        def log(values: dict[str, float], step: int) -> None:
+            calls.append((threading.current_thread().name, step))
+            run_log(values, step=step)
+
+        return log
+
+    callback = WandBCallback(mode="offline", cancel_tag=None)
+    train(tmp_path, 5, callback, wrap=WrapRunLog(wrapper=recording))
+    assert calls == [("wandb-log-0", step) for step in range(1, 6)]
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_wandb_log_stops_the_run(tmp_path: Path) -> None:
+    def failing(run_log: Any) -> Any:
+        def log(values: dict[str, float], step: int) -> None:
+            if step == 2:
+                raise RuntimeError("W&B refused the metrics")
+            run_log(values, step=step)
+
+        return log
+
+    callback = WandBCallback(mode="offline", cancel_tag=None)
+    with pytest.raises(RuntimeError, match="W&B refused the metrics"):
+        train(tmp_path, 8, callback, wrap=WrapRunLog(wrapper=failing))
+
+
 @pytest.mark.timeout(120)
 def test_a_resumed_run_continues_the_same_wandb_run(tmp_path: Path) -> None:
     checkpoints = CheckpointerCallback(save_interval=2, pre_train_checkpoint=False)
@@ -73,11 +128,12 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_cancel_tag_stops_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    lookups: list[int] = []
+    lookups: list[str] = []
 
     def fetch_tags(self: WandBCallback) -> list[str]:
-        lookups.append(self.step)
-        return ["baseline", "cancel"] if self.step >= 4 else ["baseline"]
+        # Runs on the lookup thread: the training loop never waits for the W&B API.
+        lookups.append(threading.current_thread().name)
+        return ["baseline", "cancel"] if len(lookups) >= 2 else ["baseline"]
 
     monkeypatch.setattr(WandBCallback, "fetch_tags", fetch_tags)
     callback = WandBCallback(mode="offline", cancel_check_interval=2)
@@ -89,8 +145,9 @@ def test_cancel_tag_stops_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         callbacks={"wandb": callback},
     )
     trainer.fit()
-    assert lookups == [2, 4]
-    assert trainer.is_canceled and trainer.global_step == 4  # stopped in the tagged step
+    # Lookups start at steps 2 and 4; the second sees the tag, read at the next lookup step.
+    assert lookups == ["wandb-tags-0", "wandb-tags-0"]
+    assert trainer.is_canceled and trainer.global_step == 6
 
 
 def test_offline_tags_are_the_configured_ones(tmp_path: Path) -> None:
