@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import logging
 import os
 import statistics
@@ -61,6 +62,7 @@ from olmolike.train.callbacks import (
     SpeedMonitorCallback,
     StabilityMonitorCallback,
     TensorBoardCallback,
+    WandBCallback,
 )
 
 IGNORE_INDEX = -100
@@ -205,8 +207,13 @@ def time_hand(size: Size, batches: list[torch.Tensor]) -> tuple[float, nn.Module
 
 def library_callbacks() -> dict[str, Callback]:
     """Every built-in callback that runs without a GPU, a network service or eval data, at its
-    default settings: what ``--with-callbacks`` adds to the trainer."""
+    default settings (W&B offline), and whose optional package is installed: what
+    ``--with-callbacks`` adds to the trainer."""
+    optional: dict[str, Callback] = {}
+    if importlib.util.find_spec("wandb") is not None:
+        optional["wandb"] = WandBCallback(mode="offline")
     return {
+        **optional,
         "speed_monitor": SpeedMonitorCallback(),
         "gpu_memory_monitor": GPUMemoryMonitorCallback(),
         "garbage_collector": GarbageCollectorCallback(),
@@ -446,6 +453,7 @@ def main() -> None:
     global WITH_LIBRARY_CALLBACKS
     args = parse_args()
     WITH_LIBRARY_CALLBACKS = args.with_callbacks
+    os.environ.setdefault("WANDB_SILENT", "true")
     prepare_training_environment(backend=None)
     logging.getLogger("olmolike").setLevel(logging.WARNING)
     torch.set_num_threads(args.threads)

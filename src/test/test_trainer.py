@@ -499,6 +499,24 @@ def test_micro_batches_do_not_change_the_gradient(tmp_path: Any) -> None:
         torch.testing.assert_close(one, four, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("micro_batch_instances", [8, 2])
+def test_a_batch_with_every_label_ignored_trains_on_nothing(
+    tmp_path: Any, micro_batch_instances: int
+) -> None:
+    """Zero loss and zero gradients, not the NaN of a mean over no tokens."""
+    trainer = build_trainer(
+        tmp_path, micro_batch_instances=micro_batch_instances, max_duration=Duration.steps(1)
+    )
+    trainer.global_step = 1
+    trainer._metrics.begin_step(1)
+    input_ids = torch.randint(0, 64, (8, SEQ_LEN))
+    module = trainer.train_module
+    module.train_batch({"input_ids": input_ids, "labels": torch.full_like(input_ids, -100)})
+    assert trainer.get_metric("train/CE loss") == 0.0
+    for p in module.model.parameters():  # type: ignore[attr-defined]
+        assert p.grad is not None and torch.equal(p.grad, torch.zeros_like(p.grad))
+
+
 def test_trainer_losses_do_not_depend_on_micro_batches(tmp_path: Any) -> None:
     one, four = Recorder(), Recorder()
     fit_with(tmp_path / "one", one, max_duration=Duration.steps(4))

@@ -227,11 +227,14 @@ class TokenTensorDataLoader(DataLoaderBase):
         return torch.randperm(count, generator=generator)
 
     def _iter_batches(self) -> Iterator[Batch]:
-        order = self._order()
+        # The epoch's instances in order, gathered once (a private copy also when unshuffled,
+        # so a train module that edits a batch in place cannot change the data): each batch is
+        # then a view, one cheap op in the training loop instead of a slice and a gather.
+        ordered = self.instances[self._order()] if self.shuffle else self.instances.clone()
         while self.next_batch_index < self._batches_per_epoch:
             per_rank = self.instances_per_batch // self.dp_world_size
             start = self.instances_consumed + self.dp_rank * per_rank
-            yield {"input_ids": self.instances[order[start : start + per_rank]]}
+            yield {"input_ids": ordered[start : start + per_rank]}
 
     def state_dict(self) -> dict[str, Any]:
         return {

