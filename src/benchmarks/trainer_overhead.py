@@ -53,6 +53,7 @@ from olmolike.train import (
     prepare_training_environment,
 )
 from olmolike.train.callbacks import (
+    AimCallback,
     ConfigSaverCallback,
     EarlyStoppingCallback,
     GarbageCollectorCallback,
@@ -212,6 +213,8 @@ def library_callbacks() -> dict[str, Callback]:
     optional: dict[str, Callback] = {}
     if importlib.util.find_spec("wandb") is not None:
         optional["wandb"] = WandBCallback(mode="offline")
+    if importlib.util.find_spec("aim") is not None:
+        optional["aim"] = AimCallback()
     return {
         **optional,
         "speed_monitor": SpeedMonitorCallback(),

@@ -102,7 +102,7 @@ def move_to_device(obj: T, device: torch.device) -> T:
     """Move every tensor in a (nested) batch to ``device``; non-blocking from pinned memory."""
     if isinstance(obj, torch.Tensor):
         if obj.device == device:
-            return obj  # type: ignore[return-value]
+            return obj
         return obj.to(device, non_blocking=obj.is_pinned())  # type: ignore[return-value]
     if isinstance(obj, Mapping):
         return {k: move_to_device(v, device) for k, v in obj.items()}  # type: ignore[return-value]

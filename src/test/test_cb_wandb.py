@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +13,11 @@ import pytest
 from testutils import build_trainer
 
 from olmolike.exceptions import ConfigurationError
-from olmolike.train import Callback, Duration, Trainer
+from olmolike.train import Duration, Trainer
 from olmolike.train.callbacks import CheckpointerCallback
 from olmolike.train.callbacks.metric_saver import MetricSaverCallback
-from olmolike.train.callbacks.wandb import WandBCallback
+from olmolike.train.callbacks.sink_process import SinkError
+from olmolike.train.callbacks.wandb import WandBCallback, WandBSink
 
 wandb = pytest.importorskip("wandb", reason="needs the wandb extra")
 
@@ -61,57 +62,40 @@ def test_offline_run_records_every_logged_metric(tmp_path: Path) -> None:
     assert b"train/CE loss" in data and b"olmolike-test" in data
 
 
-@dataclass
-class WrapRunLog(Callback):
-    """After the W&B callback started its run, wraps ``run.log`` with ``wrapper``."""
+class RecordingSink(WandBSink):
+    """Appends "pid step" to ``steps.txt`` in the callback's ``dir`` for every step it logs."""
 
-    wrapper: Any = None
-    priority = -10  # pre_train after the W&B callback's
-
-    def pre_train(self) -> None:
-        callback = self.trainer.callbacks["wandb"]
-        run = callback._run  # type: ignore[attr-defined]
-        run_log = run.log
-        callback._run = _RunProxy(run, self.wrapper(run_log))  # type: ignore[attr-defined]
+    def log(self, values: dict[str, float], step: int) -> None:
+        with open(Path(self.run.dir).parents[2] / "steps.txt", "a") as f:
+            f.write(f"{os.getpid()} {step}\n")
+        super().log(values, step)
 
 
-class _RunProxy:
-    def __init__(self, run: Any, log: Any) -> None:
-        self._run, self.log = run, log
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._run, name)
+class FailingSink(WandBSink):
+    def log(self, values: dict[str, float], step: int) -> None:
+        if step == 2:
+            raise RuntimeError("W&B refused the metrics")
+        super().log(values, step)
 
 
 @pytest.mark.timeout(120)
-def test_logging_runs_on_its_own_thread_in_step_order(tmp_path: Path) -> None:
-    calls: list[tuple[str, int]] = []
-
-    def recording(run_log: Any) -> Any:
-        def log(values: dict[str, float], step: int) -> None:
-            calls.append((threading.current_thread().name, step))
-            run_log(values, step=step)
-
-        return log
-
-    callback = WandBCallback(mode="offline", cancel_tag=None)
-    train(tmp_path, 5, callback, wrap=WrapRunLog(wrapper=recording))
-    assert calls == [("wandb-log-0", step) for step in range(1, 6)]
+def test_logging_runs_in_a_sink_process_in_step_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(WandBCallback, "sink_class", RecordingSink)
+    callback = WandBCallback(mode="offline", cancel_tag=None, dir=str(tmp_path / "wb"))
+    train(tmp_path / "save", 5, callback)
+    lines = [line.split() for line in (tmp_path / "wb" / "steps.txt").read_text().splitlines()]
+    assert [int(step) for _, step in lines] == [1, 2, 3, 4, 5]
+    assert {pid for pid, _ in lines} != {str(os.getpid())} and len({p for p, _ in lines}) == 1
 
 
 @pytest.mark.timeout(120)
-def test_a_failing_wandb_log_stops_the_run(tmp_path: Path) -> None:
-    def failing(run_log: Any) -> Any:
-        def log(values: dict[str, float], step: int) -> None:
-            if step == 2:
-                raise RuntimeError("W&B refused the metrics")
-            run_log(values, step=step)
-
-        return log
-
+def test_a_failing_wandb_log_stops_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(WandBCallback, "sink_class", FailingSink)
     callback = WandBCallback(mode="offline", cancel_tag=None)
-    with pytest.raises(RuntimeError, match="W&B refused the metrics"):
-        train(tmp_path, 8, callback, wrap=WrapRunLog(wrapper=failing))
+    with pytest.raises(SinkError, match="W&B refused the metrics"):
+        train(tmp_path, 8, callback)
 
 
 @pytest.mark.timeout(120)

@@ -517,6 +517,21 @@ def test_a_batch_with_every_label_ignored_trains_on_nothing(
         assert p.grad is not None and torch.equal(p.grad, torch.zeros_like(p.grad))
 
 
+@pytest.mark.parametrize("micro_batch_instances", [8, 2])
+def test_a_diverged_model_reports_a_nan_loss(tmp_path: Any, micro_batch_instances: int) -> None:
+    trainer = build_trainer(
+        tmp_path, micro_batch_instances=micro_batch_instances, max_duration=Duration.steps(1)
+    )
+    trainer.global_step = 1
+    trainer._metrics.begin_step(1)
+    module = trainer.train_module
+    with torch.no_grad():
+        next(module.model.parameters()).fill_(float("nan"))  # type: ignore[attr-defined]
+    module.train_batch({"input_ids": torch.randint(0, 64, (8, SEQ_LEN))})
+    loss = trainer.get_metric("train/CE loss")
+    assert loss is not None and torch.isnan(loss)
+
+
 def test_trainer_losses_do_not_depend_on_micro_batches(tmp_path: Any) -> None:
     one, four = Recorder(), Recorder()
     fit_with(tmp_path / "one", one, max_duration=Duration.steps(4))

@@ -4,24 +4,25 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ...distributed.utils import get_rank
 from ...exceptions import ConfigurationError
 from ..bookkeeping import DaemonThreadPool
 from .callback import Callback
+from .sink_process import SinkError, SinkProcess
 
-__all__ = ["WandBCallback"]
+__all__ = ["WandBCallback", "WandBSink"]
 
 log = logging.getLogger(__name__)
 
 MODES = ("online", "offline", "disabled")
 
-FINISH_TIMEOUT_S = 120.0
-"""How long the end of a run waits for W&B to take the last metrics before finishing anyway."""
+FINISH_TIMEOUT_S = 300.0
+"""How long the end of a run waits for W&B to take the last metrics and finish."""
 
 
 def _wandb() -> Any:
@@ -48,12 +49,13 @@ class WandBCallback(Callback, name="wandb"):
 
     A resumed run continues the same W&B run: its id is kept in the checkpoints.
 
-    The training loop never waits for W&B: ``run.log`` (a round trip to W&B's service process,
-    measured ~0.6 ms per step even offline) and tag lookups (requests to the W&B API) run on
-    background threads, logs in step order. A tag seen by a lookup cancels the run at the next
-    lookup step; a lookup still running then is not repeated. A failed ``run.log`` is raised
-    in the training loop when the next metrics are logged (after the last step: logged as an
-    error when the W&B run is finished).
+    The training process does not run W&B's SDK: ``run.log`` costs ~0.6 ms of Python per step
+    (even offline), which on a helper thread still competes with training for the GIL. The
+    run lives in a child process (:class:`~.sink_process.SinkProcess`) that receives each
+    step's metrics, in order; a failure there is raised in the training loop when the next
+    metrics are logged, or when the run finishes. Tag lookups (requests to the W&B API) run on
+    a background thread; a tag seen by one cancels the run at the next lookup step, and a
+    lookup still running then is not repeated.
     """
 
     enabled: bool = True
@@ -75,11 +77,12 @@ class WandBCallback(Callback, name="wandb"):
     cancel_check_interval: int = 10
     """Steps between tag lookups (each is a request to the W&B API)."""
 
-    _run: Any = field(default=None, init=False, repr=False)
+    sink_class: ClassVar[type[WandBSink]]
+    """What runs in the sink process (:class:`WandBSink`; tests replace it)."""
+
+    _sink: SinkProcess | None = field(default=None, init=False, repr=False)
     _run_id: str | None = field(default=None, init=False, repr=False)
-    _log_thread: DaemonThreadPool | None = field(default=None, init=False, repr=False)
-    _last_log: Future[None] | None = field(default=None, init=False, repr=False)
-    _log_error: BaseException | None = field(default=None, init=False, repr=False)
+    _run_info: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     _tag_thread: DaemonThreadPool | None = field(default=None, init=False, repr=False)
     _tag_lookup: Future[list[str]] | None = field(default=None, init=False, repr=False)
 
@@ -110,41 +113,33 @@ class WandBCallback(Callback, name="wandb"):
             return
         folder = Path(self.dir) if self.dir else self.trainer.work_dir
         folder.mkdir(parents=True, exist_ok=True)
-        self._run = _wandb().init(
-            project=self.project,
-            entity=self.entity,
-            name=self.run_name,
-            group=self.group,
-            tags=list(self.tags),
-            notes=self.notes,
-            config=self.config,
-            mode=self.mode,
-            dir=str(folder),
-            id=self._run_id,
-            resume="allow" if self._run_id else None,
-        )
-        self._run_id = self._run.id
-        self._log_thread = DaemonThreadPool(1, "wandb-log")
-        log.info("W&B run %s (%s), files in %s", self._run.id, self.mode, self._run.dir)
+        init_kwargs = {
+            "project": self.project,
+            "entity": self.entity,
+            "name": self.run_name,
+            "group": self.group,
+            "tags": list(self.tags),
+            "notes": self.notes,
+            "config": self.config,
+            "mode": self.mode,
+            "dir": str(folder),
+            "id": self._run_id,
+            "resume": "allow" if self._run_id else None,
+        }
+        self._sink = SinkProcess(partial(self.sink_class, init_kwargs), "wandb-sink")
+        self._run_info = self._sink.call("info")
+        self._run_id = self._run_info["id"]
+        log.info("W&B run %s (%s), files in %s", self._run_id, self.mode, self._run_info["dir"])
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        if self._run is None or self._log_thread is None:
+        if self._sink is None:
             return
-        if self._log_error is not None:
-            raise self._log_error  # a W&B failure surfaces here, in the training loop
-        values = {name: float(value) for name, value in metrics.items()}
-        self._last_log = self._log_thread.submit(self._log, self._run, values, step)
-
-    def _log(self, run: Any, values: dict[str, float], step: int) -> None:
-        if self._log_error is not None:
-            return  # W&B already failed: later steps would only fail again
-        try:
-            run.log(values, step=step)
-        except BaseException as e:
-            self._log_error = e
+        self._sink.buffer("log", {name: float(v) for name, v in metrics.items()}, step)
+        if step % self.trainer.metrics_collect_interval == 0:  # the last step of a collection
+            self._sink.flush()
 
     def post_step(self) -> None:
-        if self._run is None or self.cancel_tag is None:
+        if self._sink is None or self.cancel_tag is None:
             return
         if self.step % self.cancel_check_interval != 0:
             return
@@ -166,9 +161,10 @@ class WandBCallback(Callback, name="wandb"):
         """
         if self.mode == "offline":
             return list(self.tags)
+        info = self._run_info
         try:
             api = _wandb().Api()
-            return list(api.run(f"{self._run.entity}/{self._run.project}/{self._run.id}").tags)
+            return list(api.run(f"{info['entity']}/{info['project']}/{info['id']}").tags)
         except Exception as e:
             log.warning("Could not read the W&B run's tags (%s); not canceling", e)
             return []
@@ -189,18 +185,38 @@ class WandBCallback(Callback, name="wandb"):
         self._finish(exit_code=0)
 
     def _finish(self, exit_code: int) -> None:
-        if self._run is None:
-            return
-        run, self._run = self._run, None
-        if self._log_thread is not None:
-            self._log_thread.shutdown(wait=False)  # runs what is queued, then stops
-            try:
-                if self._last_log is not None:
-                    self._last_log.result(timeout=FINISH_TIMEOUT_S)
-            except FutureTimeout:
-                log.warning("W&B took over %.0f s to take the last metrics", FINISH_TIMEOUT_S)
-            if self._log_error is not None:
-                log.error("Logging metrics to W&B failed: %s", self._log_error)
+        sink, self._sink = self._sink, None
         if self._tag_thread is not None:
             self._tag_thread.shutdown(wait=False)
-        run.finish(exit_code=exit_code)
+            self._tag_thread = None
+        if sink is None:
+            return
+        try:
+            # Waits for every step sent before: W&B has them all once this returns.
+            sink.call("finish", exit_code, timeout=FINISH_TIMEOUT_S)
+        except SinkError as e:
+            if exit_code == 0:
+                raise
+            log.error("Finishing the W&B run after a failure failed too: %s", e)
+        finally:
+            sink.close()
+
+
+class WandBSink:
+    """The W&B run itself, in the sink process (see :mod:`.sink_process`)."""
+
+    def __init__(self, init_kwargs: dict[str, Any]) -> None:
+        self.run = _wandb().init(**init_kwargs)
+
+    def info(self) -> dict[str, str]:
+        run = self.run
+        return {"id": run.id, "dir": run.dir, "entity": run.entity, "project": run.project}
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def finish(self, exit_code: int) -> None:
+        self.run.finish(exit_code=exit_code)
+
+
+WandBCallback.sink_class = WandBSink

@@ -217,8 +217,10 @@ class BasicTrainModule(ModelAndOptimTrainModule):
             )
             loss.backward()
             # With every label ignored the mean is 0/0 = NaN (the gradients are 0): report the
-            # 0 that the micro-batch path reports rather than a NaN that looks like divergence.
-            mean_loss = torch.nan_to_num(loss.detach(), nan=0.0)
+            # 0 of the micro-batch path, not a NaN that looks like divergence (a real NaN from
+            # diverged weights must stay visible, so not nan_to_num).
+            any_label = (labels != self.label_ignore_index).any()
+            mean_loss = torch.where(any_label, loss.detach(), 0.0)
         else:
             # Normalise by the whole rank batch's token count: the same loss for any split.
             num_tokens = (labels != self.label_ignore_index).sum().clamp(min=1)

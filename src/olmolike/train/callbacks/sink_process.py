@@ -1,0 +1,201 @@
+"""A metrics sink (W&B, Aim) in a child process, so its Python work never slows training.
+
+Tracker SDKs do a lot of Python per logged step: W&B ~0.6 ms (protobuf records, a round trip
+to its service through an asyncio thread), Aim ~0.2 ms per scalar. In the training process
+that time is either spent on the training thread or, on a helper thread, taken from it through
+the GIL. In a child process it overlaps with training for the cost of sending a small dict
+down a pipe.
+
+The child builds the sink with ``factory()`` and then runs its methods in the order they were
+sent. :meth:`SinkProcess.send` does not wait; :meth:`SinkProcess.call` waits for the result.
+:meth:`SinkProcess.buffer` keeps calls until the next send, call or :meth:`SinkProcess.flush`,
+so that a collect interval's steps cost one write to the pipe.
+A failed ``send`` is reported once, and raised in the parent at the next ``send`` or ``call``;
+the child then ignores further sends (a tracker that failed once would only fail again).
+The pipe is bounded: a sink slower than training makes ``send`` wait instead of piling up
+metrics in memory.
+
+The child is a fresh interpreter (``python -c``) that imports only what the sink needs, not
+the user's training script: ``multiprocessing``'s spawn would run a script without an
+``if __name__ == "__main__"`` guard again in the child, training and all. It ignores SIGINT
+and SIGTERM, which a terminal or a scheduler sends to the whole process group: the trainer
+turns them into a graceful stop and still finishes the sink's run; a child whose parent is
+gone sees the pipe close and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing.connection as mpc
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from ...exceptions import OLMoLikeError
+
+__all__ = ["SinkError", "SinkProcess"]
+
+log = logging.getLogger(__name__)
+
+_SEND, _CALL, _STOP = "send", "call", "stop"
+_REPLY, _ERROR = "reply", "error"
+
+
+class SinkError(OLMoLikeError):
+    """A metrics sink failed in its process (the message holds its traceback)."""
+
+
+class SinkProcess:
+    """Runs the object built by ``factory`` (picklable, e.g. a class) in a child process."""
+
+    def __init__(self, factory: Callable[[], Any], name: str) -> None:
+        self.name = name
+        parent_end, child_end = socket.socketpair()
+        fd = child_end.fileno()
+        command = f"from {__name__} import serve_fd; serve_fd({fd})"
+        self._process = subprocess.Popen([sys.executable, "-c", command], pass_fds=[fd])
+        child_end.close()
+        self._conn = mpc.Connection(parent_end.detach())
+        self._failure: str | None = None
+        self._buffered: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        # The import path first: unpickling the factory may import modules found through it.
+        self._conn.send(list(sys.path))
+        self._conn.send(factory)
+
+    def send(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """Run ``sink.method(*args, **kwargs)`` in the child, without waiting for it."""
+        self.buffer(method, *args, **kwargs)
+        self.flush()
+
+    def buffer(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """Like :meth:`send`, but kept here until the next send, call or flush."""
+        self._buffered.append((method, args, kwargs))
+
+    def flush(self) -> None:
+        """Send the buffered calls, in one message."""
+        self._raise_reported_failure()
+        if self._buffered:
+            calls, self._buffered = self._buffered, []
+            self._conn.send((_SEND, "", calls, {}))
+
+    def call(self, method: str, *args: Any, timeout: float = 300.0, **kwargs: Any) -> Any:
+        """Run ``sink.method(*args, **kwargs)`` in the child after everything sent before, and
+        return its result (its exception is raised here as a :class:`SinkError`)."""
+        self.flush()
+        self._conn.send((_CALL, method, args, kwargs))
+        deadline = time.monotonic() + timeout
+        while True:
+            kind, payload = self._receive(deadline, f"{method}()")
+            if kind == _ERROR:
+                self._failure = self._failure or payload
+                continue
+            ok, value = payload
+            self._raise_reported_failure()
+            if not ok:
+                raise SinkError(f"{self.name}: {method}() failed in the sink process:\n{value}")
+            return value
+
+    def close(self, timeout: float = 120.0) -> None:
+        """Let the child finish what was sent, then stop it (terminated after ``timeout`` s)."""
+        if self._process.poll() is None:
+            with contextlib.suppress(BrokenPipeError, OSError):  # it may exit meanwhile
+                if self._buffered:
+                    calls, self._buffered = self._buffered, []
+                    self._conn.send((_SEND, "", calls, {}))
+                self._conn.send((_STOP, "", (), {}))
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not finish within %.0f s; killing it", self.name, timeout)
+            self._process.kill()
+            self._process.wait()
+        self._conn.close()
+
+    @property
+    def failure(self) -> str | None:
+        """The traceback of a failed ``send``, once the parent has seen it."""
+        self._poll_reports()
+        return self._failure
+
+    def _raise_reported_failure(self) -> None:
+        if self.failure is not None:
+            raise SinkError(f"{self.name} failed in the sink process:\n{self._failure}")
+
+    def _poll_reports(self) -> None:
+        while self._failure is None and self._conn.poll():
+            try:
+                kind, payload = self._conn.recv()
+            except EOFError:
+                self._failure = self._exited("while it was running")
+                return
+            if kind == _ERROR:
+                self._failure = payload
+
+    def _receive(self, deadline: float, what: str) -> tuple[str, Any]:
+        while not self._conn.poll(0.1):
+            if self._process.poll() is not None:
+                raise SinkError(self._exited(f"before {what} returned"))
+            if time.monotonic() > deadline:
+                raise SinkError(f"{self.name}: {what} did not return in time")
+        try:
+            result: tuple[str, Any] = self._conn.recv()
+        except EOFError:
+            raise SinkError(self._exited(f"before {what} returned")) from None
+        return result
+
+    def _exited(self, when: str) -> str:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(5)  # its exit code is known once it is reaped
+        return f"{self.name} exited (code {self._process.returncode}) {when}"
+
+
+def serve_fd(fd: int) -> None:
+    """The child's entry point: serve the parent on the socket ``fd``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn = mpc.Connection(fd)
+    sys.path[:] = conn.recv()
+    _serve(conn)
+
+
+def _serve(conn: mpc.Connection) -> None:
+    """Build the sink, then run what the parent sends until told to stop."""
+    sink: Any = None
+    failed = False
+    try:
+        factory = conn.recv()
+        sink = factory()
+    except EOFError:
+        return
+    except Exception:
+        failed = True
+        conn.send((_ERROR, traceback.format_exc()))
+    while True:
+        try:
+            kind, method, args, kwargs = conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        if kind == _STOP:
+            return
+        if kind == _SEND:
+            for name, call_args, call_kwargs in args:
+                if failed:
+                    break
+                try:
+                    getattr(sink, name)(*call_args, **call_kwargs)
+                except Exception:
+                    failed = True
+                    conn.send((_ERROR, traceback.format_exc()))
+            continue
+        try:
+            if sink is None:
+                raise SinkError("the sink could not be built (see the error reported before)")
+            conn.send((_REPLY, (True, getattr(sink, method)(*args, **kwargs))))
+        except Exception:
+            conn.send((_REPLY, (False, traceback.format_exc())))

@@ -1,0 +1,143 @@
+"""SinkProcess: a metrics sink in a real child process; order, results, failures, no hangs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from olmolike.train.callbacks.sink_process import SinkError, SinkProcess
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
+
+
+class ListSink:
+    """Keeps what it is sent; ``fail_at`` makes that value's ``add`` raise."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.values: list[int] = []
+        self.fail_at = fail_at
+
+    def add(self, value: int) -> None:
+        if value == self.fail_at:
+            raise ValueError(f"cannot take {value}")
+        self.values.append(value)
+
+    def contents(self) -> tuple[int, list[int]]:
+        return os.getpid(), list(self.values)
+
+    def crash(self) -> None:
+        os._exit(3)
+
+    def hang(self) -> None:
+        time.sleep(600)
+
+
+class BrokenSink:
+    def __init__(self) -> None:
+        raise RuntimeError("no tracker here")
+
+
+def test_sent_values_arrive_in_order_in_another_process() -> None:
+    sink = SinkProcess(ListSink, "list-sink")
+    try:
+        for value in range(100):
+            sink.send("add", value)
+        pid, values = sink.call("contents")
+        assert values == list(range(100))
+        assert pid != os.getpid()
+    finally:
+        sink.close()
+
+
+def test_a_failed_send_is_raised_at_the_next_send_or_call() -> None:
+    sink = SinkProcess(partial(ListSink, fail_at=3), "failing-sink")
+    try:
+        for value in range(5):
+            sink.send("add", value)  # the failure has not been seen yet, or is seen here
+    except SinkError as e:
+        assert "cannot take 3" in str(e)
+    else:
+        with pytest.raises(SinkError, match="cannot take 3"):
+            sink.call("contents")
+    finally:
+        sink.close()
+    assert sink.failure is not None and "ValueError" in sink.failure
+
+
+def test_a_call_that_raises_is_a_sink_error_and_the_sink_goes_on() -> None:
+    sink = SinkProcess(ListSink, "list-sink")
+    try:
+        with pytest.raises(SinkError, match="has no attribute 'missing'"):
+            sink.call("missing")
+        sink.send("add", 1)
+        assert sink.call("contents")[1] == [1]
+    finally:
+        sink.close()
+
+
+def test_a_sink_that_cannot_be_built_fails_the_first_call() -> None:
+    sink = SinkProcess(BrokenSink, "broken-sink")
+    try:
+        with pytest.raises(SinkError, match="no tracker here"):
+            sink.call("contents")
+    finally:
+        sink.close()
+
+
+def test_a_crashed_sink_process_is_an_error_not_a_hang() -> None:
+    sink = SinkProcess(ListSink, "crashing-sink")
+    try:
+        with pytest.raises(SinkError, match=r"exited \(code 3\)"):
+            sink.call("crash")
+    finally:
+        sink.close()
+
+
+def test_close_terminates_a_sink_that_does_not_finish() -> None:
+    sink = SinkProcess(ListSink, "hanging-sink")
+    sink.send("hang")
+    started = time.monotonic()
+    sink.close(timeout=1.0)
+    assert time.monotonic() - started < 30
+    assert sink._process.poll() is not None
+
+
+def test_a_script_without_a_main_guard_is_not_run_again_in_the_sink(tmp_path: Path) -> None:
+    """multiprocessing's spawn would re-run such a script (training and all) in the child."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "from pathlib import Path\n"
+        "from olmolike.train.callbacks.sink_process import SinkProcess\n"
+        f"with open({str(tmp_path / 'runs.txt')!r}, 'a') as f:\n"
+        "    f.write('ran\\n')\n"
+        "sink = SinkProcess(list, 'list-sink')\n"
+        "sink.send('append', 7)\n"
+        "print(sink.call('__len__'))\n"
+        "sink.close()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=50, check=True
+    )
+    assert done.stdout.strip() == "1"
+    assert (tmp_path / "runs.txt").read_text() == "ran\n"
+
+
+def test_buffered_calls_arrive_in_order_with_the_next_flush_send_or_call() -> None:
+    sink = SinkProcess(ListSink, "list-sink")
+    try:
+        sink.buffer("add", 1)
+        sink.buffer("add", 2)
+        sink.flush()
+        sink.buffer("add", 3)
+        sink.send("add", 4)
+        sink.buffer("add", 5)
+        assert sink.call("contents")[1] == [1, 2, 3, 4, 5]
+        sink.buffer("add", 6)
+    finally:
+        sink.close()  # sends what is still buffered before stopping the child
