@@ -11,10 +11,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from testutils import build_trainer
+from testutils import Crash, CrashAtStep, build_trainer
 
 from olmolike.exceptions import ConfigurationError
-from olmolike.train import Callback, Duration, Trainer
+from olmolike.train import Duration, Trainer
 from olmolike.train.callbacks import AimCallback, CheckpointerCallback, callback_registry
 from olmolike.train.callbacks.metric_saver import MetricSaverCallback
 
@@ -76,22 +76,6 @@ def assert_same_points(tracked: dict[str, Points], logged: dict[str, Points]) ->
         assert [step for step, _ in points] == [step for step, _ in logged[name]]
         expected = [value for _, value in logged[name]]
         assert [value for _, value in points] == pytest.approx(expected, rel=1e-6)
-
-
-class Crash(RuntimeError):
-    pass
-
-
-@dataclass
-class CrashAtStep(Callback):
-    """Fails at the start of ``step_to_crash``, as a preempted or crashed job would."""
-
-    step_to_crash: int = 0
-
-    def pre_step(self, batch: dict[str, Any]) -> None:
-        del batch
-        if self.step == self.step_to_crash:
-            raise Crash(f"crash at step {self.step}")
 
 
 def train(

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from remote_servers import RemoteStore, gcs_bucket, gcs_server, s3_bucket, s3_server
-from testutils import SEQ_LEN, build_trainer
+from testutils import SEQ_LEN, Crash, CrashAtStep, build_trainer
 
 from olmolike import io
 from olmolike.exceptions import ConfigurationError
@@ -21,22 +21,6 @@ from olmolike.train.callbacks.metric_saver import MetricSaverCallback, read_metr
 __all__ = ["gcs_bucket", "gcs_server", "s3_bucket", "s3_server"]
 
 TOKENS_PER_STEP = 8 * SEQ_LEN
-
-
-class Crash(RuntimeError):
-    pass
-
-
-@dataclass
-class CrashAtStep(Callback):
-    """Fails at the start of ``step``, as a preempted or crashed job would."""
-
-    step_to_crash: int = 0
-
-    def pre_step(self, batch: dict[str, Any]) -> None:
-        del batch
-        if self.step == self.step_to_crash:
-            raise Crash(f"crash at step {self.step}")
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 
 from olmolike.data import TokenTensorDataLoader
 from olmolike.testing import TinyCausalLM, random_token_instances
-from olmolike.train import BasicTrainModule, Trainer, TrainerConfig
+from olmolike.train import BasicTrainModule, Callback, Trainer, TrainerConfig
 
 SEQ_LEN = 16
 VOCAB = 64
@@ -191,3 +191,19 @@ def full_params(trainer: Trainer) -> list[torch.Tensor]:
         (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for p in model.parameters()
     ]
+
+
+class Crash(RuntimeError):
+    """The failure :class:`CrashAtStep` raises."""
+
+
+@dataclass
+class CrashAtStep(Callback):
+    """Fails at the start of ``step_to_crash``, as a preempted or crashed job would."""
+
+    step_to_crash: int = 0
+
+    def pre_step(self, batch: dict[str, Any]) -> None:
+        del batch
+        if self.step == self.step_to_crash:
+            raise Crash(f"crash at step {self.step}")

@@ -216,17 +216,25 @@ class BasicTrainModule(ModelAndOptimTrainModule):
                 ignore_index=self.label_ignore_index,
             )
             loss.backward()
-            # With every label ignored the mean is 0/0 = NaN (the gradients are 0): report the
-            # 0 of the micro-batch path, not a NaN that looks like divergence (a real NaN from
-            # diverged weights must stay visible, so not nan_to_num).
-            any_label = (labels != self.label_ignore_index).any()
-            mean_loss = torch.where(any_label, loss.detach(), 0.0)
+            mean_loss = loss.detach()
+            if not self._has_labels_by_construction(batch, input_ids):
+                # With every label ignored the mean is 0/0 = NaN (the gradients are 0): report
+                # the 0 of the micro-batch path, not a NaN that looks like divergence (a real
+                # NaN from diverged weights must stay visible, so not nan_to_num).
+                any_label = (labels != self.label_ignore_index).any()
+                mean_loss = torch.where(any_label, mean_loss, 0.0)
         else:
             # Normalise by the whole rank batch's token count: the same loss for any split.
             num_tokens = (labels != self.label_ignore_index).sum().clamp(min=1)
             mean_loss = self._accumulate(input_ids.split(rows), labels.split(rows), num_tokens)
         if not dry_run:
             self.record_ce_loss(mean_loss, ReduceType.mean)
+
+    def _has_labels_by_construction(self, batch: dict[str, Any], input_ids: torch.Tensor) -> bool:
+        """Whether some label is surely not ignored, known without a tensor op: labels shifted
+        from the token ids of sequences of 2+ tokens, with a negative (never a token) ignore
+        index."""
+        return "labels" not in batch and self.label_ignore_index < 0 and input_ids.shape[-1] >= 2
 
     def _accumulate(
         self,
