@@ -216,7 +216,7 @@ def library_callbacks() -> dict[str, Callback]:
         optional["wandb"] = WandBCallback(mode="offline")
     if importlib.util.find_spec("aim") is not None:
         optional["aim"] = AimCallback()
-    return {
+    callbacks: dict[str, Callback] = {
         **optional,
         "speed_monitor": SpeedMonitorCallback(),
         "gpu_memory_monitor": GPUMemoryMonitorCallback(),
@@ -228,9 +228,11 @@ def library_callbacks() -> dict[str, Callback]:
         "early_stopping": EarlyStoppingCallback(),
         "tensorboard": TensorBoardCallback(),
     }
+    return {name: cb for name, cb in callbacks.items() if name not in SKIPPED_CALLBACKS}
 
 
 WITH_LIBRARY_CALLBACKS = False
+SKIPPED_CALLBACKS: set[str] = set()
 """Set by ``--with-callbacks``: every trainer the benchmark builds gets :func:`library_callbacks`."""
 
 
@@ -458,6 +460,11 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="add every built-in callback that needs no GPU, service or eval data",
     )
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated callbacks to leave out of --with-callbacks, e.g. 'wandb,aim'",
+    )
     parser.add_argument("--steps", type=int, help="timed steps per run, for every size")
     parser.add_argument("--rounds", type=int, help="alternating rounds per size (default 15)")
     parser.add_argument(
@@ -475,6 +482,7 @@ def main() -> None:
     global WITH_LIBRARY_CALLBACKS
     args = parse_args()
     WITH_LIBRARY_CALLBACKS = args.with_callbacks
+    SKIPPED_CALLBACKS.update(name for name in args.skip.split(",") if name)
     os.environ.setdefault("WANDB_SILENT", "true")
     prepare_training_environment(backend=None)
     logging.getLogger("olmolike").setLevel(logging.WARNING)
