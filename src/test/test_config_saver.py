@@ -70,7 +70,9 @@ def test_each_checkpoint_holds_the_config_that_trained_it(tmp_path: Path) -> Non
     run(tmp_path, CONFIG_B, 4)  # resumes at 2, saves steps 4 (interval) and 4 is also final
     assert (tmp_path / "step2" / "config.json").read_text() == expected_text(CONFIG_A)
     assert (tmp_path / "step4" / "config.json").read_text() == expected_text(CONFIG_B)
-    # A checkpoint copied on its own still tells olmolike how it was trained.
+    # Its own config wins over the save folder's (now B), and a checkpoint copied on its own
+    # still tells olmolike how it was trained.
+    assert find_experiment_config(str(tmp_path / "step2")) == CONFIG_A
     copied = tmp_path / "elsewhere" / "step2"
     shutil.copytree(tmp_path / "step2", copied)
     assert find_experiment_config(str(copied)) == CONFIG_A
