@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from olmolike.train.callbacks.sink_process import SinkError, SinkProcess
+from olmolike.train.callbacks.sink_process import SINK_NICENESS, SinkError, SinkProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
@@ -30,6 +30,9 @@ class ListSink:
 
     def contents(self) -> tuple[int, list[int]]:
         return os.getpid(), list(self.values)
+
+    def niceness(self) -> int:
+        return os.nice(0)
 
     def crash(self) -> None:
         os._exit(3)
@@ -51,6 +54,8 @@ def test_sent_values_arrive_in_order_in_another_process() -> None:
         pid, values = sink.call("contents")
         assert values == list(range(100))
         assert pid != os.getpid()
+        # Below the training process's CPU priority, so it only takes what training leaves.
+        assert sink.call("niceness") == min(os.nice(0) + SINK_NICENESS, 19)
     finally:
         sink.close()
 

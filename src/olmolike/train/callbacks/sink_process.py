@@ -20,7 +20,8 @@ the user's training script: ``multiprocessing``'s spawn would run a script witho
 ``if __name__ == "__main__"`` guard again in the child, training and all. It ignores SIGINT
 and SIGTERM, which a terminal or a scheduler sends to the whole process group: the trainer
 turns them into a graceful stop and still finishes the sink's run; a child whose parent is
-gone sees the pipe close and exits.
+gone sees the pipe close and exits. It runs at a lower CPU priority (``nice`` +10), so on
+busy cores it takes only the time training leaves.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing.connection as mpc
+import os
 import signal
 import socket
 import subprocess
@@ -42,6 +44,9 @@ from ...exceptions import OLMoLikeError
 __all__ = ["SinkError", "SinkProcess"]
 
 log = logging.getLogger(__name__)
+
+SINK_NICENESS = 10
+"""How much lower the sink process's CPU priority is than the training process's."""
 
 _SEND, _CALL, _STOP = "send", "call", "stop"
 _REPLY, _ERROR = "reply", "error"
@@ -157,6 +162,9 @@ class SinkProcess:
 
 def serve_fd(fd: int) -> None:
     """The child's entry point: serve the parent on the socket ``fd``."""
+    # Below training's scheduling priority: where the cores are busy, training runs first and
+    # the tracker catches up in the gaps (the bounded pipe holds the metrics meanwhile).
+    os.nice(SINK_NICENESS)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = mpc.Connection(fd)
