@@ -27,7 +27,7 @@ from rich.table import Table
 
 from olmolike.config import DType
 from olmolike.data import TokenTensorDataLoader
-from olmolike.distributed.parallel import DataParallelConfig
+from olmolike.distributed.parallel import DataParallelConfig, DataParallelType
 from olmolike.distributed.utils import broadcast_object, get_rank, get_world_size
 from olmolike.hardware import peak_flops
 from olmolike.nn import TransformerConfig
@@ -133,7 +133,9 @@ def run(setup: Setup, save_folder: str) -> tuple[StepTimer, int, float]:
         optim=AdamWConfig(lr=3e-4),
         max_grad_norm=1.0,
         compile_model=setup.compile,
-        dp_config=DataParallelConfig(name="fsdp", param_dtype=DType.bfloat16) if bf16 else None,
+        dp_config=DataParallelConfig(name=DataParallelType.fsdp, param_dtype=DType.bfloat16)
+        if bf16
+        else None,
         ac_config=ActivationCheckpointingConfig() if setup.activation_checkpointing else None,
     )
     train_module = module_config.build(model_config.build(init_device="meta"))
