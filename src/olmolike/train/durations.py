@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..exceptions import ConfigurationError
 from .common import Duration, DurationUnit
 
-__all__ = ["Progress", "duration_to_steps", "duration_to_tokens"]
+__all__ = ["Progress", "duration_to_steps", "duration_to_tokens", "stop_step"]
 
 
 @dataclass(frozen=True)
@@ -55,3 +56,19 @@ def duration_to_tokens(duration: Duration, progress: Progress) -> int | None:
     if progress.steps_per_epoch is None:
         return None
     return duration.value * progress.steps_per_epoch * progress.global_batch_size
+
+
+def stop_step(
+    max_duration: Duration, hard_stop: Duration | None, progress: Callable[[], Progress]
+) -> int:
+    """The step training stops at: the earlier of ``max_duration`` and ``hard_stop``.
+
+    The trainer asks at every step, so ``progress`` is only built when a duration needs it.
+    """
+    if hard_stop is None and max_duration.unit == DurationUnit.steps:
+        return max_duration.value
+    now = progress()
+    stop = duration_to_steps(max_duration, now, what="max_duration")
+    if hard_stop is not None:
+        stop = min(stop, duration_to_steps(hard_stop, now, what="hard_stop"))
+    return stop

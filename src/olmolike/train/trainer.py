@@ -22,15 +22,8 @@ from .bookkeeping import BookkeepingRunner
 from .callbacks.callback import CALLBACK_HOOKS, Callback
 from .cancellation import CancelCoordinator
 from .checkpoint import Checkpointer
-from .common import (
-    Duration,
-    DurationUnit,
-    LoadStrategy,
-    MetricMergeStrategy,
-    ReduceType,
-    StepSkipRange,
-)
-from .durations import Progress, duration_to_steps, duration_to_tokens
+from .common import Duration, LoadStrategy, MetricMergeStrategy, ReduceType, StepSkipRange
+from .durations import Progress, duration_to_steps, duration_to_tokens, stop_step
 from .metrics import MetricBuffer, StepMetrics, metric_name, reduce_collected
 from .train_module import TrainModule
 from .trainer_io import TrainerCheckpointing
@@ -223,12 +216,7 @@ class Trainer(TrainerCheckpointing):
         return duration_to_tokens(self.max_duration, self._progress)
 
     def _stop_step(self) -> int:
-        if self.hard_stop is None and self.max_duration.unit == DurationUnit.steps:
-            return self.max_duration.value  # checked every step: no Progress to build
-        stop = duration_to_steps(self.max_duration, self._progress, what="max_duration")
-        if self.hard_stop is not None:
-            stop = min(stop, duration_to_steps(self.hard_stop, self._progress, what="hard_stop"))
-        return stop
+        return stop_step(self.max_duration, self.hard_stop, lambda: self._progress)
 
     @property
     def training_complete(self) -> bool:
