@@ -146,10 +146,10 @@ def test_lines_reach_the_disk_once_per_collect_interval(tmp_path: Path) -> None:
         },
     ).fit()
     # Steps 1-3 arrive together after step 3's post_step, and are flushed together: one
-    # write per collection (steps 3 and 6), not one per line; then the end of training and
-    # closing the file flush (the second finds nothing to write).
+    # write per collection (steps 3, 6 and the last, short one at 7), not one per line; then
+    # the end of training and closing the file flush (finding nothing to write).
     assert seen == [0, 0, 0, 3, 3, 3, 6]
-    assert flushes == [3, 6, 7, 7]
+    assert flushes == [3, 6, 7, 7, 7]
     assert steps_in((tmp_path / "metrics.jsonl").read_text()) == list(range(1, 8))
 
 

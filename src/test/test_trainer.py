@@ -61,6 +61,9 @@ class Recorder(Callback):
         assert step not in self.logged, f"step {step} logged twice"
         self.logged[step] = metrics
 
+    def post_log_metrics(self) -> None:
+        self.calls.append("post_log_metrics")
+
     def post_epoch(self) -> None:
         self.calls.append("post_epoch")
 
@@ -105,7 +108,8 @@ def test_hooks_fire_in_documented_order(tmp_path: Any) -> None:
     trainer = fit_with(tmp_path, rec, num_instances=24, max_duration=Duration.epochs(2))
     assert trainer.global_step == 6 and trainer.epoch == 3
     per_epoch = ["pre_epoch", *LOOP_HOOKS * 3, "post_epoch"]
-    without_logging = [c for c in rec.calls if c != "log_metrics"]
+    logging_hooks = ("log_metrics", "post_log_metrics")
+    without_logging = [c for c in rec.calls if c not in logging_hooks]
     assert without_logging == ["post_attach", "pre_train", *per_epoch * 2, "post_train", "close"]
     assert sorted(rec.logged) == list(range(1, 7))
     # Every step's metrics are delivered before post_train.
@@ -318,6 +322,10 @@ def test_metrics_are_collected_once_per_interval(tmp_path: Any, monkeypatch: Any
     fit_with(tmp_path, rec, max_duration=Duration.steps(12), metrics_collect_interval=5)
     assert collects == [5, 5, 2]  # steps 1-5, 6-10, and the rest at the end
     assert sorted(rec.logged) == list(range(1, 13))
+    # post_log_metrics closes each collection's log_metrics calls, the short last one too.
+    logging_calls = [c for c in rec.calls if c in ("log_metrics", "post_log_metrics")]
+    collection = ["log_metrics"] * 5 + ["post_log_metrics"]
+    assert logging_calls == collection * 2 + ["log_metrics"] * 2 + ["post_log_metrics"]
     losses = rec.losses()
     assert losses[-1] < losses[0]
 

@@ -333,6 +333,7 @@ class Trainer(TrainerCheckpointing):
     def _log_metrics(self, metrics: StepMetrics) -> None:
         for step in sorted(metrics):
             self._call("log_metrics", step, metrics[step])
+        self._call("post_log_metrics")
 
     # -- state -------------------------------------------------------------------------------
 

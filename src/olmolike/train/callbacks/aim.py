@@ -129,7 +129,9 @@ class AimCallback(Callback, name="aim"):
         if self._sink is None or not metrics:
             return
         self._sink.buffer("track", {name: float(v) for name, v in metrics.items()}, step)
-        if step % self.trainer.metrics_collect_interval == 0:  # the last step of a collection
+
+    def post_log_metrics(self) -> None:
+        if self._sink is not None:
             self._sink.flush()
 
     def state_dict(self) -> dict[str, Any]:

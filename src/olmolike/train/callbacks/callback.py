@@ -12,6 +12,7 @@ the loop. Hooks fire in this order::
       post_train_batch               after the optimizer step
       post_step                      at the end of the step
       log_metrics(step, metrics)     for each step, once its metrics are collected and reduced
+      post_log_metrics               after the log_metrics calls of one collection
     post_epoch                       when an epoch's batches are exhausted
     post_train                       once, when training ends normally or is canceled
     on_error(exc)                    instead of post_train, when fit() raises
@@ -42,6 +43,7 @@ CALLBACK_HOOKS = (
     "post_train_batch",
     "post_step",
     "log_metrics",
+    "post_log_metrics",
     "post_epoch",
     "post_train",
     "on_error",
@@ -129,6 +131,11 @@ class Callback:
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """Called for each step once its metrics have been collected and reduced."""
+
+    def post_log_metrics(self) -> None:
+        """Called after :meth:`log_metrics` has been called for every step of a collection
+        (every ``metrics_collect_interval`` steps, and at the end of training): the place to
+        write out what ``log_metrics`` buffered, once per collection instead of once per step."""
 
     def post_epoch(self) -> None:
         """Called when the epoch's batches are exhausted."""

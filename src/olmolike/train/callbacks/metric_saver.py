@@ -129,7 +129,9 @@ class MetricSaverCallback(Callback, name="metric_saver"):
             "metrics": {name: float(value) for name, value in metrics.items()},
         }
         self._file.write(json.dumps(record) + "\n")
-        if step % self.trainer.metrics_collect_interval == 0:  # the last step of a collection
+
+    def post_log_metrics(self) -> None:
+        if self._file is not None:
             self._file.flush()
 
     def state_dict(self) -> dict[str, Any]:

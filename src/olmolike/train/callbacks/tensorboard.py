@@ -155,7 +155,9 @@ class TensorBoardCallback(Callback, name="tensorboard"):
         if self._writer is None:
             return
         self._writer.add_scalars(step, metrics)
-        if step % self.trainer.metrics_collect_interval == 0:  # the last step of a collection
+
+    def post_log_metrics(self) -> None:
+        if self._writer is not None:
             self._writer.flush()
 
     def state_dict(self) -> dict[str, Any]:

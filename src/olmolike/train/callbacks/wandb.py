@@ -135,7 +135,9 @@ class WandBCallback(Callback, name="wandb"):
         if self._sink is None:
             return
         self._sink.buffer("log", {name: float(v) for name, v in metrics.items()}, step)
-        if step % self.trainer.metrics_collect_interval == 0:  # the last step of a collection
+
+    def post_log_metrics(self) -> None:
+        if self._sink is not None:
             self._sink.flush()
 
     def post_step(self) -> None:
