@@ -31,8 +31,16 @@ class ListSink:
     def contents(self) -> tuple[int, list[int]]:
         return os.getpid(), list(self.values)
 
-    def niceness(self) -> int:
-        return os.nice(0)
+    def cpu_priority(self) -> tuple[int | None, int]:
+        policy = os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None
+        return policy, os.nice(0)
+
+    def add_blob(self, value: int, blob: bytes) -> None:
+        self.values.append(value)
+
+    def wait_for(self, path: str) -> None:
+        while not os.path.exists(path):
+            time.sleep(0.01)
 
     def crash(self) -> None:
         os._exit(3)
@@ -55,7 +63,11 @@ def test_sent_values_arrive_in_order_in_another_process() -> None:
         assert values == list(range(100))
         assert pid != os.getpid()
         # Below the training process's CPU priority, so it only takes what training leaves.
-        assert sink.call("niceness") == min(os.nice(0) + SINK_NICENESS, 19)
+        policy, niceness = sink.call("cpu_priority")
+        if hasattr(os, "SCHED_IDLE"):
+            assert policy == os.SCHED_IDLE
+        else:
+            assert niceness == min(os.nice(0) + SINK_NICENESS, 19)
     finally:
         sink.close()
 
@@ -146,3 +158,40 @@ def test_buffered_calls_arrive_in_order_with_the_next_flush_send_or_call() -> No
         sink.buffer("add", 6)
     finally:
         sink.close()  # sends what is still buffered before stopping the child
+
+
+BLOB = b"x" * 100_000
+"""Big enough that a few messages fill the pipe (the kernel holds ~200 KB of a socket)."""
+
+
+def test_a_sink_that_is_behind_does_not_make_send_wait(tmp_path: Path) -> None:
+    """Training goes on while the sink catches up: the messages wait in the parent."""
+    go = tmp_path / "go"
+    sink = SinkProcess(ListSink, "slow-sink")
+    try:
+        sink.send("wait_for", str(go))
+        for value in range(50):  # 5 MB: a send that waited on the pipe would hang here
+            sink.send("add_blob", value, BLOB)
+        assert not go.exists()
+        go.touch()
+        assert sink.call("contents")[1] == list(range(50))
+    finally:
+        sink.close()
+
+
+def test_close_kills_a_stuck_sink_whose_queue_is_full(caplog: pytest.LogCaptureFixture) -> None:
+    sink = SinkProcess(ListSink, "stuck-sink", max_pending=2)
+    sink.send("hang")
+    sent = 0
+    # Only this thread adds to the queue, so a send made while it is not full never waits.
+    while not sink._outbox.full():
+        assert sent < 100, "the pipe and the queue should fill within a few sends"
+        sink.send("add_blob", sent, BLOB)
+        sent += 1
+    started = time.monotonic()
+    sink.close(timeout=1.0)
+    assert time.monotonic() - started < 30
+    assert sink._process.poll() is not None
+    assert "did not finish within 1 s; killing it" in caplog.text
+    with pytest.raises(SinkError, match="is closed"):
+        sink.send("add", 1)

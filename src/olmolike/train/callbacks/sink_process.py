@@ -3,8 +3,8 @@
 Tracker SDKs do a lot of Python per logged step: W&B ~0.6 ms (protobuf records, a round trip
 to its service through an asyncio thread), Aim ~0.2 ms per scalar. In the training process
 that time is either spent on the training thread or, on a helper thread, taken from it through
-the GIL. In a child process it overlaps with training for the cost of sending a small dict
-down a pipe.
+the GIL. In a child process it overlaps with training for the cost of queueing a small dict
+for a pipe.
 
 The child builds the sink with ``factory()`` and then runs its methods in the order they were
 sent. :meth:`SinkProcess.send` does not wait; :meth:`SinkProcess.call` waits for the result.
@@ -12,16 +12,23 @@ sent. :meth:`SinkProcess.send` does not wait; :meth:`SinkProcess.call` waits for
 so that a collect interval's steps cost one write to the pipe.
 A failed ``send`` is reported once, and raised in the parent at the next ``send`` or ``call``;
 the child then ignores further sends (a tracker that failed once would only fail again).
-The pipe is bounded: a sink slower than training makes ``send`` wait instead of piling up
-metrics in memory.
+
+Training never waits for a sink that is behind, up to a bound. Messages go down the pipe from a
+sender thread, which waits on a full pipe without holding the GIL, and up to
+``max_pending`` messages (a few MB of metrics) queue in the parent meanwhile. Only a sink that
+falls further behind than that makes training wait. A slow sink catches up when the cores are
+idle, at the latest at :meth:`SinkProcess.close`. What is still queued in the parent is lost if
+the training process is killed outright (SIGKILL); a resume logs the steps after its checkpoint
+again anyway.
 
 The child is a fresh interpreter (``python -c``) that imports only what the sink needs, not
 the user's training script: ``multiprocessing``'s spawn would run a script without an
 ``if __name__ == "__main__"`` guard again in the child, training and all. It ignores SIGINT
 and SIGTERM, which a terminal or a scheduler sends to the whole process group: the trainer
 turns them into a graceful stop and still finishes the sink's run; a child whose parent is
-gone sees the pipe close and exits. It runs at a lower CPU priority (``nice`` +10), so on
-busy cores it takes only the time training leaves.
+gone sees the pipe close and exits. It runs in Linux's ``SCHED_IDLE`` class (elsewhere at
+``nice`` +19): it gets a core only when nothing else wants one, and never preempts training.
+Its own children (W&B's service) inherit that.
 """
 
 from __future__ import annotations
@@ -30,13 +37,16 @@ import contextlib
 import logging
 import multiprocessing.connection as mpc
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from ...exceptions import OLMoLikeError
@@ -45,8 +55,13 @@ __all__ = ["SinkError", "SinkProcess"]
 
 log = logging.getLogger(__name__)
 
-SINK_NICENESS = 10
-"""How much lower the sink process's CPU priority is than the training process's."""
+SINK_NICENESS = 19
+"""How much lower the sink process's CPU priority is where ``SCHED_IDLE`` does not exist."""
+
+MAX_PENDING_MESSAGES = 1024
+"""Messages (a send, flush or call each) that may wait in the parent for a sink that is behind:
+at a collect interval's steps per message, a few MB, which a tracker at ~2 ms per step works
+off in seconds."""
 
 _SEND, _CALL, _STOP = "send", "call", "stop"
 _REPLY, _ERROR = "reply", "error"
@@ -59,7 +74,9 @@ class SinkError(OLMoLikeError):
 class SinkProcess:
     """Runs the object built by ``factory`` (picklable, e.g. a class) in a child process."""
 
-    def __init__(self, factory: Callable[[], Any], name: str) -> None:
+    def __init__(
+        self, factory: Callable[[], Any], name: str, max_pending: int = MAX_PENDING_MESSAGES
+    ) -> None:
         self.name = name
         parent_end, child_end = socket.socketpair()
         fd = child_end.fileno()
@@ -69,9 +86,13 @@ class SinkProcess:
         self._conn = mpc.Connection(parent_end.detach())
         self._failure: str | None = None
         self._buffered: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        self._closed = False
+        self._outbox: queue.Queue[bytes | None] = queue.Queue(maxsize=max_pending)
+        self._sender = threading.Thread(target=self._send_loop, name=f"{name}-sender", daemon=True)
+        self._sender.start()
         # The import path first: unpickling the factory may import modules found through it.
-        self._conn.send(list(sys.path))
-        self._conn.send(factory)
+        self._post(list(sys.path))
+        self._post(factory)
 
     def send(self, method: str, *args: Any, **kwargs: Any) -> None:
         """Run ``sink.method(*args, **kwargs)`` in the child, without waiting for it."""
@@ -85,15 +106,13 @@ class SinkProcess:
     def flush(self) -> None:
         """Send the buffered calls, in one message."""
         self._raise_reported_failure()
-        if self._buffered:
-            calls, self._buffered = self._buffered, []
-            self._conn.send((_SEND, "", calls, {}))
+        self._post_buffered()
 
     def call(self, method: str, *args: Any, timeout: float = 300.0, **kwargs: Any) -> Any:
         """Run ``sink.method(*args, **kwargs)`` in the child after everything sent before, and
         return its result (its exception is raised here as a :class:`SinkError`)."""
         self.flush()
-        self._conn.send((_CALL, method, args, kwargs))
+        self._post((_CALL, method, args, kwargs))
         deadline = time.monotonic() + timeout
         while True:
             kind, payload = self._receive(deadline, f"{method}()")
@@ -107,19 +126,20 @@ class SinkProcess:
             return value
 
     def close(self, timeout: float = 120.0) -> None:
-        """Let the child finish what was sent, then stop it (terminated after ``timeout`` s)."""
-        if self._process.poll() is None:
-            with contextlib.suppress(BrokenPipeError, OSError):  # it may exit meanwhile
-                if self._buffered:
-                    calls, self._buffered = self._buffered, []
-                    self._conn.send((_SEND, "", calls, {}))
-                self._conn.send((_STOP, "", (), {}))
+        """Let the child finish what was sent, then stop it (killed after ``timeout`` s)."""
+        deadline = time.monotonic() + timeout
         try:
-            self._process.wait(timeout)
-        except subprocess.TimeoutExpired:
+            if self._process.poll() is None:
+                self._post_buffered(deadline)
+                self._post((_STOP, "", (), {}), deadline)
+            self._process.wait(max(deadline - time.monotonic(), 0.0))
+        except (queue.Full, subprocess.TimeoutExpired):
             log.warning("%s did not finish within %.0f s; killing it", self.name, timeout)
             self._process.kill()
             self._process.wait()
+        self._closed = True
+        self._outbox.put(None)  # the sender drops what is left once the pipe breaks
+        self._sender.join()
         self._conn.close()
 
     @property
@@ -128,12 +148,38 @@ class SinkProcess:
         self._poll_reports()
         return self._failure
 
+    def _post_buffered(self, deadline: float | None = None) -> None:
+        if self._buffered:
+            calls, self._buffered = self._buffered, []
+            self._post((_SEND, "", calls, {}), deadline)
+
+    def _post(self, message: Any, deadline: float | None = None) -> None:
+        """Queue ``message`` for the sender thread. Waits only while the queue is full, until
+        ``deadline`` (then :class:`queue.Full`)."""
+        if self._closed:
+            raise SinkError(f"{self.name} is closed")
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        self._outbox.put(bytes(ForkingPickler.dumps(message)), timeout=timeout)
+
+    def _send_loop(self) -> None:
+        """The sender thread: writes queued messages to the pipe, in order, until told to end.
+
+        A write to a dead child fails; the rest is dropped so that nobody waits on a full queue
+        (the parent learns of the death from the pipe's end or the exit code)."""
+        alive = True
+        while (message := self._outbox.get()) is not None:
+            if alive:
+                try:
+                    self._conn.send_bytes(message)
+                except OSError:
+                    alive = False
+
     def _raise_reported_failure(self) -> None:
         if self.failure is not None:
             raise SinkError(f"{self.name} failed in the sink process:\n{self._failure}")
 
     def _poll_reports(self) -> None:
-        while self._failure is None and self._conn.poll():
+        while self._failure is None and not self._closed and self._conn.poll():
             try:
                 kind, payload = self._conn.recv()
             except EOFError:
@@ -162,14 +208,20 @@ class SinkProcess:
 
 def serve_fd(fd: int) -> None:
     """The child's entry point: serve the parent on the socket ``fd``."""
-    # Below training's scheduling priority: where the cores are busy, training runs first and
-    # the tracker catches up in the gaps (the bounded pipe holds the metrics meanwhile).
-    os.nice(SINK_NICENESS)
+    _lower_cpu_priority()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = mpc.Connection(fd)
     sys.path[:] = conn.recv()
     _serve(conn)
+
+
+def _lower_cpu_priority() -> None:
+    """Where the cores are busy, training runs first and the sink catches up in the gaps."""
+    if hasattr(os, "SCHED_IDLE"):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    else:
+        os.nice(SINK_NICENESS)
 
 
 def _serve(conn: mpc.Connection) -> None:
