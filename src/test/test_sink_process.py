@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -170,24 +171,38 @@ def test_a_sink_that_is_behind_does_not_make_send_wait(tmp_path: Path) -> None:
     sink = SinkProcess(ListSink, "slow-sink")
     try:
         sink.send("wait_for", str(go))
-        for value in range(50):  # 5 MB: a send that waited on the pipe would hang here
+        for value in range(30):  # 3 MB: a send that waited on the pipe would hang here
             sink.send("add_blob", value, BLOB)
         assert not go.exists()
         go.touch()
-        assert sink.call("contents")[1] == list(range(50))
+        assert sink.call("contents")[1] == list(range(30))
     finally:
         sink.close()
 
 
-def test_close_kills_a_stuck_sink_whose_queue_is_full(caplog: pytest.LogCaptureFixture) -> None:
-    sink = SinkProcess(ListSink, "stuck-sink", max_pending=2)
+def test_a_sink_too_far_behind_makes_send_wait(tmp_path: Path) -> None:
+    """Past ``max_pending_bytes`` a send waits for the sink instead of piling up memory."""
+    go = tmp_path / "go"
+    sink = SinkProcess(ListSink, "slow-sink", max_pending_bytes=300_000)
+    opener = threading.Timer(2.0, go.touch)
+    try:
+        sink.send("wait_for", str(go))
+        opener.start()
+        for value in range(30):  # 3 MB: more than the pipe and the pending bytes hold
+            sink.send("add_blob", value, BLOB)
+        # Only possible once the sink ran again: the sends waited for it.
+        assert go.exists()
+        assert sink.call("contents")[1] == list(range(30))
+    finally:
+        opener.cancel()
+        sink.close()
+
+
+def test_close_kills_a_stuck_sink_that_is_far_behind(caplog: pytest.LogCaptureFixture) -> None:
+    sink = SinkProcess(ListSink, "stuck-sink")
     sink.send("hang")
-    sent = 0
-    # Only this thread adds to the queue, so a send made while it is not full never waits.
-    while not sink._outbox.full():
-        assert sent < 100, "the pipe and the queue should fill within a few sends"
-        sink.send("add_blob", sent, BLOB)
-        sent += 1
+    for value in range(30):
+        sink.send("add_blob", value, BLOB)
     started = time.monotonic()
     sink.close(timeout=1.0)
     assert time.monotonic() - started < 30

@@ -13,10 +13,10 @@ so that a collect interval's steps cost one write to the pipe.
 A failed ``send`` is reported once, and raised in the parent at the next ``send`` or ``call``;
 the child then ignores further sends (a tracker that failed once would only fail again).
 
-Training never waits for a sink that is behind, up to a bound. Messages go down the pipe from a
-sender thread, which waits on a full pipe without holding the GIL, and up to
-``max_pending`` messages (a few MB of metrics) queue in the parent meanwhile. Only a sink that
-falls further behind than that makes training wait. A slow sink catches up when the cores are
+Training never waits for a sink that is behind, up to a bound. Messages are written to the pipe
+without waiting (``MSG_DONTWAIT``); what the pipe cannot take yet stays in the parent, up to
+``max_pending_bytes``, and goes down with the next message. Only a sink that falls further
+behind than that makes training wait. A slow sink catches up when the cores are
 idle, at the latest at :meth:`SinkProcess.close`. What is still queued in the parent is lost if
 the training process is killed outright (SIGKILL); a resume logs the steps after its checkpoint
 again anyway.
@@ -37,12 +37,12 @@ import contextlib
 import logging
 import multiprocessing.connection as mpc
 import os
-import queue
+import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -58,10 +58,9 @@ log = logging.getLogger(__name__)
 SINK_NICENESS = 19
 """How much lower the sink process's CPU priority is where ``SCHED_IDLE`` does not exist."""
 
-MAX_PENDING_MESSAGES = 1024
-"""Messages (a send, flush or call each) that may wait in the parent for a sink that is behind:
-at a collect interval's steps per message, a few MB, which a tracker at ~2 ms per step works
-off in seconds."""
+MAX_PENDING_BYTES = 4 * 1024 * 1024
+"""How much may wait in the parent for a sink that is behind: some 15,000 steps of a dozen
+metrics, which a tracker at ~2 ms per step works off in half a minute."""
 
 _SEND, _CALL, _STOP = "send", "call", "stop"
 _REPLY, _ERROR = "reply", "error"
@@ -75,7 +74,7 @@ class SinkProcess:
     """Runs the object built by ``factory`` (picklable, e.g. a class) in a child process."""
 
     def __init__(
-        self, factory: Callable[[], Any], name: str, max_pending: int = MAX_PENDING_MESSAGES
+        self, factory: Callable[[], Any], name: str, max_pending_bytes: int = MAX_PENDING_BYTES
     ) -> None:
         self.name = name
         parent_end, child_end = socket.socketpair()
@@ -83,13 +82,14 @@ class SinkProcess:
         command = f"from {__name__} import serve_fd; serve_fd({fd})"
         self._process = subprocess.Popen([sys.executable, "-c", command], pass_fds=[fd])
         child_end.close()
-        self._conn = mpc.Connection(parent_end.detach())
+        self._socket = parent_end  # writes, framed as multiprocessing.Connection reads them
+        self._conn = mpc.Connection(os.dup(parent_end.fileno()))  # reads
+        self._unsent = bytearray()
+        self._max_pending_bytes = max_pending_bytes
+        self._child_gone = False
+        self._closed = False
         self._failure: str | None = None
         self._buffered: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
-        self._closed = False
-        self._outbox: queue.Queue[bytes | None] = queue.Queue(maxsize=max_pending)
-        self._sender = threading.Thread(target=self._send_loop, name=f"{name}-sender", daemon=True)
-        self._sender.start()
         # The import path first: unpickling the factory may import modules found through it.
         self._post(list(sys.path))
         self._post(factory)
@@ -112,8 +112,12 @@ class SinkProcess:
         """Run ``sink.method(*args, **kwargs)`` in the child after everything sent before, and
         return its result (its exception is raised here as a :class:`SinkError`)."""
         self.flush()
-        self._post((_CALL, method, args, kwargs))
         deadline = time.monotonic() + timeout
+        try:
+            self._post((_CALL, method, args, kwargs))
+            self._write_all(deadline)
+        except TimeoutError:
+            raise SinkError(f"{self.name}: {method}() did not return in time") from None
         while True:
             kind, payload = self._receive(deadline, f"{method}()")
             if kind == _ERROR:
@@ -130,16 +134,16 @@ class SinkProcess:
         deadline = time.monotonic() + timeout
         try:
             if self._process.poll() is None:
-                self._post_buffered(deadline)
-                self._post((_STOP, "", (), {}), deadline)
+                self._post_buffered()
+                self._post((_STOP, "", (), {}))
+                self._write_all(deadline)
             self._process.wait(max(deadline - time.monotonic(), 0.0))
-        except (queue.Full, subprocess.TimeoutExpired):
+        except (TimeoutError, subprocess.TimeoutExpired):
             log.warning("%s did not finish within %.0f s; killing it", self.name, timeout)
             self._process.kill()
             self._process.wait()
         self._closed = True
-        self._outbox.put(None)  # the sender drops what is left once the pipe breaks
-        self._sender.join()
+        self._socket.close()
         self._conn.close()
 
     @property
@@ -148,38 +152,58 @@ class SinkProcess:
         self._poll_reports()
         return self._failure
 
-    def _post_buffered(self, deadline: float | None = None) -> None:
+    def _post_buffered(self) -> None:
         if self._buffered:
             calls, self._buffered = self._buffered, []
-            self._post((_SEND, "", calls, {}), deadline)
+            self._post((_SEND, "", calls, {}))
 
-    def _post(self, message: Any, deadline: float | None = None) -> None:
-        """Queue ``message`` for the sender thread. Waits only while the queue is full, until
-        ``deadline`` (then :class:`queue.Full`)."""
+    def _post(self, message: Any) -> None:
+        """Hand ``message`` to the pipe, as much as it takes now; wait only while more than
+        ``max_pending_bytes`` would be left over."""
         if self._closed:
             raise SinkError(f"{self.name} is closed")
-        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        self._outbox.put(bytes(ForkingPickler.dumps(message)), timeout=timeout)
+        data = ForkingPickler.dumps(message)
+        # multiprocessing.Connection's framing, which the child reads: a 4-byte length, or -1
+        # and an 8-byte one.
+        if len(data) <= 0x7FFFFFFF:
+            self._unsent += struct.pack("!i", len(data))
+        else:
+            self._unsent += struct.pack("!iQ", -1, len(data))
+        self._unsent += data
+        self._write()
+        if len(self._unsent) > self._max_pending_bytes:
+            self._write_all(deadline=None, down_to=self._max_pending_bytes)
 
-    def _send_loop(self) -> None:
-        """The sender thread: writes queued messages to the pipe, in order, until told to end.
+    def _write(self) -> None:
+        """Write what the pipe takes without waiting. A child that is gone takes nothing more
+        (the parent learns of its end from the pipe or its exit code)."""
+        while self._unsent and not self._child_gone:
+            try:
+                written = self._socket.send(self._unsent, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                self._child_gone = True
+                self._unsent.clear()
+                return
+            del self._unsent[:written]
 
-        A write to a dead child fails; the rest is dropped so that nobody waits on a full queue
-        (the parent learns of the death from the pipe's end or the exit code)."""
-        alive = True
-        while (message := self._outbox.get()) is not None:
-            if alive:
-                try:
-                    self._conn.send_bytes(message)
-                except OSError:
-                    alive = False
+    def _write_all(self, deadline: float | None, down_to: int = 0) -> None:
+        """Write until at most ``down_to`` bytes are left; :class:`TimeoutError` at ``deadline``."""
+        self._write()
+        while len(self._unsent) > down_to and not self._child_gone:
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and wait <= 0:
+                raise TimeoutError
+            select.select([], [self._socket], [], wait)
+            self._write()
 
     def _raise_reported_failure(self) -> None:
         if self.failure is not None:
             raise SinkError(f"{self.name} failed in the sink process:\n{self._failure}")
 
     def _poll_reports(self) -> None:
-        while self._failure is None and not self._closed and self._conn.poll():
+        while self._failure is None and not self._closed and self._readable(0):
             try:
                 kind, payload = self._conn.recv()
             except EOFError:
@@ -189,7 +213,7 @@ class SinkProcess:
                 self._failure = payload
 
     def _receive(self, deadline: float, what: str) -> tuple[str, Any]:
-        while not self._conn.poll(0.1):
+        while not self._readable(0.1):
             if self._process.poll() is not None:
                 raise SinkError(self._exited(f"before {what} returned"))
             if time.monotonic() > deadline:
@@ -199,6 +223,11 @@ class SinkProcess:
         except EOFError:
             raise SinkError(self._exited(f"before {what} returned")) from None
         return result
+
+    def _readable(self, timeout: float) -> bool:
+        # One select() call: Connection.poll() builds and tears down a selector each time,
+        # several times the cost, and this runs at every flush.
+        return bool(select.select([self._conn], [], [], timeout)[0])
 
     def _exited(self, when: str) -> str:
         with contextlib.suppress(subprocess.TimeoutExpired):
