@@ -18,11 +18,12 @@ from olmolike.exceptions import ConfigurationError
 from olmolike.train import Callback, Duration
 from olmolike.train.callbacks import CheckpointerCallback
 from olmolike.train.callbacks.metric_saver import MetricSaverCallback
-from olmolike.train.callbacks.tensorboard import TensorBoardCallback
+from olmolike.train.callbacks.tensorboard import TensorBoardCallback, scalar_event
 
 pytest.importorskip("tensorboard", reason="needs the tensorboard extra")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.compat.proto.event_pb2 import Event
+from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
 # pytest finds fixtures by name in this module; importing them is what registers them here.
@@ -220,3 +221,28 @@ def test_a_second_run_in_the_same_second_gets_its_own_file(
 def test_subdir_must_stay_inside_the_save_folder(subdir: str) -> None:
     with pytest.raises(ConfigurationError, match="subdir"):
         TensorBoardCallback(subdir=subdir)
+
+
+@pytest.mark.parametrize(
+    ("step", "scalars"),
+    [
+        (1, {"train/CE loss": 2.5, "optim/LR (group 0)": 3e-4}),
+        (7, {"zero": 0.0, "negative": -1.25, "nan": float("nan"), "inf": float("-inf")}),
+        (2**40, {"beyond float32": 1e40, "below": -1e40, "tiny": 1e-50}),
+        (0, {"": 1.0, "ü" * 100 + "/long tag of more than 127 bytes": 2.0}),
+        (3, {}),
+    ],
+)
+def test_scalar_events_are_what_protobuf_serializes(step: int, scalars: dict[str, float]) -> None:
+    """The hand-made encoding is byte for byte TensorBoard's own protobuf message."""
+    expected = Event(
+        wall_time=1_700_000_000.125,
+        step=step,
+        summary=Summary(
+            value=[Summary.Value(tag=name, simple_value=v) for name, v in scalars.items()]
+        ),
+    ).SerializeToString()
+    prefixes: dict[str, bytes] = {}
+    assert scalar_event(1_700_000_000.125, step, scalars, prefixes) == expected
+    # The second time through, the tags come from the cache.
+    assert scalar_event(1_700_000_000.125, step, scalars, prefixes) == expected
