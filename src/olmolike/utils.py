@@ -59,6 +59,9 @@ def setup_logging(
 ) -> None:
     """Send log records to stderr, rank-prefixed when distributed, filtered by rank.
 
+    In a terminal, records are rendered by rich: aligned times, colored levels, highlighted
+    numbers. Anywhere else (a batch job's log file, a pipe, CI) each record is one plain line,
+    ``time level logger: message``, that grep and log collectors read as it is.
     The filter type comes from the argument, else ``$LOG_FILTER_TYPE``, else ``rank0_only``.
     Calling it again replaces the previous olmolike handler rather than adding another.
     """
@@ -69,17 +72,38 @@ def setup_logging(
     for handler in list(root.handlers):
         if handler.get_name() == _HANDLER_NAME:
             root.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.set_name(_HANDLER_NAME)
     rank_tag = f"[rank{get_rank()}] " if get_world_size() > 1 else ""
+    handler = _terminal_handler(rank_tag) if sys.stderr.isatty() else _plain_handler(rank_tag)
+    handler.set_name(_HANDLER_NAME)
+    handler.addFilter(_RankFilter(filter_type))
+    root.addHandler(handler)
+    root.setLevel(level)
+
+
+def _plain_handler(rank_tag: str) -> logging.Handler:
+    handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         logging.Formatter(
             f"%(asctime)s {rank_tag}%(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S"
         )
     )
-    handler.addFilter(_RankFilter(filter_type))
-    root.addHandler(handler)
-    root.setLevel(level)
+    return handler
+
+
+def _terminal_handler(rank_tag: str) -> logging.Handler:
+    from rich.console import Console
+    from rich.logging import RichHandler
+
+    # No ``file``: the console writes to whatever sys.stderr is at the time, so while a
+    # progress bar is up its records go through the bar's proxy and print above it.
+    handler = RichHandler(
+        console=Console(stderr=True),
+        show_path=False,
+        log_time_format="%Y-%m-%d %H:%M:%S",
+        markup=False,  # a message is text: "[step=5/30]" is not a style
+    )
+    handler.setFormatter(logging.Formatter(f"{rank_tag}%(name)s: %(message)s"))
+    return handler
 
 
 def seed_all(seed: int) -> None:

@@ -22,6 +22,9 @@ class ConsoleLoggerCallback(Callback, name="console_logger"):
     metrics: list[str] = field(default_factory=lambda: ["train/*", "optim/*"])
     """Glob patterns of metric names to show."""
 
+    _shown: dict[str, bool] = field(default_factory=dict, init=False, repr=False)
+    """Whether a metric name matches ``metrics``, by name: matched once, not every step."""
+
     priority = -1
 
     def validate(self) -> None:
@@ -29,14 +32,17 @@ class ConsoleLoggerCallback(Callback, name="console_logger"):
             raise ConfigurationError(f"must be >= 1, got {self.log_interval}", path="log_interval")
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        if step % self.log_interval:
+        if step % self.log_interval or not log.isEnabledFor(logging.INFO):
             return
-        shown = {
-            name: value
-            for name, value in sorted(metrics.items())
-            if any(fnmatch.fnmatchcase(name, pattern) for pattern in self.metrics)
-        }
+        shown = {name: value for name, value in sorted(metrics.items()) if self._is_shown(name)}
         max_steps = self.trainer.max_steps
         lines = [f"[step={step}/{max_steps if max_steps is not None else '?'}]"]
         lines += [f"    {name}={value:.4f}" for name, value in shown.items()]
         log.info("\n".join(lines))
+
+    def _is_shown(self, name: str) -> bool:
+        shown = self._shown.get(name)
+        if shown is None:
+            shown = any(fnmatch.fnmatchcase(name, pattern) for pattern in self.metrics)
+            self._shown[name] = shown
+        return shown

@@ -1,0 +1,102 @@
+"""Log output: rich in a terminal, plain lines elsewhere; and the console logger callback."""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from rich.logging import RichHandler
+from testutils import build_trainer
+
+from olmolike.train import Duration
+from olmolike.train.callbacks import ConsoleLoggerCallback
+from olmolike.utils import setup_logging
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def root_logging() -> Iterator[logging.Logger]:
+    """The root logger, restored afterwards (setup_logging replaces its handler)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield root
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def olmolike_handler(root: logging.Logger) -> logging.Handler:
+    (handler,) = [h for h in root.handlers if h.get_name() == "olmolike"]
+    return handler
+
+
+def test_records_are_plain_lines_outside_a_terminal(
+    root_logging: logging.Logger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    setup_logging()
+    assert not isinstance(olmolike_handler(root_logging), RichHandler)
+    logging.getLogger("olmolike.test").info("[step=5/30] [bold]x[/bold]")
+    line = re.escape("INFO olmolike.test: [step=5/30] [bold]x[/bold]")
+    assert re.fullmatch(rf"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d {line}\n", stream.getvalue())
+
+
+def test_records_are_rendered_by_rich_in_a_terminal(
+    root_logging: logging.Logger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    setup_logging()
+    assert isinstance(olmolike_handler(root_logging), RichHandler)
+    logging.getLogger("olmolike.test").info("[step=5/30] [bold]x[/bold]")
+    logging.getLogger("olmolike.test").debug("below the level")
+    # Rich resolves sys.stderr when it writes (so a progress bar's proxy is used while the
+    # bar is up), and prints the message as text, not as markup.
+    written = re.sub(r"\x1b\[[0-9;]*m", "", terminal.getvalue())  # without color codes
+    assert "INFO" in written
+    assert "olmolike.test: [step=5/30] [bold]x[/bold]" in written
+    assert "below the level" not in written
+
+
+def test_console_logger_logs_matching_metrics_every_interval(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="olmolike.train.callbacks.console_logger")
+    build_trainer(
+        tmp_path,
+        max_duration=Duration.steps(6),
+        no_checkpoints=True,
+        callbacks={"console_logger": ConsoleLoggerCallback(log_interval=2, metrics=["train/*"])},
+    ).fit()
+    messages = [
+        r.getMessage() for r in caplog.records if r.name.endswith("callbacks.console_logger")
+    ]
+    assert [m.splitlines()[0] for m in messages] == ["[step=2/6]", "[step=4/6]", "[step=6/6]"]
+    for message in messages:
+        shown = [line.strip().split("=")[0] for line in message.splitlines()[1:]]
+        assert "train/CE loss" in shown
+        assert all(name.startswith("train/") for name in shown)  # no optim/* without its glob
+
+
+def test_console_logger_formats_nothing_when_info_is_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    logger = logging.getLogger("olmolike.train.callbacks.console_logger")
+    monkeypatch.setattr(logger, "level", logging.WARNING)
+    callback = ConsoleLoggerCallback(log_interval=1)
+    build_trainer(
+        tmp_path,
+        max_duration=Duration.steps(2),
+        no_checkpoints=True,
+        callbacks={"console_logger": callback},
+    ).fit()
+    assert callback._shown == {}  # no metric name was even matched
