@@ -330,6 +330,28 @@ def test_metrics_are_collected_once_per_interval(tmp_path: Any, monkeypatch: Any
     assert losses[-1] < losses[0]
 
 
+def test_one_rank_logs_recorded_values_exactly_for_every_reduce_type(tmp_path: Any) -> None:
+    # 1e200 ** 2 overflows: an l2 norm over one rank is the value, not sqrt(value**2) = inf.
+    recorded = {"sum": 0.1, "mean": 1 / 3, "max": -2.5, "l2_norm": 1e200, "none": 7.25}
+
+    @dataclass
+    class RecordAll(Callback):
+        def post_train_batch(self) -> None:
+            for kind, value in recorded.items():
+                reduce_type = None if kind == "none" else ReduceType(kind)
+                self.trainer.record_metric(kind, value, reduce_type, namespace="t")
+                tensor = torch.tensor(value, dtype=torch.float64)
+                self.trainer.record_metric(kind, tensor, reduce_type, namespace="tensor")
+
+    rec = Recorder()
+    fit_with(tmp_path, RecordAll(), rec, max_duration=Duration.steps(2))
+    for metrics in rec.logged.values():
+        assert {k: metrics[f"t/{k}"] for k in recorded} == recorded
+        # Tensors are gathered as float32, so they match at float32 precision.
+        assert metrics["tensor/mean"] == pytest.approx(1 / 3, rel=1e-7)
+        assert metrics["tensor/max"] == -2.5
+
+
 def test_metric_recorded_as_tensor_stays_a_tensor_until_collected(tmp_path: Any) -> None:
     seen: list[Any] = []
 

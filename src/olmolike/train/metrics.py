@@ -228,10 +228,12 @@ def reduce_collected(
             reduced[(step, name, str(reduce_type))] = value
 
     distributed = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
-    keys = _agree_on_keys(sorted(reduced), group, device) if distributed else sorted(reduced)
-    for (step, name, _), value in zip(
-        keys, _reduce_values(keys, reduced, group, device, distributed)
-    ):
+    if not distributed:  # one rank: its values are the reduced values
+        for (step, name, _), value in sorted(reduced.items()):  # the order of several ranks
+            result.setdefault(step, {})[name] = value
+        return result
+    keys = _agree_on_keys(sorted(reduced), group, device)
+    for (step, name, _), value in zip(keys, _reduce_values(keys, reduced, group, device)):
         result.setdefault(step, {})[name] = value
     return result
 
@@ -261,7 +263,6 @@ def _reduce_values(
     local: dict[_Key, float],
     group: dist.ProcessGroup | None,
     device: torch.device,
-    distributed: bool,
 ) -> list[float]:
     summed = [k for k in keys if k[2] != ReduceType.max]
     maxed = [k for k in keys if k[2] == ReduceType.max]
@@ -274,11 +275,10 @@ def _reduce_values(
     max_values = torch.tensor(
         [local.get(k, -math.inf) for k in maxed], dtype=torch.float64, device=device
     )
-    if distributed:
-        if summed:
-            dist.all_reduce(sum_values, op=dist.ReduceOp.SUM, group=group)
-        if maxed:
-            dist.all_reduce(max_values, op=dist.ReduceOp.MAX, group=group)
+    if summed:
+        dist.all_reduce(sum_values, op=dist.ReduceOp.SUM, group=group)
+    if maxed:
+        dist.all_reduce(max_values, op=dist.ReduceOp.MAX, group=group)
     totals, counts = sum_values[: len(summed)].tolist(), sum_values[len(summed) :].tolist()
     out: dict[_Key, float] = dict(zip(maxed, max_values.tolist()))
     for key, total, count in zip(summed, totals, counts):
