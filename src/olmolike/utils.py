@@ -94,8 +94,7 @@ def _terminal_handler(rank_tag: str) -> logging.Handler:
     from rich.console import Console
     from rich.logging import RichHandler
 
-    # No ``file``: the console writes to whatever sys.stderr is at the time, so while a
-    # progress bar is up its records go through the bar's proxy and print above it.
+    # ProgressCallback hands this handler its own console while its bar is up.
     handler = RichHandler(
         console=Console(stderr=True),
         show_path=False,

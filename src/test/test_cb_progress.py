@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
+from rich.logging import RichHandler
 from testutils import SEQ_LEN, build_trainer
 
 from olmolike.exceptions import ConfigurationError
@@ -111,6 +114,32 @@ def test_log_lines_go_above_the_bar_and_handlers_are_restored(
     assert probe.held_terminal == [False] * 4
     assert handler.stream is terminal
     assert "line from step 3" in terminal.getvalue()
+
+
+def test_rich_log_records_print_through_the_bar_and_the_console_is_restored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    terminal = fake_terminal(monkeypatch)
+    own_console = Console(file=FakeTerminal(), force_terminal=True)
+    handler = RichHandler(console=own_console)
+    consoles_seen: list[Console] = []
+
+    @dataclass
+    class LogDuringTraining(Callback):
+        def post_step(self) -> None:
+            consoles_seen.append(handler.console)
+            logging.getLogger("olmolike.test").warning("rich line from step %d", self.step)
+
+    logging.getLogger().addHandler(handler)
+    try:
+        fit(tmp_path, LogDuringTraining())
+    finally:
+        logging.getLogger().removeHandler(handler)
+    # While the bar is up, records go through the bar's console, which prints them above it.
+    assert consoles_seen and all(c is not own_console for c in consoles_seen)
+    printed = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", terminal.getvalue())  # without codes
+    assert "rich line from step 3" in printed
+    assert handler.console is own_console
 
 
 def test_rejects_a_non_positive_refresh_rate() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import resource
+import signal
 import subprocess
 import sys
 import threading
@@ -45,6 +47,10 @@ class ListSink:
 
     def crash(self) -> None:
         os._exit(3)
+
+    def slow(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return "late"
 
     def hang(self) -> None:
         time.sleep(600)
@@ -210,3 +216,69 @@ def test_close_kills_a_stuck_sink_that_is_far_behind(caplog: pytest.LogCaptureFi
     assert "did not finish within 1 s; killing it" in caplog.text
     with pytest.raises(SinkError, match="is closed"):
         sink.send("add", 1)
+
+
+def test_a_hung_sink_far_behind_is_an_error_after_the_stall_timeout() -> None:
+    sink = SinkProcess(ListSink, "hung-sink", max_pending_bytes=300_000, stall_timeout=1.0)
+    try:
+        sink.send("hang")
+        with pytest.raises(SinkError, match="did not finish in time"):
+            for value in range(30):  # 3 MB: past the pending bytes, so a send waits
+                sink.send("add_blob", value, BLOB)
+        with pytest.raises(SinkError, match="timed out"):
+            sink.send("add", 1)  # the sink stays failed
+        started = time.monotonic()
+    finally:
+        sink.close(timeout=1.0)
+    assert time.monotonic() - started < 30
+    assert sink._process.poll() is not None
+
+
+def test_a_call_that_times_out_leaves_the_sink_failed_not_answering_late() -> None:
+    sink = SinkProcess(ListSink, "slow-sink")
+    try:
+        with pytest.raises(SinkError, match=r"slow\(\) did not finish in time"):
+            sink.call("slow", 2.0, timeout=0.3)
+        time.sleep(2.5)  # the late reply "late" has arrived by now
+        with pytest.raises(SinkError, match="timed out"):
+            sink.call("contents")
+    finally:
+        sink.close()
+
+
+def test_a_killed_sink_is_a_sink_error_at_the_next_send() -> None:
+    sink = SinkProcess(ListSink, "killed-sink")
+    try:
+        pid, _ = sink.call("contents")
+        sink.send("hang")
+        for value in range(5):  # unread data: the kernel resets the connection on exit
+            sink.send("add_blob", value, BLOB)
+        os.kill(pid, signal.SIGKILL)
+        sink._process.wait(10)
+        with pytest.raises(SinkError, match=r"exited \(code -9\)"):
+            for value in range(5):
+                sink.send("add", value)
+            sink.call("contents")
+    finally:
+        sink.close()
+
+
+def test_works_with_descriptors_numbered_above_1024() -> None:
+    """select() cannot watch such descriptors; a big training process easily has them."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the file descriptor limit ({hard}) is below 1200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    fillers = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        sink = SinkProcess(ListSink, "list-sink")
+        try:
+            assert sink._socket.fileno() >= 1024
+            sink.send("add", 1)
+            assert sink.call("contents")[1] == [1]
+        finally:
+            sink.close()
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

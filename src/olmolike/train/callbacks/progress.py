@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from rich.console import Console
+from rich.logging import RichHandler
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -51,6 +52,9 @@ class ProgressCallback(Callback, name="progress"):
     _progress: Progress | None = field(default=None, init=False, repr=False)
     _task: TaskID | None = field(default=None, init=False, repr=False)
     _rerouted: list[tuple[logging.StreamHandler[IO[str]], IO[str]]] = field(
+        default_factory=list, init=False, repr=False
+    )
+    _rerouted_rich: list[tuple[RichHandler, Console]] = field(
         default_factory=list, init=False, repr=False
     )
 
@@ -110,11 +114,17 @@ class ProgressCallback(Callback, name="progress"):
             )
             if stream is not None and stream is not proxy
         }
+        assert self._progress is not None
         for handler in logging.getLogger().handlers:
             if isinstance(handler, logging.StreamHandler) and id(handler.stream) in proxies:
                 previous = handler.setStream(proxies[id(handler.stream)])
                 if previous is not None:
                     self._rerouted.append((handler, previous))
+            elif isinstance(handler, RichHandler):
+                # A rich console unwraps the proxies and would draw over the bar; the bar's own
+                # console prints records above it.
+                self._rerouted_rich.append((handler, handler.console))
+                handler.console = self._progress.console
 
     def post_step(self) -> None:
         if self._progress is not None and self._task is not None:
@@ -136,6 +146,9 @@ class ProgressCallback(Callback, name="progress"):
         for handler, stream in self._rerouted:
             handler.setStream(stream)
         self._rerouted.clear()
+        for rich_handler, console in self._rerouted_rich:
+            rich_handler.console = console
+        self._rerouted_rich.clear()
         self._progress.stop()
         self._progress = None
         self._task = None

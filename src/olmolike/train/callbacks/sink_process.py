@@ -16,7 +16,8 @@ the child then ignores further sends (a tracker that failed once would only fail
 Training never waits for a sink that is behind, up to a bound. Messages are written to the pipe
 without waiting (``MSG_DONTWAIT``); what the pipe cannot take yet stays in the parent, up to
 ``max_pending_bytes``, and goes down with the next message. Only a sink that falls further
-behind than that makes training wait. A slow sink catches up when the cores are
+behind than that makes training wait (with a warning), and one that then takes nothing for
+``stall_timeout`` seconds counts as hung: a :class:`SinkError`. A slow sink catches up when the cores are
 idle, at the latest at :meth:`SinkProcess.close`. What is still queued in the parent is lost if
 the training process is killed outright (SIGKILL); a resume logs the steps after its checkpoint
 again anyway.
@@ -62,6 +63,11 @@ MAX_PENDING_BYTES = 4 * 1024 * 1024
 """How much may wait in the parent for a sink that is behind: some 15,000 steps of a dozen
 metrics, which a tracker at ~2 ms per step works off in half a minute."""
 
+STALL_TIMEOUT_S = 600.0
+"""How long training waits for a sink that is ``max_pending_bytes`` behind to take the next
+message before the sink counts as hung and a :class:`SinkError` stops the wait."""
+
+_SEND_FLAGS = socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
 _SEND, _CALL, _STOP = "send", "call", "stop"
 _REPLY, _ERROR = "reply", "error"
 
@@ -74,25 +80,45 @@ class SinkProcess:
     """Runs the object built by ``factory`` (picklable, e.g. a class) in a child process."""
 
     def __init__(
-        self, factory: Callable[[], Any], name: str, max_pending_bytes: int = MAX_PENDING_BYTES
+        self,
+        factory: Callable[[], Any],
+        name: str,
+        max_pending_bytes: int = MAX_PENDING_BYTES,
+        stall_timeout: float = STALL_TIMEOUT_S,
     ) -> None:
         self.name = name
-        parent_end, child_end = socket.socketpair()
-        fd = child_end.fileno()
-        command = f"from {__name__} import serve_fd; serve_fd({fd})"
-        self._process = subprocess.Popen([sys.executable, "-c", command], pass_fds=[fd])
-        child_end.close()
-        self._socket = parent_end  # writes, framed as multiprocessing.Connection reads them
-        self._conn = mpc.Connection(os.dup(parent_end.fileno()))  # reads
-        self._unsent = bytearray()
         self._max_pending_bytes = max_pending_bytes
+        self._stall_timeout = stall_timeout
+        self._unsent = bytearray()
         self._child_gone = False
         self._closed = False
+        self._warned_behind = False
         self._failure: str | None = None
         self._buffered: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
-        # The import path first: unpickling the factory may import modules found through it.
-        self._post(list(sys.path))
-        self._post(factory)
+        parent_end, child_end = socket.socketpair()
+        try:
+            fd = child_end.fileno()
+            command = f"from {__name__} import serve_fd; serve_fd({fd})"
+            self._process = subprocess.Popen([sys.executable, "-c", command], pass_fds=[fd])
+        except BaseException:
+            parent_end.close()
+            raise
+        finally:
+            child_end.close()
+        self._socket = parent_end  # writes, framed as multiprocessing.Connection reads them
+        self._conn = mpc.Connection(os.dup(parent_end.fileno()))  # reads
+        # poll(), not select(): select() cannot watch a descriptor numbered 1024 or higher.
+        self._can_write = select.poll()
+        self._can_write.register(self._socket.fileno(), select.POLLOUT)
+        self._can_read = select.poll()
+        self._can_read.register(self._conn.fileno(), select.POLLIN)
+        try:
+            # The import path first: unpickling the factory may import modules found there.
+            self._post(list(sys.path))
+            self._post(factory)
+        except BaseException:
+            self._stop_child(kill=True)
+            raise
 
     def send(self, method: str, *args: Any, **kwargs: Any) -> None:
         """Run ``sink.method(*args, **kwargs)`` in the child, without waiting for it."""
@@ -110,41 +136,41 @@ class SinkProcess:
 
     def call(self, method: str, *args: Any, timeout: float = 300.0, **kwargs: Any) -> Any:
         """Run ``sink.method(*args, **kwargs)`` in the child after everything sent before, and
-        return its result (its exception is raised here as a :class:`SinkError`)."""
+        return its result (its exception is raised here as a :class:`SinkError`).
+
+        A call that does not return within ``timeout`` seconds leaves the sink failed: its
+        late reply would otherwise answer the next call."""
         self.flush()
         deadline = time.monotonic() + timeout
-        try:
-            self._post((_CALL, method, args, kwargs))
-            self._write_all(deadline)
-        except TimeoutError:
-            raise SinkError(f"{self.name}: {method}() did not return in time") from None
+        what = f"{method}()"
+        self._post((_CALL, method, args, kwargs), deadline, what)
+        self._write_all(deadline, what)
         while True:
-            kind, payload = self._receive(deadline, f"{method}()")
+            kind, payload = self._receive(deadline, what)
             if kind == _ERROR:
                 self._failure = self._failure or payload
                 continue
             ok, value = payload
             self._raise_reported_failure()
             if not ok:
-                raise SinkError(f"{self.name}: {method}() failed in the sink process:\n{value}")
+                raise SinkError(f"{self.name}: {what} failed in the sink process:\n{value}")
             return value
 
     def close(self, timeout: float = 120.0) -> None:
         """Let the child finish what was sent, then stop it (killed after ``timeout`` s)."""
+        if self._closed:
+            return
         deadline = time.monotonic() + timeout
         try:
             if self._process.poll() is None:
-                self._post_buffered()
-                self._post((_STOP, "", (), {}))
-                self._write_all(deadline)
+                self._post_buffered(deadline)
+                self._post((_STOP, "", (), {}), deadline, "stopping")
+                self._write_all(deadline, "stopping")
             self._process.wait(max(deadline - time.monotonic(), 0.0))
-        except (TimeoutError, subprocess.TimeoutExpired):
+        except (SinkError, subprocess.TimeoutExpired):
             log.warning("%s did not finish within %.0f s; killing it", self.name, timeout)
-            self._process.kill()
-            self._process.wait()
-        self._closed = True
-        self._socket.close()
-        self._conn.close()
+        finally:
+            self._stop_child(kill=True)
 
     @property
     def failure(self) -> str | None:
@@ -152,16 +178,27 @@ class SinkProcess:
         self._poll_reports()
         return self._failure
 
-    def _post_buffered(self) -> None:
+    def _stop_child(self, kill: bool) -> None:
+        if kill and self._process.poll() is None:
+            self._process.kill()
+        self._process.wait()
+        self._closed = True
+        self._socket.close()
+        self._conn.close()
+
+    def _post_buffered(self, deadline: float | None = None) -> None:
         if self._buffered:
             calls, self._buffered = self._buffered, []
-            self._post((_SEND, "", calls, {}))
+            self._post((_SEND, "", calls, {}), deadline)
 
-    def _post(self, message: Any) -> None:
-        """Hand ``message`` to the pipe, as much as it takes now; wait only while more than
-        ``max_pending_bytes`` would be left over."""
+    def _post(self, message: Any, deadline: float | None = None, what: str = "a send") -> None:
+        """Hand ``message`` to the pipe, as much as it takes now. Waits only while more than
+        ``max_pending_bytes`` would be left over, until ``deadline`` (by default for
+        ``stall_timeout`` seconds, after which the sink counts as hung)."""
         if self._closed:
             raise SinkError(f"{self.name} is closed")
+        if self._child_gone:
+            return  # its end is reported by _poll_reports or _receive
         data = ForkingPickler.dumps(message)
         # multiprocessing.Connection's framing, which the child reads: a 4-byte length, or -1
         # and an 8-byte one.
@@ -172,14 +209,20 @@ class SinkProcess:
         self._unsent += data
         self._write()
         if len(self._unsent) > self._max_pending_bytes:
-            self._write_all(deadline=None, down_to=self._max_pending_bytes)
+            if not self._warned_behind:
+                self._warned_behind = True
+                behind = len(self._unsent) / 2**20
+                log.warning("%s is %.1f MiB behind; training waits for it", self.name, behind)
+            if deadline is None:
+                deadline = time.monotonic() + self._stall_timeout
+            self._write_all(deadline, what, down_to=self._max_pending_bytes)
 
     def _write(self) -> None:
         """Write what the pipe takes without waiting. A child that is gone takes nothing more
         (the parent learns of its end from the pipe or its exit code)."""
         while self._unsent and not self._child_gone:
             try:
-                written = self._socket.send(self._unsent, socket.MSG_DONTWAIT)
+                written = self._socket.send(self._unsent, _SEND_FLAGS)
             except BlockingIOError:
                 return
             except OSError:
@@ -188,17 +231,24 @@ class SinkProcess:
                 return
             del self._unsent[:written]
 
-    def _write_all(self, deadline: float | None, down_to: int = 0) -> None:
-        """Write until at most ``down_to`` bytes are left; :class:`TimeoutError` at ``deadline``."""
+    def _write_all(self, deadline: float, what: str, down_to: int = 0) -> None:
+        """Write until at most ``down_to`` bytes are left; a :class:`SinkError` at ``deadline``
+        (the sink then counts as failed)."""
         self._write()
         while len(self._unsent) > down_to and not self._child_gone:
-            wait = None if deadline is None else deadline - time.monotonic()
-            if wait is not None and wait <= 0:
-                raise TimeoutError
-            select.select([], [self._socket], [], wait)
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                raise self._timed_out(what)
+            self._can_write.poll(wait * 1000)
             self._write()
 
+    def _timed_out(self, what: str) -> SinkError:
+        self._failure = self._failure or f"{what} timed out: the sink process took too long"
+        return SinkError(f"{self.name}: {what} did not finish in time")
+
     def _raise_reported_failure(self) -> None:
+        if self._closed:
+            raise SinkError(f"{self.name} is closed")
         if self.failure is not None:
             raise SinkError(f"{self.name} failed in the sink process:\n{self._failure}")
 
@@ -206,7 +256,7 @@ class SinkProcess:
         while self._failure is None and not self._closed and self._readable(0):
             try:
                 kind, payload = self._conn.recv()
-            except EOFError:
+            except (EOFError, OSError):  # OSError: a reset, when it died with data unread
                 self._failure = self._exited("while it was running")
                 return
             if kind == _ERROR:
@@ -217,17 +267,17 @@ class SinkProcess:
             if self._process.poll() is not None:
                 raise SinkError(self._exited(f"before {what} returned"))
             if time.monotonic() > deadline:
-                raise SinkError(f"{self.name}: {what} did not return in time")
+                raise self._timed_out(what)
         try:
             result: tuple[str, Any] = self._conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
             raise SinkError(self._exited(f"before {what} returned")) from None
         return result
 
     def _readable(self, timeout: float) -> bool:
-        # One select() call: Connection.poll() builds and tears down a selector each time,
+        # One poll() call: Connection.poll() builds and tears down a selector each time,
         # several times the cost, and this runs at every flush.
-        return bool(select.select([self._conn], [], [], timeout)[0])
+        return bool(self._can_read.poll(timeout * 1000))
 
     def _exited(self, when: str) -> str:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -248,8 +298,12 @@ def serve_fd(fd: int) -> None:
 def _lower_cpu_priority() -> None:
     """Where the cores are busy, training runs first and the sink catches up in the gaps."""
     if hasattr(os, "SCHED_IDLE"):
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    else:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            return
+        except OSError:  # e.g. refused in a sandbox
+            pass
+    with contextlib.suppress(OSError):
         os.nice(SINK_NICENESS)
 
 
