@@ -88,7 +88,7 @@ class ProgressCallback(Callback, name="progress"):
         )
         streams_before = (sys.stdout, sys.stderr)
         self._progress.start()
-        self._reroute_log_handlers(*streams_before)
+        self._reroute_log_handlers(*streams_before, bar_console=self._progress.console)
 
     def _stop_step(self) -> int | None:
         trainer = self.trainer
@@ -101,7 +101,7 @@ class ProgressCallback(Callback, name="progress"):
         known = [stop for stop in stops if stop is not None]
         return min(known) if known else None
 
-    def _reroute_log_handlers(self, stdout: IO[str], stderr: IO[str]) -> None:
+    def _reroute_log_handlers(self, stdout: IO[str], stderr: IO[str], bar_console: Console) -> None:
         # While the bar is live, sys.stdout/sys.stderr are proxies that print above it; a
         # handler holding the original stream would write through the bar instead.
         proxies = {
@@ -114,7 +114,6 @@ class ProgressCallback(Callback, name="progress"):
             )
             if stream is not None and stream is not proxy
         }
-        assert self._progress is not None
         for handler in logging.getLogger().handlers:
             if isinstance(handler, logging.StreamHandler) and id(handler.stream) in proxies:
                 previous = handler.setStream(proxies[id(handler.stream)])
@@ -124,7 +123,7 @@ class ProgressCallback(Callback, name="progress"):
                 # A rich console unwraps the proxies and would draw over the bar; the bar's own
                 # console prints records above it.
                 self._rerouted_rich.append((handler, handler.console))
-                handler.console = self._progress.console
+                handler.console = bar_console
 
     def post_step(self) -> None:
         if self._progress is not None and self._task is not None:

@@ -17,10 +17,10 @@ Training never waits for a sink that is behind, up to a bound. Messages are writ
 without waiting (``MSG_DONTWAIT``); what the pipe cannot take yet stays in the parent, up to
 ``max_pending_bytes``, and goes down with the next message. Only a sink that falls further
 behind than that makes training wait (with a warning), and one that then takes nothing for
-``stall_timeout`` seconds counts as hung: a :class:`SinkError`. A slow sink catches up when the cores are
-idle, at the latest at :meth:`SinkProcess.close`. What is still queued in the parent is lost if
-the training process is killed outright (SIGKILL); a resume logs the steps after its checkpoint
-again anyway.
+``stall_timeout`` seconds counts as hung: a :class:`SinkError`. A slow sink catches up when
+the cores are idle, at the latest at :meth:`SinkProcess.close`. What is still queued in the
+parent is lost if the training process is killed outright (SIGKILL); a resume logs the steps
+after its checkpoint again anyway.
 
 The child is a fresh interpreter (``python -c``) that imports only what the sink needs, not
 the user's training script: ``multiprocessing``'s spawn would run a script without an
@@ -117,7 +117,7 @@ class SinkProcess:
             self._post(list(sys.path))
             self._post(factory)
         except BaseException:
-            self._stop_child(kill=True)
+            self._stop_child()
             raise
 
     def send(self, method: str, *args: Any, **kwargs: Any) -> None:
@@ -170,7 +170,7 @@ class SinkProcess:
         except (SinkError, subprocess.TimeoutExpired):
             log.warning("%s did not finish within %.0f s; killing it", self.name, timeout)
         finally:
-            self._stop_child(kill=True)
+            self._stop_child()
 
     @property
     def failure(self) -> str | None:
@@ -178,8 +178,9 @@ class SinkProcess:
         self._poll_reports()
         return self._failure
 
-    def _stop_child(self, kill: bool) -> None:
-        if kill and self._process.poll() is None:
+    def _stop_child(self) -> None:
+        """Kill the child if it still runs, reap it, and close both descriptors."""
+        if self._process.poll() is None:
             self._process.kill()
         self._process.wait()
         self._closed = True
