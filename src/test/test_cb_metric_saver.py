@@ -186,9 +186,11 @@ def test_read_metrics_file_rejects_damage_before_the_last_line() -> None:
 
 
 def test_only_rank_zero_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run(tmp_path / "rank0", steps=2)
+    assert (tmp_path / "rank0" / "metrics.jsonl").read_text().count("\n") >= 2
     monkeypatch.setattr("olmolike.train.callbacks.metric_saver.get_rank", lambda: 1)
-    run(tmp_path, steps=2)
-    assert not (tmp_path / "metrics.jsonl").exists()
+    run(tmp_path / "rank1", steps=2)
+    assert not (tmp_path / "rank1" / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow

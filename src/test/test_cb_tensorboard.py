@@ -81,14 +81,19 @@ def test_subdir_and_disabled(tmp_path: Path) -> None:
 
 
 def test_only_rank_zero_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def fit(folder: Path) -> None:
+        build_trainer(
+            folder,
+            max_duration=Duration.steps(1),
+            no_checkpoints=True,
+            callbacks={"tensorboard": TensorBoardCallback()},
+        ).fit()
+
+    fit(tmp_path / "rank0")
+    assert any((tmp_path / "rank0" / "tensorboard").glob("events.out.tfevents.*"))
     monkeypatch.setattr("olmolike.train.callbacks.tensorboard.get_rank", lambda: 1)
-    build_trainer(
-        tmp_path,
-        max_duration=Duration.steps(1),
-        no_checkpoints=True,
-        callbacks={"tensorboard": TensorBoardCallback()},
-    ).fit()
-    assert not (tmp_path / "tensorboard").exists()
+    fit(tmp_path / "rank1")
+    assert not (tmp_path / "rank1" / "tensorboard").exists()
 
 
 def download(store: RemoteStore, remote_dir: str, local_dir: Path) -> list[str]:

@@ -90,9 +90,11 @@ def test_custom_file_name(tmp_path: Path) -> None:
 
 
 def test_only_rank_zero_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run(tmp_path / "rank0", CONFIG_A, 1)
+    assert (tmp_path / "rank0" / "config.json").read_text() == expected_text(CONFIG_A)
     monkeypatch.setattr("olmolike.train.callbacks.config_saver.get_rank", lambda: 1)
-    run(tmp_path, CONFIG_A, 1)
-    assert not (tmp_path / "config.json").exists()
+    run(tmp_path / "rank1", CONFIG_A, 1)
+    assert not (tmp_path / "rank1" / "config.json").exists()
 
 
 def test_no_config_writes_nothing(tmp_path: Path) -> None:
