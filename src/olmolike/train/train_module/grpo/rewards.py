@@ -145,9 +145,9 @@ def score_completions(
     total = torch.zeros(len(completions), dtype=torch.float32)
     per_function: dict[str, Tensor] = {}
     for reward in rewards:
-        values = _call(registry.get(reward.name), reward.name, prompts, completions, fields)
-        per_function[reward.name] = values
-        total += reward.weight * values
+        scores = _call(registry.get(reward.name), reward.name, prompts, completions, fields)
+        per_function[reward.name] = scores
+        total += reward.weight * scores
     return RewardScores(total, per_function)
 
 
