@@ -137,7 +137,8 @@ def reference_loss(
             a = float(adv[b])
             clipped = min(max(rho, 1 - config.clip_eps_low), 1 + config.clip_high)
             d = float(ref[b, t] - logps[b, t])
-            row.append(-min(rho * a, clipped * a) + config.kl_coef * (math.exp(d) - d - 1))
+            kl = (math.exp(d) - d - 1) * (rho if config.kl_importance_weighting else 1.0)
+            row.append(-min(rho * a, clipped * a) + config.kl_coef * kl)
         terms.append(row)
     if config.aggregation == LossAggregation.token:
         flat = [x for row in terms for x in row]
@@ -156,10 +157,17 @@ def loss_inputs(seed: int = 0) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.mark.parametrize("aggregation", list(LossAggregation))
-@pytest.mark.parametrize("clip_high", [None, 0.28])
-def test_loss_matches_the_formula(aggregation: LossAggregation, clip_high: float | None) -> None:
+@pytest.mark.parametrize(("clip_high", "weighting"), [(None, True), (0.28, False)])
+def test_loss_matches_the_formula(
+    aggregation: LossAggregation, clip_high: float | None, weighting: bool
+) -> None:
     logps, old, ref, adv, mask = loss_inputs()
-    config = GRPOLossConfig(kl_coef=0.1, aggregation=aggregation, clip_eps_high=clip_high)
+    config = GRPOLossConfig(
+        kl_coef=0.1,
+        aggregation=aggregation,
+        clip_eps_high=clip_high,
+        kl_importance_weighting=weighting,
+    )
     loss, stats = grpo_loss(logps, old, adv, mask, config, ref_logps=ref)
     torch.testing.assert_close(loss, reference_loss(logps, old, ref, adv, mask, config).double())
     assert 0 < float(stats.clip_fraction) < 1 and float(stats.kl) > 0

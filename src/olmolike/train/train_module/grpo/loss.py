@@ -8,6 +8,7 @@ up-weights groups whose rewards barely differ). Each completion token ``t`` then
     -min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A) + beta * KL_t
     rho_t = exp(log pi(t) - log pi_old(t))
     KL_t  = exp(log pi_ref(t) - log pi(t)) - (log pi_ref(t) - log pi(t)) - 1   (k3 estimator)
+            (times rho_t with ``kl_importance_weighting``, the default)
 
 where ``pi_old`` is the policy that sampled the completions (several optimisation steps per
 generated batch make ``pi`` drift from it; the clip keeps each step in a trust region around
@@ -73,6 +74,12 @@ class GRPOLossConfig(Config):
     raises it (e.g. 0.28) to let unlikely tokens gain probability faster."""
     kl_coef: float = 0.0
     """beta, the weight of the k3 KL penalty to the reference. 0 needs no reference model."""
+    kl_importance_weighting: bool = True
+    """Multiply each token's KL term by its ratio pi / pi_old. The completions were sampled
+    from pi_old, not pi: weighted, the KL term's gradient is the unbiased gradient of
+    KL(pi || pi_ref) (DeepSeek-V3.2; TRL's ``use_bias_correction_kl``, on by default). The
+    ratio carries gradient even where it equals 1, so this changes the update on the first
+    step of a generated batch too. Off gives DeepSeekMath's original objective."""
     aggregation: LossAggregation = LossAggregation.token
     """Mean over tokens or over sequences; see :class:`LossAggregation`."""
 
@@ -141,7 +148,8 @@ class GRPOLossStats:
     """Diagnostics of one loss evaluation (detached float tensors, averaged over tokens)."""
 
     kl: Tensor
-    """Mean k3 estimate of KL(pi || pi_ref) per token (0 without a reference)."""
+    """Mean k3 estimate of KL(pi || pi_ref) per token, importance-weighted if so configured
+    (0 without a reference)."""
     clip_fraction: Tensor
     """Share of tokens whose clipped term was the smaller one (their gradient is 0)."""
     clip_low_fraction: Tensor
@@ -184,6 +192,8 @@ def grpo_loss(
     if ref_logps is not None:
         log_ratio_ref = ref_logps.detach() - logps
         kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1
+        if config.kl_importance_weighting:
+            kl = kl * ratio
         if config.kl_coef > 0:
             per_token = per_token + config.kl_coef * kl
     loss = _aggregate(per_token, mask, config.aggregation)
