@@ -1,4 +1,4 @@
-"""GRPO building blocks: reward functions by name, group advantages, the clipped loss."""
+"""GRPO building blocks: reward functions by name, rollouts, group advantages, the loss."""
 
 from .loss import (
     AdvantageStats,
@@ -17,6 +17,7 @@ from .rewards import (
     RewardScores,
     score_completions,
 )
+from .rollout import Rollout, SamplingConfig, completion_logps, rollout
 
 __all__ = [
     "AdvantageStats",
@@ -28,8 +29,12 @@ __all__ = [
     "RewardFunctionError",
     "RewardRegistry",
     "RewardScores",
+    "Rollout",
+    "SamplingConfig",
+    "completion_logps",
     "group_advantages",
     "grpo_loss",
+    "rollout",
     "score_completions",
     "token_entropy",
 ]
