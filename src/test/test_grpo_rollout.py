@@ -114,3 +114,46 @@ def test_a_failing_reward_stops_the_rollout(model: Transformer) -> None:
 def test_sampling_config_refuses_greedy() -> None:
     with pytest.raises(ConfigurationError, match="temperature"):
         SamplingConfig(temperature=0)
+
+
+def fsdp_rollouts() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from olmolike.data.prompts import PromptSampler
+    from olmolike.distributed.parallel import apply_fsdp
+
+    rank = dist.get_rank()
+    config = TransformerConfig(
+        vocab_size=264, d_model=32, n_layers=2, n_heads=4, max_sequence_length=32
+    )
+    policy, reference = config.build(seed=0), config.build(seed=0)
+    apply_fsdp(policy, dist.device_mesh.init_device_mesh("cpu", (2,)))
+    records = [PromptRecord(f"q{i}", {"target": "q"}) for i in range(8)]
+    batch = PromptSampler(records, prompts_per_rank=2, seed=0, rank=rank, world_size=2).next_batch()
+    out, alone = (
+        rollout(
+            model,
+            TOKENIZER,
+            batch,
+            sampling=SamplingConfig(max_new_tokens=6),
+            loss=GRPOLossConfig(group_size=2),
+            registry=registry(),
+            rewards=[RewardConfig("count")],
+            generator=torch.Generator().manual_seed(10 + rank),  # each rank its own samples
+        )
+        for model in (policy, reference)
+    )
+    return {
+        "prompts": [r.prompt for r in batch],
+        "same": torch.equal(out.completion_ids, alone.completion_ids)
+        and torch.equal(out.advantages, alone.advantages),
+    }
+
+
+@pytest.mark.timeout(200)
+def test_fsdp_ranks_roll_out_their_own_prompts() -> None:
+    from testutils import run_distributed_test
+
+    ranks = run_distributed_test(fsdp_rollouts, timeout=180)
+    assert all(r["same"] for r in ranks)
+    assert not set(ranks[0]["prompts"]) & set(ranks[1]["prompts"])
