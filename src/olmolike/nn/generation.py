@@ -19,7 +19,7 @@ outputs are dropped) until every rank is done, agreed by an all-reduce per step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,39 +120,56 @@ def sample(
             "prompts of different lengths need a model that takes a padding mask (an olmolike "
             "Transformer); pass equal-length prompts for this model"
         )
-    steps = _Steps(core, ids, valid, max_new_tokens, use_cache)
+    empty = ids.new_zeros(ids.shape[0], 0)
+    completion_ids, completion_mask = empty, empty.bool()
+    stopped = valid.new_zeros(ids.shape[0])
+    if max_new_tokens > 0:
+        was_training = core.training
+        core.eval()
+        try:
+            columns, emitted, stopped = _sample_steps(
+                _Steps(core, ids, valid, max_new_tokens, use_cache),
+                max_new_tokens,
+                lambda logits: _pick_next(logits, temperature, top_k, top_p, generator),
+                stops,
+                pad_token_id,
+                vocab_size,
+                lockstep,
+            )
+        finally:
+            core.train(was_training)
+        # In lockstep, steps taken after this rank's sequences all stopped are dropped: the
+        # result does not depend on what the other ranks sampled.
+        steps_here = int(emitted.any(0).sum())
+        completion_ids, completion_mask = columns[:, :steps_here], emitted[:, :steps_here]
+    return Generation(ids, valid, completion_ids, completion_mask, stopped)
+
+
+def _sample_steps(
+    steps: _Steps,
+    max_new_tokens: int,
+    pick: Callable[[Tensor], Tensor],
+    stops: Tensor | None,
+    pad_token_id: int,
+    vocab_size: int | None,
+    lockstep: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The decoding loop: sampled ids (B, N), which were sampled before a stop (B, N), and
+    which sequences stopped (B,)."""
+    logits = steps.first()
+    finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     columns: list[Tensor] = []
     emitted: list[Tensor] = []
-    finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-    was_training = core.training
-    core.eval()
-    try:
-        logits = steps.first() if max_new_tokens else None
-        for step in range(max_new_tokens):
-            assert logits is not None
-            logits = logits.float() if vocab_size is None else logits[:, :vocab_size].float()
-            next_ids = _pick_next(logits, temperature, top_k, top_p, generator)
-            next_ids = next_ids.masked_fill(finished, pad_token_id)
-            columns.append(next_ids)
-            emitted.append(~finished)
-            if stops is not None:
-                finished = finished | (~finished & (next_ids[:, None] == stops).any(-1))
-            if step + 1 == max_new_tokens or _all_finished(finished, lockstep):
-                break
-            logits = steps.next(next_ids)
-    finally:
-        core.train(was_training)
-    # In lockstep, steps taken after this rank's sequences all stopped are dropped: the
-    # result does not depend on what the other ranks sampled.
-    steps_here = int(torch.stack(emitted, 1).any(0).sum()) if emitted else 0
-    empty = ids.new_zeros(ids.shape[0], 0)
-    return Generation(
-        prompt_ids=ids,
-        prompt_mask=valid,
-        completion_ids=torch.stack(columns[:steps_here], 1) if steps_here else empty,
-        completion_mask=torch.stack(emitted[:steps_here], 1) if steps_here else empty.bool(),
-        stopped=finished,
-    )
+    for step in range(max_new_tokens):
+        next_ids = pick(logits[:, :vocab_size].float()).masked_fill(finished, pad_token_id)
+        columns.append(next_ids)
+        emitted.append(~finished)
+        if stops is not None:
+            finished = finished | (next_ids[:, None] == stops).any(-1)
+        if step + 1 == max_new_tokens or _all_finished(finished, lockstep):
+            break
+        logits = steps.next(next_ids)
+    return torch.stack(columns, 1), torch.stack(emitted, 1), finished
 
 
 @torch.no_grad()
