@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 
-from olmolike.nn import TransformerConfig, generate
+from olmolike.nn import TransformerConfig, export_hf_llama, generate
 from olmolike.nn.generation import filter_logits, sample
 from olmolike.nn.kv_cache import KVCache
 
@@ -322,3 +323,24 @@ def test_unequal_prompts_need_a_transformer() -> None:
         sample(Successor(), [[1, 2], [3]], max_new_tokens=1)
     with pytest.raises(ValueError, match="non-empty"):
         sample(Successor(), [[1], []], max_new_tokens=1)
+
+
+def test_left_padded_cached_greedy_equals_transformers_generate(tmp_path: Path) -> None:
+    """An independent implementation of left-padded cached decoding: Hugging Face's."""
+    transformers = pytest.importorskip("transformers")
+    ours = config(n_kv_heads=2, rope_theta=1000.0).build(seed=8).eval()
+    out = export_hf_llama(ours.state_dict(), ours.config, tmp_path / "hf")
+    theirs = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    prompts = [[3, 4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14]]
+    batch = sample(ours, prompts, max_new_tokens=15, temperature=0, pad_token_id=0)
+    with torch.no_grad():
+        hf = theirs.generate(
+            input_ids=batch.prompt_ids,
+            attention_mask=batch.prompt_mask.long(),
+            max_new_tokens=15,
+            min_new_tokens=15,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    assert torch.equal(batch.completion_ids, hf[:, batch.prompt_ids.shape[1] :])
