@@ -52,6 +52,7 @@ bench: install
 	$(PY) src/benchmarks/checkpoint_stall.py
 	$(PY) src/benchmarks/data_loader.py
 	$(PY) src/benchmarks/gpu_throughput.py
+	$(PY) src/benchmarks/generation.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

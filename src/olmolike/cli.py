@@ -109,6 +109,7 @@ def _generate(args: argparse.Namespace) -> int:
                 top_k=args.top_k,
                 top_p=args.top_p,
                 seed=args.seed + i,
+                use_cache=args.use_cache,
             )
             print(args.prompt + text)
             if i + 1 < args.num_samples:
@@ -121,19 +122,58 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _add_generate_command(commands: argparse._SubParsersAction) -> None:
     generate = commands.add_parser(
-        "generate", help="sample text from a training checkpoint (stepN folder)"
+        "generate",
+        help="sample text from a training checkpoint (stepN folder)",
+        description="Sample text from a checkpoint, with a KV cache (one forward call per new "
+        "token over that token alone).",
     )
-    generate.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/my-run/step600")
-    generate.add_argument("--prompt", default="", help="text to continue (default: none)")
-    generate.add_argument("--max-new-tokens", type=int, default=200)
     generate.add_argument(
-        "--temperature", type=float, default=0.8, help="0 picks the likeliest token (greedy)"
+        "checkpoint", help="a checkpoint folder (runs/my-run/step600) or a save folder (its newest)"
     )
-    generate.add_argument("--top-k", type=int, default=40)
-    generate.add_argument("--top-p", type=float, default=None)
-    generate.add_argument("--seed", type=int, default=0, help="same seed, same text")
-    generate.add_argument("--num-samples", type=int, default=1)
-    generate.add_argument("--device", default="cpu")
+    generate.add_argument(
+        "--prompt", default="", help="text to continue (default: none, the start of a document)"
+    )
+    generate.add_argument(
+        "--max-new-tokens", type=int, default=200, help="tokens to sample (default: %(default)s)"
+    )
+    generate.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="0 picks the likeliest token (greedy) (default: %(default)s)",
+    )
+    generate.add_argument(
+        "--top-k",
+        type=int,
+        default=40,
+        help="sample among the k likeliest tokens only (default: %(default)s)",
+    )
+    generate.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="sample from the smallest set of likeliest tokens reaching this probability "
+        "(default: off)",
+    )
+    generate.add_argument(
+        "--seed", type=int, default=0, help="same seed, same text (default: %(default)s)"
+    )
+    generate.add_argument(
+        "--num-samples",
+        type=int,
+        default=1,
+        help="samples to print, with seeds seed, seed+1, ... (default: %(default)s)",
+    )
+    generate.add_argument(
+        "--device", default="cpu", help="where the model runs (default: %(default)s)"
+    )
+    generate.add_argument(
+        "--no-kv-cache",
+        dest="use_cache",
+        action="store_false",
+        help="recompute the whole context for every token instead of caching keys and values "
+        "(slower, the same text; default: cache on)",
+    )
     generate.set_defaults(run=_generate)
 
 

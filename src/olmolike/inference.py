@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from . import io
 from .data.numpy_dataset import NumpyDatasetConfig
@@ -109,26 +108,6 @@ def _without_class(section: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in section.items() if k != "_CLASS_"}
 
 
-class _TokenizerLogits(nn.Module):
-    """The model's logits for the tokenizer's ids only.
-
-    A model's vocabulary is usually padded past the tokenizer's (to a multiple of 128, for
-    fast matmuls). The padding rows are never trained towards, but an early checkpoint or a
-    high temperature can still sample them, and the tokenizer cannot decode them.
-    """
-
-    def __init__(self, model: Transformer, vocab_size: int) -> None:
-        super().__init__()
-        self.model = model
-        self.vocab_size = vocab_size
-        self.config = model.config  # generate() crops the context to its max_sequence_length
-        # generate() restores this module's mode on the model when done: make it the model's.
-        self.train(model.training)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids)[..., : self.vocab_size]
-
-
 def generate_text(
     loaded: LoadedCheckpoint,
     prompt: str,
@@ -138,24 +117,30 @@ def generate_text(
     top_k: int | None = 40,
     top_p: float | None = None,
     seed: int = 0,
+    use_cache: bool = True,
 ) -> str:
     """Sample a continuation of ``prompt``; returns only the new text.
 
     The prompt is preceded by the end-of-document token, as every document was in training,
-    so an empty prompt samples the start of a new document.
+    so an empty prompt samples the start of a new document. Only the tokenizer's ids are
+    sampled: a model's vocabulary is usually padded past it (to a multiple of 128, for fast
+    matmuls), and an early checkpoint or a high temperature could otherwise pick a padding id
+    the tokenizer cannot decode.
     """
     tokenizer = loaded.tokenizer
     ids = torch.tensor([tokenizer.eos_token_id, *tokenizer.encode(prompt)], dtype=torch.long)
     device = next(loaded.model.parameters()).device
     out = generate(
-        _TokenizerLogits(loaded.model, tokenizer.vocab_size),
+        loaded.model,
         ids.to(device),
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
         eos_token_id=tokenizer.eos_token_id,
+        vocab_size=tokenizer.vocab_size,
         generator=torch.Generator(device=device).manual_seed(seed),
+        use_cache=use_cache,
     )
     return tokenizer.decode(out.reshape(-1)[ids.numel() :].tolist())
 

@@ -20,6 +20,7 @@ BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
         ("checkpoint_stall.py", "async blocking / sync blocking"),
         ("gpu_throughput.py", "tokens/s per device"),
         ("data_loader.py", "load / step"),
+        ("generation.py", "cached >= 5x recompute"),
     ],
 )
 def test_benchmark_smoke(script: str, expected: str, tmp_path: Path) -> None:

@@ -249,3 +249,21 @@ def test_cli_greedy_generate_prints_prompt_and_continuation(
     args = ["generate", str(run.save), "--prompt", "ab", "--max-new-tokens", "6"]
     assert main([*args, "--temperature", "0"]) == 0
     assert capsys.readouterr().out == "ab" + greedy_reference(loaded, "ab", 6) + "\n"
+
+
+def test_cli_generate_without_the_cache_prints_the_same_text(
+    run: Run, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["generate", str(run.save), "--prompt", "ab", "--max-new-tokens", "12", "--seed", "3"]
+    assert main(args) == 0
+    cached = capsys.readouterr().out
+    assert main([*args, "--no-kv-cache"]) == 0
+    assert capsys.readouterr().out == cached
+
+
+def test_cli_generate_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: 200)", "(default: 0.8)", "(default: 40)", "default: cache on"):
+        assert default in text

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..config import Config, StrEnum
 from ..exceptions import ConfigurationError
+from .kv_cache import KVCache, LayerKVCache
 
 __all__ = [
     "Attention",
@@ -310,6 +311,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, seq_len: int) -> tuple[Tensor, Tensor]:
         return self.cos[:seq_len], self.sin[:seq_len]
 
+    def at(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """The tables at per-sequence ``positions`` (B, T), shaped (B, 1, T, head_dim)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate feature pairs ``(i, i + head_dim/2)`` of ``x`` (..., T, head_dim) by position."""
@@ -335,7 +340,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(kv_dim, config.norm_eps) if config.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKVCache | None = None
+    ) -> Tensor:
         batch, seq_len, d_model = x.shape
         q, k, v = self.w_q(x), self.w_k(x), self.w_v(x)
         if self.q_norm is not None and self.k_norm is not None:
@@ -347,9 +354,12 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # With enable_gqa, query head h reads key/value head h // (n_heads / n_kv_heads), the
         # same grouping as Hugging Face's repeat_kv, without materialising repeated k and v.
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+        gqa = self.n_kv_heads != self.n_heads
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:  # decoding: attend to every cached key, padding masked out by the cache's mask
+            k, v = cache.update(k, v)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=gqa)
         return self.w_out(y.transpose(1, 2).reshape(batch, seq_len, d_model))
 
 
@@ -376,8 +386,10 @@ class TransformerBlock(nn.Module):
         self.feed_forward_norm = RMSNorm(config.d_model, config.norm_eps)
         self.feed_forward = FeedForward(config.d_model, config.hidden_size)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKVCache | None = None
+    ) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache)
         return h + self.feed_forward(self.feed_forward_norm(h))
 
 
@@ -412,7 +424,9 @@ class Transformer(nn.Module):
         if config.tie_weights:
             self.lm_head.weight = self.embeddings.weight
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, *, cache: KVCache | None = None) -> Tensor:
+        """Logits for ``input_ids``; with a ``cache``, they extend the sequences cached so far
+        (see :mod:`olmolike.nn.kv_cache`)."""
         if input_ids.dim() != 2:
             raise ValueError(
                 f"input_ids must have shape (batch, seq_len), got {tuple(input_ids.shape)}; "
@@ -425,10 +439,20 @@ class Transformer(nn.Module):
                 f"{self.config.max_sequence_length}; crop the input or build the model with "
                 f"max_sequence_length >= {seq_len}"
             )
+        if cache is not None and cache.capacity > self.config.max_sequence_length:
+            raise ValueError(
+                f"the KV cache has {cache.capacity} slots but the model has rotary positions "
+                f"for {self.config.max_sequence_length} only; build a smaller cache"
+            )
         h = self.embeddings(input_ids)
-        cos, sin = self.rope(seq_len)
-        for block in self.blocks:
-            h = block(h, cos, sin)
+        if cache is None:
+            cos, sin = self.rope(seq_len)
+        else:
+            cos, sin = self.rope.at(cache.begin(input_ids))
+        for i, block in enumerate(self.blocks):
+            h = block(h, cos, sin, None if cache is None else cache.layer(i))
+        if cache is not None:
+            cache.end()
         return self.lm_head(self.norm(h))
 
     @torch.no_grad()

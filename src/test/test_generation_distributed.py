@@ -1,0 +1,97 @@
+"""Sampling from DDP- and FSDP2-wrapped models on 2 gloo ranks, each rank with its own prompts.
+
+Rank 0's sequences stop after a few tokens, rank 1's run to ``max_new_tokens``: with FSDP2
+every forward call gathers parameters, so rank 0 must keep stepping until rank 1 is done (a
+rank that stopped early would leave the other blocked in a gather, and the test would time
+out). Every rank's tokens must equal those of an unwrapped copy of the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from testutils import run_distributed_test
+
+from olmolike.distributed.parallel import apply_ddp, apply_fsdp
+from olmolike.nn import TransformerConfig
+from olmolike.nn.generation import sample
+
+CONFIG = TransformerConfig(vocab_size=41, d_model=32, n_layers=2, n_heads=4, max_sequence_length=48)
+NEW_TOKENS = 12
+
+
+def rank_prompts(rank: int) -> list[list[int]]:
+    return [[1, 2, 3], [4, 5, 6, 7, 8]] if rank == 0 else [[9, 10], [11], [12, 13, 14, 15]]
+
+
+def draw(model: torch.nn.Module, rank: int, stop: list[int] | None, seed: int | None) -> Any:
+    generator = None if seed is None else torch.Generator().manual_seed(seed + rank)
+    return sample(
+        model,
+        rank_prompts(rank),
+        max_new_tokens=NEW_TOKENS,
+        temperature=0 if seed is None else 1.0,
+        top_k=20,
+        stop_token_ids=stop,
+        generator=generator,
+    )
+
+
+def sample_wrapped(wrapper: str) -> dict[str, Any]:
+    rank = dist.get_rank()
+    reference = CONFIG.build(seed=0)
+    model = CONFIG.build(seed=0)
+    if wrapper == "fsdp":
+        apply_fsdp(model, dist.device_mesh.init_device_mesh("cpu", (2,)))
+        wrapped: torch.nn.Module = model
+    else:
+        wrapped = apply_ddp(model)
+    calls: list[int] = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    # Rank 0 stops on the 3rd token its greedy continuations produce: it finishes early.
+    free = draw(reference, rank, None, None)
+    stop = sorted({int(t) for t in free.completion_ids[:, 2]}) if rank == 0 else None
+    greedy = draw(wrapped, rank, stop, None)
+    expected = draw(reference, rank, stop, None)
+    sampled = [draw(wrapped, rank, None, seed=5).completion_ids for _ in range(2)]
+    return {
+        "equal": torch.equal(greedy.completion_ids, expected.completion_ids),
+        "lengths": greedy.completion_lengths.tolist(),
+        "calls": len(calls),
+        "reproducible": torch.equal(sampled[0], sampled[1]),
+        "sampled_matches_reference": torch.equal(
+            sampled[0], draw(reference, rank, None, seed=5).completion_ids
+        ),
+    }
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_two_ranks_sample_their_own_prompts(wrapper: str) -> None:
+    ranks = run_distributed_test(sample_wrapped, args=(wrapper,), timeout=180)
+    for result in ranks:
+        assert result["equal"] and result["reproducible"], result
+        assert result["sampled_matches_reference"], result
+    # Rank 0 stopped early (all its sequences within 3 tokens), rank 1 ran all 12 steps.
+    assert max(ranks[0]["lengths"]) <= 3 and ranks[1]["lengths"] == [NEW_TOKENS] * 3
+    if wrapper == "fsdp":  # lockstep: as many forward calls on both ranks (12 per greedy run)
+        assert ranks[0]["calls"] == ranks[1]["calls"] == 3 * NEW_TOKENS
+    else:  # DDP samples from the local replica: rank 0 saves its steps
+        assert ranks[0]["calls"] < ranks[1]["calls"]
+
+
+def mismatched_steps() -> str:
+    model = CONFIG.build(seed=0)
+    apply_fsdp(model, dist.device_mesh.init_device_mesh("cpu", (2,)))
+    try:
+        sample(model, [[1, 2]], max_new_tokens=3 + dist.get_rank())
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_fsdp_refuses_different_max_new_tokens_on_each_rank() -> None:
+    for message in run_distributed_test(mismatched_steps, timeout=120):
+        assert "max_new_tokens differs across ranks" in message
