@@ -1,8 +1,9 @@
-"""Model building blocks: the transformer, loss helpers, sampling and the Hugging Face export."""
+"""Model building blocks: the transformer, loss helpers, sampling, Hugging Face import and export."""
 
 from .functional import cross_entropy_loss, log_probs_of_labels
 from .generation import generate
-from .hf_export import convert_to_hf_llama, export_hf_llama
+from .hf_export import HFArchitecture, convert_to_hf, export_hf
+from .hf_import import load_hf_model, transformer_config_from_hf
 from .transformer import (
     Attention,
     FeedForward,
@@ -10,6 +11,7 @@ from .transformer import (
     RotaryEmbedding,
     Transformer,
     TransformerBlock,
+    TransformerBlockType,
     TransformerConfig,
     TransformerPreset,
 )
@@ -17,15 +19,19 @@ from .transformer import (
 __all__ = [
     "Attention",
     "FeedForward",
+    "HFArchitecture",
     "RMSNorm",
     "RotaryEmbedding",
     "Transformer",
     "TransformerBlock",
+    "TransformerBlockType",
     "TransformerConfig",
     "TransformerPreset",
-    "convert_to_hf_llama",
+    "convert_to_hf",
     "cross_entropy_loss",
-    "export_hf_llama",
+    "export_hf",
     "generate",
+    "load_hf_model",
     "log_probs_of_labels",
+    "transformer_config_from_hf",
 ]
