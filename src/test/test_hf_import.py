@@ -1,8 +1,4 @@
-"""Hugging Face import: tiny random Llama / OLMo-2 models built by transformers, imported here.
-
-Every model is built locally from a config (no download). Norm weights are randomised too, so
-a norm in the wrong place (pre-norm vs OLMo-2's reordered norm) cannot go unnoticed.
-"""
+"""Hugging Face import: tiny random Llama / OLMo-2 models built by transformers, imported here."""
 
 from __future__ import annotations
 
@@ -12,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from hf_models import VOCAB, hf_config, hf_logits, hf_model, token_ids
 from safetensors.torch import load_file
 
 from olmolike.exceptions import ConfigurationError
@@ -19,43 +16,6 @@ from olmolike.nn import TransformerBlockType, export_hf, load_hf_model, transfor
 from olmolike.nn.hf_import import convert_from_hf, read_hf_tensors
 
 transformers = pytest.importorskip("transformers")
-
-VOCAB = 67
-
-
-def hf_config(arch: str, **overrides: Any) -> Any:
-    """rope_theta and the norm eps differ from transformers' defaults on purpose."""
-    fields: dict[str, Any] = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        rms_norm_eps=1e-5 if arch == "llama" else 1e-6, rope_theta=4321.0, pad_token_id=None,
-    )  # fmt: skip
-    fields |= overrides
-    if arch == "llama":
-        return transformers.LlamaConfig(**fields)
-    return transformers.Olmo2Config(**fields)
-
-
-def hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
-    torch.manual_seed(seed)
-    config = hf_config(arch, **overrides)
-    cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Olmo2ForCausalLM
-    model = cls(config).eval()
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.5 * torch.rand(param.shape, generator=generator))
-    return model
-
-
-def hf_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids).logits
-
-
-def token_ids(seq_len: int = 48) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, seq_len), generator=torch.Generator().manual_seed(3))
 
 
 @pytest.mark.parametrize("arch", ["llama", "olmo2"])
@@ -192,7 +152,7 @@ def test_missing_and_misshapen_tensors_are_named(tmp_path: Path) -> None:
 
 
 def test_folder_without_weights_or_config(tmp_path: Path) -> None:
-    with pytest.raises(ConfigurationError, match="no config.json"):
+    with pytest.raises(ConfigurationError, match=r"no config\.json"):
         load_hf_model(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(hf_config("llama").to_dict()))
     with pytest.raises(ConfigurationError, match="safetensors"):

@@ -1,4 +1,4 @@
-"""Model building blocks: the transformer, loss helpers, sampling, Hugging Face import and export."""
+"""Model building blocks: the transformer, losses, sampling, Hugging Face import and export."""
 
 from .functional import cross_entropy_loss, log_probs_of_labels
 from .generation import generate

@@ -60,21 +60,28 @@ def transformer_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> Trans
     :raises ConfigurationError: naming the unsupported architecture or option.
     """
     architecture = _architecture(hf)
-    get = {**_DEFAULTS[architecture], **hf}.get
-    n_heads, d_model = int(get("num_attention_heads")), int(get("hidden_size"))
+    values = {**_DEFAULTS[architecture], **hf}
+    get = values.get
+
+    def need(key: str) -> Any:
+        if values.get(key) is None:
+            raise ConfigurationError(f"the Hugging Face config.json has no {key!r}")
+        return values[key]
+
+    n_heads, d_model = int(need("num_attention_heads")), int(need("hidden_size"))
     _check_supported(hf, architecture, d_model, n_heads)
     n_kv_heads = get("num_key_value_heads")
     olmo2 = architecture == HFArchitecture.olmo2
     config = TransformerConfig(
-        vocab_size=int(get("vocab_size")),
+        vocab_size=int(need("vocab_size")),
         d_model=d_model,
-        n_layers=int(get("num_hidden_layers")),
+        n_layers=int(need("num_hidden_layers")),
         n_heads=n_heads,
         n_kv_heads=None if n_kv_heads is None or n_kv_heads == n_heads else int(n_kv_heads),
-        mlp_hidden_size=int(get("intermediate_size")),
-        max_sequence_length=int(get("max_position_embeddings")),
+        mlp_hidden_size=int(need("intermediate_size")),
+        max_sequence_length=int(need("max_position_embeddings")),
         rope_theta=float(_rope(hf)["rope_theta"]),
-        norm_eps=float(get("rms_norm_eps")),
+        norm_eps=float(need("rms_norm_eps")),
         qk_norm=olmo2,
         tie_weights=bool(get("tie_word_embeddings", False)),
         block_type=TransformerBlockType.reordered_norm if olmo2 else TransformerBlockType.default,
