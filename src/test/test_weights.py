@@ -282,6 +282,23 @@ def test_two_ranks_load_hf_weights_and_checkpoints(tmp_path: Path, dp: str) -> N
         assert_same_state(state, reference)
 
 
+def _error_on_ranks(source: str) -> str:
+    model = TransformerConfig(vocab_size=8, d_model=16, n_layers=1, n_heads=2).build()
+    with pytest.raises(ConfigurationError) as error:
+        load_pretrained_weights(model, source)
+    return str(error.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_error_on_rank_0_reaches_every_rank(tmp_path: Path) -> None:
+    """Rank 0 alone looks at the folder; the others must fail too, not wait for a broadcast."""
+    first, second = run_distributed_test(_error_on_ranks, 2, args=(str(tmp_path),))
+    assert "is neither a Hugging Face model folder" in first
+    assert second.startswith("loading pretrained weights failed on rank 0: ConfigurationError")
+    assert "is neither a Hugging Face model folder" in second
+
+
 def _fsdp_run_from_hf(hf_dir: str) -> tuple[torch.Tensor, dict[int, float]]:
     save = broadcast_object(tempfile.mkdtemp())
     trainer, probe = build_run(save, config_of(hf_dir), init_weights=hf_dir, dp={"name": "fsdp"})

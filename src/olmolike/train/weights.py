@@ -109,15 +109,16 @@ def _on_rank0(fn: Callable[[], T], *, share: bool = True) -> T | None:
     and an error on rank 0 alone would leave the other ranks waiting in a collective.
     """
     result: T | None = None
-    error: str | None = None
+    failure: Exception | None = None
     if get_rank() == 0:
         try:
             result = fn()
         except Exception as e:
-            if not is_distributed():
-                raise
-            error = f"{type(e).__name__}: {e}"
+            failure = e
+    error = None if failure is None else f"{type(failure).__name__}: {failure}"
     shared, error = broadcast_object((result if share else None, error))
+    if failure is not None:
+        raise failure
     if error is not None:
         raise ConfigurationError(f"loading pretrained weights failed on rank 0: {error}")
     return shared if share else result
