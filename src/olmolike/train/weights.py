@@ -261,7 +261,7 @@ def _checkpoint_model_config(checkpoint: str) -> dict[str, Any]:
 
 
 @dataclass
-class InitWeightsCallback(Callback, name="init_weights"):
+class InitWeightsCallback(Callback):
     """Loads pretrained weights into the train module's model before the first step, unless
     the run resumed from a checkpoint (which then has the weights the run had reached)."""
 
