@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from olmolike.exceptions import ConfigurationError
 from olmolike.nn import TransformerBlockType, export_hf, load_hf_model, transformer_config_from_hf
 from olmolike.nn.hf_import import convert_from_hf, read_hf_tensors
+from olmolike.nn.transformer import RopeScalingConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,6 +39,31 @@ def test_imported_model_reproduces_hf_logits(tmp_path: Path, arch: str, tie: boo
     with torch.no_grad():
         got = ours(ids)
     assert (got - hf_logits(theirs, ids)).abs().max().item() <= 1e-5
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 4321.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+}  # fmt: skip
+
+
+def test_llama3_rope_scaling(tmp_path: Path) -> None:
+    """Llama 3.1's scaled RoPE: imported, matches transformers, and exports back."""
+    theirs = hf_model("llama", rope_parameters=dict(LLAMA3_ROPE))
+    theirs.save_pretrained(tmp_path / "hf")
+    ours = load_hf_model(tmp_path / "hf").eval()
+    scaling = ours.config.rope_scaling
+    assert scaling is not None
+    assert (scaling.factor, scaling.original_max_sequence_length) == (8.0, 32)
+    ids = token_ids()
+    with torch.no_grad():
+        got = ours(ids)
+        unscaled = load_hf_model(tmp_path / "hf", rope_scaling=None)(ids)
+    assert (got - hf_logits(theirs, ids)).abs().max().item() <= 1e-5
+    assert (unscaled - got).abs().max().item() > 1e-3  # the scaling does change the model
+    export_hf(ours.state_dict(), ours.config, tmp_path / "out")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert (got - hf_logits(again, ids)).abs().max().item() <= 1e-5
 
 
 def test_sharded_safetensors_with_an_index(tmp_path: Path) -> None:
@@ -103,7 +129,7 @@ def test_dtype_is_kept_unless_asked(tmp_path: Path) -> None:
     [
         ({"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe"}, "OlmoeForCausalLM"),
         ({"architectures": ["Qwen2ForCausalLM"]}, "LlamaForCausalLM, Olmo2ForCausalLM"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "'llama3'"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic'"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "'yarn'"),
         ({"attention_bias": True}, "attention_bias=true"),
         ({"mlp_bias": True}, "mlp_bias=true"),
@@ -157,3 +183,10 @@ def test_folder_without_weights_or_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(hf_config("llama").to_dict()))
     with pytest.raises(ConfigurationError, match="safetensors"):
         load_hf_model(tmp_path)
+
+
+def test_rope_scaling_config_is_validated() -> None:
+    with pytest.raises(ConfigurationError, match="high_freq_factor"):
+        RopeScalingConfig(low_freq_factor=4.0, high_freq_factor=1.0)
+    with pytest.raises(ConfigurationError, match="factor"):
+        RopeScalingConfig(factor=0.5)

@@ -21,6 +21,7 @@ from olmolike.distributed.utils import broadcast_object, get_rank, get_world_siz
 from olmolike.exceptions import ConfigurationError
 from olmolike.nn import Transformer, TransformerConfig, load_hf_model
 from olmolike.nn.hf_import import read_hf_config, transformer_config_from_hf
+from olmolike.nn.transformer import RopeScalingConfig
 from olmolike.optim import AdamWConfig
 from olmolike.testing import random_token_instances
 from olmolike.train import Callback, Duration, Trainer, TrainerConfig
@@ -87,6 +88,7 @@ def test_weights_are_cast_to_the_models_dtype(tmp_path: Path) -> None:
         ({"n_kv_heads": None}, "--model.n_kv_heads=2"),
         ({"block_type": "default", "qk_norm": False}, "--model.block_type=reordered_norm"),
         ({"rope_theta": 10_000.0}, "--model.rope_theta=4321.0"),
+        ({"rope_scaling": RopeScalingConfig()}, "--model.rope_scaling=null"),
     ],
 )
 def test_a_model_of_another_shape_is_refused(

@@ -207,9 +207,10 @@ def hf_config(
         "hidden_act": "silu",
         "max_position_embeddings": config.max_sequence_length,
         "rms_norm_eps": config.norm_eps,
-        # transformers < 5 reads rope_theta; 5 reads rope_parameters (and converts the former).
+        # transformers < 5 reads rope_theta and rope_scaling; 5 reads rope_parameters.
         "rope_theta": config.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_scaling": _rope_scaling(config),
+        "rope_parameters": {"rope_theta": config.rope_theta, **_rope_scaling(config)},
         "attention_bias": False,
         "tie_word_embeddings": config.tie_weights,
         "initializer_range": config.init_std,
@@ -222,6 +223,19 @@ def hf_config(
     if architecture == HFArchitecture.llama:
         hf |= {"head_dim": config.head_dim, "mlp_bias": False}
     return hf
+
+
+def _rope_scaling(config: TransformerConfig) -> dict[str, Any]:
+    scaling = config.rope_scaling
+    if scaling is None:
+        return {"rope_type": "default"}
+    return {
+        "rope_type": "llama3",
+        "factor": scaling.factor,
+        "low_freq_factor": scaling.low_freq_factor,
+        "high_freq_factor": scaling.high_freq_factor,
+        "original_max_position_embeddings": scaling.original_max_sequence_length,
+    }
 
 
 def export_hf(

@@ -25,7 +25,7 @@ from torch import Tensor
 from .. import io
 from ..exceptions import ConfigurationError
 from .hf_export import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, HFArchitecture, hf_tensor_names
-from .transformer import Transformer, TransformerBlockType, TransformerConfig
+from .transformer import RopeScalingConfig, Transformer, TransformerBlockType, TransformerConfig
 
 __all__ = [
     "convert_from_hf",
@@ -81,6 +81,7 @@ def transformer_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> Trans
         mlp_hidden_size=int(need("intermediate_size")),
         max_sequence_length=int(need("max_position_embeddings")),
         rope_theta=float(_rope(hf)["rope_theta"]),
+        rope_scaling=_rope_scaling(hf),
         norm_eps=float(need("rms_norm_eps")),
         qk_norm=olmo2,
         tie_weights=bool(get("tie_word_embeddings", False)),
@@ -114,19 +115,41 @@ def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
     return rope
 
 
+def _rope_scaling(hf: Mapping[str, Any]) -> RopeScalingConfig | None:
+    rope = _rope(hf)
+    if rope["rope_type"] != "llama3":
+        return None
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in rope]
+    if missing:
+        raise ConfigurationError(f"the llama3 RoPE scaling in config.json lacks {missing}")
+    # Like transformers, the pretraining context defaults to max_position_embeddings.
+    original = rope.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+    return RopeScalingConfig(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_sequence_length=int(
+            original or _DEFAULTS[HFArchitecture.llama]["max_position_embeddings"]
+        ),
+    )
+
+
 def _check_supported(
     hf: Mapping[str, Any], architecture: HFArchitecture, d_model: int, n_heads: int
 ) -> None:
     def refuse(what: str) -> ConfigurationError:
         return ConfigurationError(
             f"the {architecture.value} config has {what}, which olmolike's transformer does not "
-            f"implement; it imports {_supported()} with default RoPE, no biases, SiLU MLPs and "
-            "head_dim = hidden_size / num_attention_heads"
+            f"implement; it imports {_supported()} with default or llama3 RoPE, no biases, SiLU "
+            "MLPs and head_dim = hidden_size / num_attention_heads"
         )
 
     rope = _rope(hf)
-    if rope["rope_type"] != "default":
-        raise refuse(f"RoPE scaling of type {rope['rope_type']!r} (only 'default' is supported)")
+    if rope["rope_type"] not in ("default", "llama3"):
+        raise refuse(
+            f"RoPE scaling of type {rope['rope_type']!r} (only 'default' and 'llama3' are "
+            "supported)"
+        )
     if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
         raise refuse(f"partial_rotary_factor={rope['partial_rotary_factor']}")
     for flag in _UNSUPPORTED_FLAGS:

@@ -33,6 +33,7 @@ __all__ = [
     "Attention",
     "FeedForward",
     "RMSNorm",
+    "RopeScalingConfig",
     "RotaryEmbedding",
     "Transformer",
     "TransformerBlock",
@@ -100,6 +101,45 @@ _PRESETS: dict[TransformerPreset, dict[str, Any]] = {
 
 
 @dataclass
+class RopeScalingConfig(Config):
+    """Llama 3.1's stretch of RoPE to long contexts (``rope_type: llama3`` in Hugging Face).
+
+    Frequencies whose wavelength exceeds ``original_max_sequence_length / low_freq_factor``
+    are divided by ``factor``; those shorter than ``original_max_sequence_length /
+    high_freq_factor`` are kept; those between are blended linearly. Short-range position
+    information stays as pretrained while long-range positions are spread over a longer
+    context.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_sequence_length: int = 8192
+    """The context length the model was pretrained with before the stretch."""
+
+    def validate(self) -> None:
+        if not self.factor >= 1.0:
+            raise self._invalid("factor", f"must be >= 1, got {self.factor}")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise self._invalid(
+                "high_freq_factor", "must be larger than low_freq_factor, and both positive"
+            )
+        if self.original_max_sequence_length < 1:
+            raise self._invalid("original_max_sequence_length", "must be a positive integer")
+
+    def scale(self, inv_freq: Tensor) -> Tensor:
+        wavelength = 2 * math.pi / inv_freq
+        context = self.original_max_sequence_length
+        blend = (context / wavelength - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        blended = (1 - blend) * inv_freq / self.factor + blend * inv_freq
+        long = wavelength > context / self.low_freq_factor
+        short = wavelength < context / self.high_freq_factor
+        return torch.where(long, inv_freq / self.factor, torch.where(short, inv_freq, blended))
+
+
+@dataclass
 class TransformerConfig(Config):
     """The shape of a :class:`Transformer`; :meth:`build` makes one.
 
@@ -119,6 +159,7 @@ class TransformerConfig(Config):
     mlp_multiple_of: int = 256
     max_sequence_length: int = 4096
     rope_theta: float = 500_000.0
+    rope_scaling: RopeScalingConfig | None = None
     norm_eps: float = 1e-6
     qk_norm: bool = False
     tie_weights: bool = False
@@ -298,11 +339,18 @@ class RotaryEmbedding(nn.Module):
     cos: Tensor
     sin: Tensor
 
-    def __init__(self, head_dim: int, max_sequence_length: int, theta: float) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_sequence_length: int,
+        theta: float,
+        scaling: RopeScalingConfig | None = None,
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.max_sequence_length = max_sequence_length
         self.theta = theta
+        self.scaling = scaling
         self.register_buffer("cos", torch.empty(max_sequence_length, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_sequence_length, head_dim), persistent=False)
         self.reset_buffers()
@@ -313,6 +361,8 @@ class RotaryEmbedding(nn.Module):
             return
         exponents = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32)
         inv_freq = 1.0 / self.theta ** (exponents / self.head_dim)
+        if self.scaling is not None:
+            inv_freq = self.scaling.scale(inv_freq)
         positions = torch.arange(self.max_sequence_length, device=device, dtype=torch.float32)
         angles = torch.outer(positions, inv_freq)
         angles = torch.cat((angles, angles), dim=-1)
@@ -430,7 +480,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embeddings = nn.Embedding(config.vocab_size, config.d_model)
-        self.rope = RotaryEmbedding(config.head_dim, config.max_sequence_length, config.rope_theta)
+        self.rope = RotaryEmbedding(
+            config.head_dim, config.max_sequence_length, config.rope_theta, config.rope_scaling
+        )
         self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)

@@ -37,7 +37,7 @@ from ..nn.hf_import import (
     read_hf_tensors,
     transformer_config_from_hf,
 )
-from ..nn.transformer import TransformerConfig
+from ..nn.transformer import RopeScalingConfig, TransformerConfig
 from .callbacks.callback import Callback
 from .checkpoint import MODEL_AND_OPTIM, Checkpointer
 
@@ -49,7 +49,9 @@ T = TypeVar("T")
 
 # Fields that change what the weights compute without changing their shapes: a model that
 # differs from its weights in one of these would load fine and be silently wrong.
-_ARCHITECTURE_FIELDS = ("block_type", "qk_norm", "tie_weights", "rope_theta", "norm_eps")
+_ARCHITECTURE_FIELDS = (
+    "block_type", "qk_norm", "tie_weights", "rope_theta", "rope_scaling", "norm_eps",
+)  # fmt: skip
 _SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "hidden_size")
 # The config field that sets each derived size.
 _FIELD_TO_SET = {"kv_heads": "n_kv_heads", "hidden_size": "mlp_hidden_size"}
@@ -145,11 +147,20 @@ def _check_config(model: nn.Module, weights: Mapping[str, Any], source: str) -> 
     ]
     if differ:
         found = "; ".join(f"{n}: {getattr(ours, n)} vs {weights[n]}" for n in differ)
-        fix = " ".join(f"--model.{_FIELD_TO_SET.get(n, n)}={weights[n]}" for n in differ)
+        fix = " ".join(_override(n, weights[n]) for n in differ)
         raise ConfigurationError(
             f"the model is not built like the weights in {source} (model vs weights: {found}); "
             f"build it with the weights' config, e.g. with the overrides {fix}"
         )
+
+
+def _override(name: str, value: Any) -> str:
+    """The command-line override that sets the model config's ``name`` to ``value``."""
+    if value is None:
+        return f"--model.{name}=null"
+    if isinstance(value, RopeScalingConfig):
+        return " ".join(f"--model.{name}.{k}={v}" for k, v in vars(value).items())
+    return f"--model.{_FIELD_TO_SET.get(name, name)}={value}"
 
 
 def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
