@@ -4,11 +4,11 @@ from .functional import cross_entropy_loss, log_probs_of_labels
 from .generation import generate
 from .hf_export import HFArchitecture, convert_to_hf, export_hf
 from .hf_import import load_hf_model, transformer_config_from_hf
+from .rope_scaling import RopeScalingConfig
 from .transformer import (
     Attention,
     FeedForward,
     RMSNorm,
-    RopeScalingConfig,
     RotaryEmbedding,
     Transformer,
     TransformerBlock,
