@@ -247,6 +247,55 @@ def test_init_weights_is_a_dotted_override_of_train_lm(tmp_path: Path) -> None:
     assert "init_weights: hf/base" in result.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_train_lm_starts_from_an_hf_folder(tmp_path: Path) -> None:
+    """The command line of the docs: export a model, then train from it with one override."""
+    import os
+    import subprocess
+    import sys
+
+    from olmolike.data.prepare import stdlib_python_files
+    from olmolike.data.tokenizer import TokenizerConfig
+    from olmolike.nn import export_hf
+
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    for path in stdlib_python_files()[:6]:
+        (sources / path.name).write_bytes(path.read_bytes()[:20_000])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "olmolike.cli"]
+    prepare = [*cli, "prepare-data", str(sources), "-o", "data", "--val-fraction", "0.3"]
+    subprocess.run(prepare, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=120)
+    vocab = TokenizerConfig().padded_vocab_size()
+    base = TransformerConfig(
+        vocab_size=vocab, d_model=32, n_layers=2, n_heads=2, max_sequence_length=64
+    )
+    export_hf(base.build(seed=4).state_dict(), base, tmp_path / "hf-model")
+    train_lm = Path(__file__).parents[1] / "examples" / "train_lm" / "train.py"
+    args = [
+        "from-hf", "--model.d_model=32", "--model.n_layers=2", "--model.n_heads=2",
+        "--model.max_sequence_length=64", "--dataset.sequence_length=64",
+        "--dataset.paths=[data/train]",
+        "--trainer.callbacks.lm_evaluator.eval_dataset.paths=[data/val]",
+        "--trainer.callbacks.lm_evaluator.eval_dataset.sequence_length=64",
+        "--trainer.callbacks.lm_evaluator.max_batches=1", "--trainer.max_duration.value=2",
+        "--data_loader.global_batch_size=256", "--train_module.rank_microbatch_size=256",
+        "--train_module.scheduler.warmup=1", "--train_module.init_weights=hf-model",
+    ]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, str(train_lm), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "loaded pretrained weights from hf-model" in result.stderr
+    assert "Training done at step 2" in result.stderr
+
+
 # -- two ranks ---------------------------------------------------------------------------
 
 
