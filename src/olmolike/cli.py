@@ -188,8 +188,8 @@ def _export_hf(args: argparse.Namespace) -> int:
 def _add_export_hf_command(commands: argparse._SubParsersAction) -> None:
     export = commands.add_parser(
         "export-hf",
-        help="write a checkpoint's model in the Hugging Face Llama format "
-        "(model.safetensors + config.json)",
+        help="write a checkpoint's model in the Hugging Face format, as LlamaForCausalLM or "
+        "Olmo2ForCausalLM (model.safetensors + config.json)",
     )
     export.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/my-run/step600")
     export.add_argument("output", help="the directory to write into")

@@ -24,7 +24,7 @@ from .distributed.checkpoint import load_model_and_optim_state
 from .exceptions import CheckpointError, ConfigurationError, DataError
 from .nn import Transformer, TransformerConfig
 from .nn.generation import generate
-from .nn.hf_export import export_hf_llama
+from .nn.hf_export import export_hf
 from .train.callbacks.evaluator import LMEvaluator
 from .train.checkpoint import MODEL_AND_OPTIM, Checkpointer
 from .train.train_module import BasicTrainModule
@@ -148,10 +148,10 @@ def generate_text(
 def export_checkpoint_to_hf(
     checkpoint: str | Path, output_dir: str | Path, *, overwrite: bool = False
 ) -> Path:
-    """Write a checkpoint's model in the Hugging Face Llama format (safetensors + config.json)."""
+    """Write a checkpoint's model as Hugging Face Llama or OLMo-2 (safetensors + config.json)."""
     loaded = load_checkpoint_model(checkpoint)
     tokenizer = loaded.tokenizer
-    return export_hf_llama(
+    return export_hf(
         loaded.model.state_dict(),
         loaded.model.config,
         output_dir,

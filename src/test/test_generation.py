@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from olmolike.nn import TransformerConfig, export_hf_llama, generate
+from olmolike.nn import TransformerConfig, export_hf, generate
 from olmolike.nn.generation import filter_logits, sample
 from olmolike.nn.kv_cache import KVCache
 
@@ -329,7 +329,7 @@ def test_left_padded_cached_greedy_equals_transformers_generate(tmp_path: Path) 
     """An independent implementation of left-padded cached decoding: Hugging Face's."""
     transformers = pytest.importorskip("transformers")
     ours = config(n_kv_heads=2, rope_theta=1000.0).build(seed=8).eval()
-    out = export_hf_llama(ours.state_dict(), ours.config, tmp_path / "hf")
+    out = export_hf(ours.state_dict(), ours.config, tmp_path / "hf")
     theirs = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     prompts = [[3, 4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14]]
     batch = sample(ours, prompts, max_new_tokens=15, temperature=0, pad_token_id=0)

@@ -1,4 +1,4 @@
-"""The Hugging Face Llama export: transformers loads it and computes the same logits as we do."""
+"""The Hugging Face export: transformers loads it and computes the same logits as we do."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ import torch
 from safetensors.torch import load_file
 
 from olmolike.exceptions import ConfigurationError
-from olmolike.nn import TransformerConfig, convert_to_hf_llama, export_hf_llama
+from olmolike.nn import (
+    TransformerBlockType,
+    TransformerConfig,
+    TransformerPreset,
+    convert_to_hf,
+    export_hf,
+)
 
 
 def config(**overrides: object) -> TransformerConfig:
@@ -38,7 +44,7 @@ def test_transformers_reproduces_our_logits(tmp_path: Path, tie: bool) -> None:
     transformers = pytest.importorskip("transformers")
     ours_config = config(tie_weights=tie)
     model = randomised(ours_config.build(seed=0)).eval()
-    out = export_hf_llama(model.state_dict(), ours_config, tmp_path / "hf", eos_token_id=60)
+    out = export_hf(model.state_dict(), ours_config, tmp_path / "hf", eos_token_id=60)
     assert out == tmp_path / "hf"
 
     theirs = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -53,7 +59,7 @@ def test_transformers_reproduces_our_logits(tmp_path: Path, tie: bool) -> None:
 
 def test_tied_weights_are_stored_once(tmp_path: Path) -> None:
     tied = config(tie_weights=True)
-    export_hf_llama(tied.build(seed=0).state_dict(), tied, tmp_path)
+    export_hf(tied.build(seed=0).state_dict(), tied, tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
     assert "lm_head.weight" not in tensors
     assert tensors["model.embed_tokens.weight"].shape == (61, 32)
@@ -63,7 +69,7 @@ def test_tied_weights_are_stored_once(tmp_path: Path) -> None:
 def test_config_json_describes_the_shape() -> None:
     ours = config(n_kv_heads=1, max_sequence_length=64)
     model = ours.build(seed=0).to(torch.bfloat16)
-    tensors, hf = convert_to_hf_llama(model.state_dict(), ours)
+    tensors, hf = convert_to_hf(model.state_dict(), ours)
     assert hf["architectures"] == ["LlamaForCausalLM"]
     assert (hf["hidden_size"], hf["intermediate_size"], hf["num_hidden_layers"]) == (32, 40, 2)
     assert (hf["num_attention_heads"], hf["num_key_value_heads"]) == (4, 1)
@@ -80,22 +86,51 @@ def test_config_json_describes_the_shape() -> None:
     json.dumps(hf)
 
 
-def test_qk_norm_cannot_be_exported() -> None:
-    ours = config(qk_norm=True)
-    with pytest.raises(ConfigurationError, match="qk_norm=False"):
-        convert_to_hf_llama(ours.build(init_device="meta").state_dict(), ours)
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"qk_norm": True}, "qk_norm=False for Llama"),
+        ({"block_type": "reordered_norm"}, "set qk_norm=True"),
+    ],
+)
+def test_blocks_without_a_hf_class_are_refused(overrides: dict[str, object], match: str) -> None:
+    ours = config(**overrides)
+    with pytest.raises(ConfigurationError, match=match):
+        convert_to_hf(ours.build(init_device="meta").state_dict(), ours)
+
+
+@pytest.mark.parametrize("preset", list(TransformerPreset))
+def test_every_preset_exports_to_its_architecture(tmp_path: Path, preset: str) -> None:
+    """Each preset's block (norm placement, QK-norm, GQA, theta, eps) at a tiny size."""
+    transformers = pytest.importorskip("transformers")
+    shape = dict(d_model=32, n_layers=2, n_heads=4, mlp_hidden_size=40, max_sequence_length=32)
+    full = TransformerConfig.from_preset(preset, 61)
+    if full.n_kv_heads is not None:
+        shape["n_kv_heads"] = 2
+    ours_config = TransformerConfig.from_preset(preset, 61, **shape)
+    model = randomised(ours_config.build(seed=0)).eval()
+    export_hf(model.state_dict(), ours_config, tmp_path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    olmo2 = ours_config.block_type == TransformerBlockType.reordered_norm
+    assert preset.startswith("olmo2") == olmo2 == ours_config.qk_norm
+    expected_class = "Olmo2ForCausalLM" if olmo2 else "LlamaForCausalLM"
+    assert type(theirs).__name__ == expected_class
+    ids = torch.randint(0, 61, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (model(ids) - theirs.eval()(ids).logits).abs().max().item()
+    assert diff <= 1e-5
 
 
 def test_refuses_to_overwrite_without_permission(tmp_path: Path) -> None:
     ours = config()
     state = ours.build(seed=0).state_dict()
-    export_hf_llama(state, ours, tmp_path)
+    export_hf(state, ours, tmp_path)
     before = (tmp_path / "model.safetensors").read_bytes()
     other = ours.build(seed=1).state_dict()
     with pytest.raises(FileExistsError, match="overwrite=True"):
-        export_hf_llama(other, ours, tmp_path)
+        export_hf(other, ours, tmp_path)
     assert (tmp_path / "model.safetensors").read_bytes() == before
-    export_hf_llama(other, ours, tmp_path, overwrite=True)
+    export_hf(other, ours, tmp_path, overwrite=True)
     assert (tmp_path / "model.safetensors").read_bytes() != before
 
 
@@ -103,14 +138,14 @@ def test_state_dict_must_match_the_config() -> None:
     ours = config()
     state = ours.build(seed=0).state_dict()
     with pytest.raises(ConfigurationError, match=r"missing: \['norm.weight'\]"):
-        convert_to_hf_llama({k: v for k, v in state.items() if k != "norm.weight"}, ours)
+        convert_to_hf({k: v for k, v in state.items() if k != "norm.weight"}, ours)
     with pytest.raises(ConfigurationError, match="wrong shape"):
-        convert_to_hf_llama(state, config(vocab_size=62))
+        convert_to_hf(state, config(vocab_size=62))
     with pytest.raises(ConfigurationError, match="unexpected"):
-        convert_to_hf_llama({**state, "extra.weight": torch.zeros(1)}, ours)
+        convert_to_hf({**state, "extra.weight": torch.zeros(1)}, ours)
 
 
 def test_urls_are_refused(tmp_path: Path) -> None:
     ours = config()
     with pytest.raises(ConfigurationError, match="local directory"):
-        export_hf_llama(ours.build(init_device="meta").state_dict(), ours, "s3://bucket/model")
+        export_hf(ours.build(init_device="meta").state_dict(), ours, "s3://bucket/model")

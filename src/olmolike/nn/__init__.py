@@ -1,9 +1,11 @@
-"""Model building blocks: the transformer, loss helpers, sampling and the Hugging Face export."""
+"""Model building blocks: the transformer, losses, sampling, Hugging Face import and export."""
 
 from .functional import cross_entropy_loss, log_probs_of_labels
 from .generation import Generation, filter_logits, generate, sample
-from .hf_export import convert_to_hf_llama, export_hf_llama
+from .hf_export import HFArchitecture, convert_to_hf, export_hf
+from .hf_import import load_hf_model, transformer_config_from_hf
 from .kv_cache import KVCache
+from .rope_scaling import RopeScalingConfig
 from .transformer import (
     Attention,
     FeedForward,
@@ -11,6 +13,7 @@ from .transformer import (
     RotaryEmbedding,
     Transformer,
     TransformerBlock,
+    TransformerBlockType,
     TransformerConfig,
     TransformerPreset,
 )
@@ -19,18 +22,23 @@ __all__ = [
     "Attention",
     "FeedForward",
     "Generation",
+    "HFArchitecture",
     "KVCache",
     "RMSNorm",
+    "RopeScalingConfig",
     "RotaryEmbedding",
     "Transformer",
     "TransformerBlock",
+    "TransformerBlockType",
     "TransformerConfig",
     "TransformerPreset",
-    "convert_to_hf_llama",
+    "convert_to_hf",
     "cross_entropy_loss",
-    "export_hf_llama",
+    "export_hf",
     "filter_logits",
     "generate",
+    "load_hf_model",
     "log_probs_of_labels",
     "sample",
+    "transformer_config_from_hf",
 ]

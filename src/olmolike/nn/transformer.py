@@ -1,9 +1,11 @@
 """A decoder-only language model in the OLMo-2 / Llama family.
 
-Token embedding, pre-norm blocks of (RMSNorm -> attention -> residual, RMSNorm -> SwiGLU MLP ->
-residual), a final RMSNorm and a linear head. Attention uses rotary position embeddings in the
-rotate-half convention of GPT-NeoX and Hugging Face Llama, so a checkpoint maps onto
-``LlamaForCausalLM`` by renaming tensors alone (see :mod:`olmolike.nn.hf_export`).
+Token embedding, residual blocks of attention and a SwiGLU MLP, a final RMSNorm and a linear
+head. A block normalises each sublayer's input (pre-norm, as Llama) or, with
+``block_type="reordered_norm"``, each sublayer's output before it joins the residual (as
+OLMo-2). Attention uses rotary position embeddings in the rotate-half convention of GPT-NeoX
+and Hugging Face, so a checkpoint maps onto ``LlamaForCausalLM`` or ``Olmo2ForCausalLM`` by
+renaming tensors alone (see :mod:`olmolike.nn.hf_export` and :mod:`olmolike.nn.hf_import`).
 
 Models are always constructed on the ``meta`` device and then materialised: that makes a
 direct build and the FSDP path (shard on meta, then materialise each shard) run the same
@@ -27,6 +29,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..config import Config, StrEnum
 from ..exceptions import ConfigurationError
 from .kv_cache import KVCache, LayerKVCache
+from .rope_scaling import RopeScalingConfig
 
 __all__ = [
     "Attention",
@@ -35,6 +38,7 @@ __all__ = [
     "RotaryEmbedding",
     "Transformer",
     "TransformerBlock",
+    "TransformerBlockType",
     "TransformerConfig",
     "TransformerPreset",
 ]
@@ -55,21 +59,36 @@ class TransformerPreset(StrEnum):
     llama3_8B = "llama3_8B"
 
 
+class TransformerBlockType(StrEnum):
+    """Where a block's RMSNorms sit."""
+
+    default = "default"
+    """Pre-norm, as Llama: ``h = x + attention(norm(x))``, ``out = h + mlp(norm(h))``."""
+    reordered_norm = "reordered_norm"
+    """As OLMo-2: ``h = x + norm(attention(x))``, ``out = h + norm(mlp(h))``. The residual
+    stream is never normalised, only what each sublayer adds to it, which OLMo-2 found keeps
+    large runs stable."""
+
+
 # The mid-size OLMo-2 names count non-embedding parameters, so they hold for any vocabulary.
 _PRESETS: dict[TransformerPreset, dict[str, Any]] = {
     TransformerPreset.tiny: dict(d_model=128, n_layers=4, n_heads=4),
     TransformerPreset.small: dict(d_model=256, n_layers=6, n_heads=4),
     TransformerPreset.olmo2_30M: dict(
-        d_model=512, n_layers=8, n_heads=8, mlp_hidden_size=1792, qk_norm=True
+        d_model=512, n_layers=8, n_heads=8, mlp_hidden_size=1792, qk_norm=True,
+        block_type=TransformerBlockType.reordered_norm,
     ),
     TransformerPreset.olmo2_190M: dict(
-        d_model=1024, n_layers=14, n_heads=16, mlp_hidden_size=3072, qk_norm=True
+        d_model=1024, n_layers=14, n_heads=16, mlp_hidden_size=3072, qk_norm=True,
+        block_type=TransformerBlockType.reordered_norm,
     ),
     TransformerPreset.olmo2_1B: dict(
-        d_model=2048, n_layers=16, n_heads=16, mlp_hidden_size=8192, qk_norm=True
+        d_model=2048, n_layers=16, n_heads=16, mlp_hidden_size=8192, qk_norm=True,
+        block_type=TransformerBlockType.reordered_norm,
     ),
     TransformerPreset.olmo2_7B: dict(
-        d_model=4096, n_layers=32, n_heads=32, mlp_hidden_size=11008, qk_norm=True
+        d_model=4096, n_layers=32, n_heads=32, mlp_hidden_size=11008, qk_norm=True,
+        block_type=TransformerBlockType.reordered_norm,
     ),
     TransformerPreset.llama2_7B: dict(
         d_model=4096, n_layers=32, n_heads=32, mlp_hidden_size=11008, rope_theta=10_000.0,
@@ -88,7 +107,10 @@ class TransformerConfig(Config):
 
     ``n_kv_heads`` below ``n_heads`` turns on grouped-query attention; ``qk_norm`` adds
     RMSNorm on the query and key projections (over all heads at once, as OLMo-2 does);
-    ``tie_weights`` shares the embedding matrix with the output head.
+    ``tie_weights`` shares the embedding matrix with the output head; ``block_type`` places
+    the norms (:class:`TransformerBlockType`). The ``olmo2_*`` presets are OLMo-2 blocks
+    (reordered norm and QK-norm), the others Llama blocks. ``rope_scaling`` stretches RoPE to
+    a longer context as Llama 3.1 does (:class:`~olmolike.nn.rope_scaling.RopeScalingConfig`).
     """
 
     vocab_size: int
@@ -100,9 +122,11 @@ class TransformerConfig(Config):
     mlp_multiple_of: int = 256
     max_sequence_length: int = 4096
     rope_theta: float = 500_000.0
+    rope_scaling: RopeScalingConfig | None = None
     norm_eps: float = 1e-6
     qk_norm: bool = False
     tie_weights: bool = False
+    block_type: TransformerBlockType = TransformerBlockType.default
     init_std: float = 0.02
 
     def validate(self) -> None:
@@ -278,11 +302,18 @@ class RotaryEmbedding(nn.Module):
     cos: Tensor
     sin: Tensor
 
-    def __init__(self, head_dim: int, max_sequence_length: int, theta: float) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_sequence_length: int,
+        theta: float,
+        scaling: RopeScalingConfig | None = None,
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.max_sequence_length = max_sequence_length
         self.theta = theta
+        self.scaling = scaling
         self.register_buffer("cos", torch.empty(max_sequence_length, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_sequence_length, head_dim), persistent=False)
         self.reset_buffers()
@@ -293,6 +324,8 @@ class RotaryEmbedding(nn.Module):
             return
         exponents = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32)
         inv_freq = 1.0 / self.theta ** (exponents / self.head_dim)
+        if self.scaling is not None:
+            inv_freq = self.scaling.scale(inv_freq)
         positions = torch.arange(self.max_sequence_length, device=device, dtype=torch.float32)
         angles = torch.outer(positions, inv_freq)
         angles = torch.cat((angles, angles), dim=-1)
@@ -377,10 +410,11 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """A pre-norm residual block: attention, then the MLP."""
+    """A residual block: attention, then the MLP, each with its RMSNorm (see ``block_type``)."""
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
+        self.reordered_norm = config.block_type == TransformerBlockType.reordered_norm
         self.attention_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attention = Attention(config)
         self.feed_forward_norm = RMSNorm(config.d_model, config.norm_eps)
@@ -389,6 +423,9 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKVCache | None = None
     ) -> Tensor:
+        if self.reordered_norm:
+            h = x + self.attention_norm(self.attention(x, cos, sin, cache))
+            return h + self.feed_forward_norm(self.feed_forward(h))
         h = x + self.attention(self.attention_norm(x), cos, sin, cache)
         return h + self.feed_forward(self.feed_forward_norm(h))
 
@@ -417,7 +454,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embeddings = nn.Embedding(config.vocab_size, config.d_model)
-        self.rope = RotaryEmbedding(config.head_dim, config.max_sequence_length, config.rope_theta)
+        self.rope = RotaryEmbedding(
+            config.head_dim, config.max_sequence_length, config.rope_theta, config.rope_scaling
+        )
         self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)

@@ -25,6 +25,7 @@ from ...nn.functional import cross_entropy_loss
 from ...optim import AdamWConfig, OptimConfig, Scheduler, SchedulerUnits
 from ...utils import get_default_device
 from ..common import ReduceType
+from ..weights import InitWeightsCallback
 from .train_module import ModelAndOptimTrainModule, labels_from_batch, microbatch_rows
 
 __all__ = [
@@ -86,6 +87,12 @@ class TransformerTrainModuleConfig(Config):
     ac_config: ActivationCheckpointingConfig | None = None
     init_seed: int = 0
     """Seed for the weights when the model was built on the ``meta`` device."""
+    init_weights: str | None = None
+    """Start from these weights instead of random ones: a Hugging Face model folder
+    (``config.json`` + ``*.safetensors``) or an olmolike checkpoint or save folder, local or
+    remote. Weights only: the optimizer, schedule and step count start fresh. Loaded when
+    ``fit()`` starts, after sharding and before step 1, and only if the run did not resume
+    from a checkpoint: a resumed run continues from its own weights."""
 
     def validate(self) -> None:
         if self.rank_microbatch_size <= 0:
@@ -228,6 +235,10 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         if self.scheduler is not None:
             # A schedule that needs the run's length fails here, before any step, not mid-run.
             self.scheduler.get_lr(1.0, 0, self._schedule_position()[1])
+        if self.config.init_weights is not None:
+            self.trainer.add_callback(
+                "init_weights", InitWeightsCallback(source=self.config.init_weights)
+            )
 
     def train_batch(self, batch: dict[str, Any], dry_run: bool = False) -> None:
         if not self.model.training:
