@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from testutils import build_trainer
 
 from olmolike.exceptions import ConfigurationError
 from olmolike.train import Duration, Trainer
-from olmolike.train.callbacks import CheckpointerCallback
+from olmolike.train.callbacks import Callback, CheckpointerCallback
 from olmolike.train.callbacks.metric_saver import MetricSaverCallback
 from olmolike.train.callbacks.sink_process import SinkError
 from olmolike.train.callbacks.wandb import WandBCallback, WandBSink
@@ -110,6 +111,19 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path: Path) -> None:
     assert runs[0].name == runs[1].name  # run-<id>.wandb: the same id twice
 
 
+@dataclass
+class LookupsAnswerInTime(Callback):
+    """Waits in ``post_step`` (before W&B's) for a tag lookup in flight: as if the W&B API
+    always answered within a lookup interval, however late the lookup thread gets a core."""
+
+    wandb: WandBCallback | None = None
+
+    def post_step(self) -> None:
+        assert self.wandb is not None
+        if self.wandb._tag_lookup is not None:
+            self.wandb._tag_lookup.result(timeout=60)
+
+
 @pytest.mark.timeout(120)
 def test_cancel_tag_stops_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     lookups: list[str] = []
@@ -126,7 +140,7 @@ def test_cancel_tag_stops_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         max_duration=Duration.steps(8),
         cancel_check_interval=1,
         no_checkpoints=True,
-        callbacks={"wandb": callback},
+        callbacks={"wandb": callback, "in_time": LookupsAnswerInTime(callback)},
     )
     trainer.fit()
     # Lookups start at steps 2 and 4; the second sees the tag, read at the next lookup step.
