@@ -39,10 +39,15 @@ def test_callbacks_are_delivered_in_order_even_when_ops_finish_out_of_order() ->
 
 def test_allow_multiple_false_cancels_queued_and_ignores_while_running() -> None:
     r = runner()
-    gate = threading.Event()
+    started, gate = threading.Event(), threading.Event()
     ran: list[str] = []
-    blocker = r.submit(gate.wait, distributed=False, op_name="upload", allow_multiple=False)
-    time.sleep(0.05)
+
+    def upload() -> None:
+        started.set()
+        gate.wait()
+
+    blocker = r.submit(upload, distributed=False, op_name="upload", allow_multiple=False)
+    assert started.wait(60)
     again = r.submit(
         ran.append, "second", distributed=False, op_name="upload", allow_multiple=False
     )
@@ -69,13 +74,12 @@ def test_errors_surface_at_poll_in_order() -> None:
         r.poll()
 
 
+@pytest.mark.timeout(60)
 def test_shutdown_without_wait_abandons_a_stuck_op() -> None:
     r = runner()
     never = threading.Event()
     r.submit(never.wait)
-    start = time.monotonic()
-    r.shutdown(wait=False)
-    assert time.monotonic() - start < 1
+    r.shutdown(wait=False)  # returns at all: the op never ends
     assert all(t.daemon for t in threading.enumerate() if t.name.startswith("bookkeeping"))
 
 

@@ -22,7 +22,7 @@ pytest.importorskip("aim", reason="needs the aim extra")
 import aim
 from aim.sdk.index_manager import RepoIndexManager
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(600)  # a hang guard: Aim starts slowly on a busy machine
 
 Points = list[tuple[int, float]]
 

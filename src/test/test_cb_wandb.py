@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from testutils import build_trainer
 
 from olmolike.exceptions import ConfigurationError
 from olmolike.train import Duration, Trainer
-from olmolike.train.callbacks import CheckpointerCallback
+from olmolike.train.callbacks import Callback, CheckpointerCallback
 from olmolike.train.callbacks.metric_saver import MetricSaverCallback
 from olmolike.train.callbacks.sink_process import SinkError
 from olmolike.train.callbacks.wandb import WandBCallback, WandBSink
@@ -46,7 +47,7 @@ def run_files(wandb_dir: Path) -> list[Path]:
     return sorted(wandb_dir.glob("wandb/offline-run-*/run-*.wandb"))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)  # a hang guard: W&B starts slowly on a busy machine
 def test_offline_run_records_every_logged_metric(tmp_path: Path) -> None:
     callback = WandBCallback(mode="offline", project="olmolike-test", run_name="tiny")
     train(tmp_path, 3, callback, checkpointer=CheckpointerCallback(enabled=False))
@@ -78,7 +79,7 @@ class FailingSink(WandBSink):
         super().log(values, step)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)  # a hang guard: W&B starts slowly on a busy machine
 def test_logging_runs_in_a_sink_process_in_step_order(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -90,7 +91,7 @@ def test_logging_runs_in_a_sink_process_in_step_order(
     assert {pid for pid, _ in lines} != {str(os.getpid())} and len({p for p, _ in lines}) == 1
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)  # a hang guard: W&B starts slowly on a busy machine
 def test_a_failing_wandb_log_stops_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(WandBCallback, "sink_class", FailingSink)
     callback = WandBCallback(mode="offline", cancel_tag=None)
@@ -98,7 +99,7 @@ def test_a_failing_wandb_log_stops_the_run(tmp_path: Path, monkeypatch: pytest.M
         train(tmp_path, 8, callback)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)  # a hang guard: W&B starts slowly on a busy machine
 def test_a_resumed_run_continues_the_same_wandb_run(tmp_path: Path) -> None:
     checkpoints = CheckpointerCallback(save_interval=2, pre_train_checkpoint=False)
     first = WandBCallback(mode="offline", dir=str(tmp_path / "wb"))
@@ -110,7 +111,20 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path: Path) -> None:
     assert runs[0].name == runs[1].name  # run-<id>.wandb: the same id twice
 
 
-@pytest.mark.timeout(120)
+@dataclass
+class LookupsAnswerInTime(Callback):
+    """Waits in ``post_step`` (before W&B's) for a tag lookup in flight: as if the W&B API
+    always answered within a lookup interval, however late the lookup thread gets a core."""
+
+    wandb: WandBCallback | None = None
+
+    def post_step(self) -> None:
+        assert self.wandb is not None
+        if self.wandb._tag_lookup is not None:
+            self.wandb._tag_lookup.result(timeout=60)
+
+
+@pytest.mark.timeout(600)  # a hang guard: W&B starts slowly on a busy machine
 def test_cancel_tag_stops_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     lookups: list[str] = []
 
@@ -126,7 +140,7 @@ def test_cancel_tag_stops_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         max_duration=Duration.steps(8),
         cancel_check_interval=1,
         no_checkpoints=True,
-        callbacks={"wandb": callback},
+        callbacks={"wandb": callback, "in_time": LookupsAnswerInTime(callback)},
     )
     trainer.fit()
     # Lookups start at steps 2 and 4; the second sees the tag, read at the next lookup step.

@@ -11,7 +11,7 @@ from olmolike.distributed import failure
 from olmolike.distributed.failure import EXIT_CODE, RankFailureMonitor
 
 
-def wait_for(condition: object, timeout: float = 5.0) -> None:
+def wait_for(condition: object, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():  # type: ignore[operator]
         assert time.monotonic() < deadline, "condition not reached in time"
@@ -47,14 +47,17 @@ def test_a_peer_failure_ends_this_rank_after_the_grace_period(exits: list[int]) 
     assert exits == [EXIT_CODE]
 
 
-def test_stopping_during_the_grace_period_cancels_the_exit(exits: list[int]) -> None:
+def test_stopping_during_the_grace_period_cancels_the_exit(
+    exits: list[int], caplog: pytest.LogCaptureFixture
+) -> None:
     store = dist.HashStore()
-    watcher = monitor(store, 0, grace=1.0)
+    watcher = monitor(store, 0, grace=600.0)
     watcher.start()
     monitor(store, 1).report(ValueError("boom"))
-    time.sleep(0.3)
+    wait_for(lambda: "Rank 0 is stopping because rank 1 failed" in caplog.text)  # grace began
     watcher.stop()
-    time.sleep(1.2)
+    watcher._thread.join(60)
+    assert not watcher._thread.is_alive()
     assert exits == []
 
 
@@ -62,7 +65,8 @@ def test_a_rank_that_failed_itself_is_left_to_finish(exits: list[int]) -> None:
     store = dist.HashStore()
     watcher = monitor(store, 0)
     watcher.report(KeyError("mine"))
-    watcher.start()
     monitor(store, 1).report(ValueError("theirs"))
-    time.sleep(0.5)
+    watcher.start()
+    watcher._thread.join(60)  # it stops watching at its first look
+    assert not watcher._thread.is_alive()
     assert exits == []
