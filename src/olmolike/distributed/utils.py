@@ -142,7 +142,7 @@ def group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta:
     pg = group if group is not None else dist.group.WORLD
     assert pg is not None
     backend = pg._get_backend(torch.device("cpu"))
-    return backend.options._timeout  # type: ignore[attr-defined]
+    return backend.options._timeout
 
 
 DEBUG_GROUPS_ENV = "OLMOLIKE_DEBUG_GROUPS"
