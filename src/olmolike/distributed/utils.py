@@ -106,12 +106,15 @@ _run_timeout: datetime.timedelta | None = None
 _groups: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
 
 
-def new_group(purpose: str) -> dist.ProcessGroup | None:
+def new_group(purpose: str, *, shorten_timeout: bool = True) -> dist.ProcessGroup | None:
     """A new group of all ranks, for one thread of collectives (``purpose`` names it in errors).
 
     It gets the run's timeout (``torch.distributed.new_group`` alone would give torch's
     30-minute default), and a CPU backend (gloo) whenever the run has one, so that it can
     serve threads that must not touch the device. All ranks must call it in the same order.
+    ``shorten_timeout=False`` keeps the run's timeout when :func:`set_group_timeouts` lowers
+    the others: for groups whose ops legitimately wait long (a checkpoint uploaded rank by
+    rank).
     """
     if not is_distributed():
         return None
@@ -119,12 +122,13 @@ def new_group(purpose: str) -> dist.ProcessGroup | None:
     if _run_timeout is not None:
         kwargs["timeout"] = _run_timeout
     group = dist.new_group(backend="gloo" if backend_supports_cpu() else None, **kwargs)
-    _groups.add(group)
+    if shorten_timeout:
+        _groups.add(group)
     return group
 
 
 def set_group_timeouts(timeout: datetime.timedelta) -> None:
-    """Give the default group and every group from :func:`new_group` a new timeout.
+    """Give the default group and the groups from :func:`new_group` a new timeout.
 
     The trainer shortens it after the first step (which may compile, allocate and load for a
     long time): from then on, a collective that one rank never joins fails within ``timeout``

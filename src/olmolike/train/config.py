@@ -60,10 +60,11 @@ class TrainerConfig(Config):
     async_bookkeeping: bool | None = None
     bookkeeping_soft_timeout: int = 30
     train_timeout_seconds: int | None = 300
-    """After the first step, every process group's timeout drops from the run's (the
-    ``timeout`` of ``prepare_training_environment``, for start-up) to this many seconds, so
-    that a collective some rank never joins fails with an error naming it within minutes.
-    ``None`` keeps the run's timeout."""
+    """After the first step, the timeout of the process groups (all but the checkpointer's,
+    whose ranks wait at barriers while others upload) drops from the run's (the ``timeout``
+    of ``prepare_training_environment``, for start-up) to this many seconds, so that a
+    collective some rank never joins fails with an error naming it within minutes. ``None``
+    keeps the run's timeout."""
     no_checkpoints: bool = False
     no_evals: bool = False
     steps_to_skip: list[StepSkipRange] | None = None
@@ -130,7 +131,9 @@ class TrainerConfig(Config):
         work_dir = Path(self.work_dir) if self.work_dir else self._default_work_dir()
         if checkpointer_pg is None and is_distributed():
             # Checkpoint collectives may run in a background thread: give them their own group.
-            checkpointer_pg = new_group("checkpointer")
+            # It keeps the run's timeout: ranks take turns uploading a checkpoint, and the
+            # others wait at a barrier meanwhile, for as long as the upload takes.
+            checkpointer_pg = new_group("checkpointer", shorten_timeout=False)
         callbacks = dict(self.callbacks)
         # Defaults, unless the user has one of the kind (a user callback keeps its name).
         if not any(isinstance(cb, CheckpointerCallback) for cb in callbacks.values()):
