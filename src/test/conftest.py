@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Every test checks that no process group is used by two threads at once (inherited by the
+# ranks and scripts the tests start).
+os.environ.setdefault("OLMOLIKE_DEBUG_GROUPS", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""BookkeepingRunner: ordering, dedupe, errors, shutdown with a stuck op."""
+"""BookkeepingRunner: ordering, agreed delivery steps, errors, shutdown with a stuck op."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import time
 
 import pytest
 
-from olmolike.exceptions import BookkeepingError
 from olmolike.train.bookkeeping import BookkeepingRunner, DaemonThreadPool
 
 
@@ -37,30 +36,38 @@ def test_callbacks_are_delivered_in_order_even_when_ops_finish_out_of_order() ->
     r.shutdown(wait=True)
 
 
-def test_allow_multiple_false_cancels_queued_and_ignores_while_running() -> None:
+def test_a_distributed_result_is_delivered_at_the_end_of_the_next_step_only() -> None:
     r = runner()
-    started, gate = threading.Event(), threading.Event()
-    ran: list[str] = []
-
-    def upload() -> None:
-        started.set()
-        gate.wait()
-
-    blocker = r.submit(upload, distributed=False, op_name="upload", allow_multiple=False)
-    assert started.wait(60)
-    again = r.submit(
-        ran.append, "second", distributed=False, op_name="upload", allow_multiple=False
-    )
-    assert again is blocker  # still running: the new invocation is ignored
-    gate.set()
-    r.wait_all()
-    assert ran == []
+    gate = threading.Event()
+    delivered: list[str] = []
+    r.step = 3
+    r.submit(lambda: gate.wait() and "slow", cb=delivered.append)
+    r.poll(3)  # the step it was submitted in: never delivered there, even when finished
+    assert delivered == []
+    threading.Timer(0.2, gate.set).start()
+    r.poll(4)  # due now: poll waits for it
+    assert delivered == ["slow"]
     r.shutdown(wait=True)
 
 
-def test_allow_multiple_false_is_refused_for_distributed_ops() -> None:
-    with pytest.raises(BookkeepingError, match="deadlock"):
-        runner(distributed=True).submit(print, op_name="x", allow_multiple=False)
+def test_a_finished_distributed_result_still_waits_for_its_step() -> None:
+    r = runner(asynchronous=False)
+    delivered: list[int] = []
+    r.step = 7
+    r.submit(lambda: 1, cb=delivered.append)
+    r.poll(7)
+    assert delivered == []
+    r.poll(8)
+    assert delivered == [1]
+
+
+def test_a_local_result_is_delivered_once_done() -> None:
+    r = runner(asynchronous=False)
+    delivered: list[int] = []
+    r.step = 7
+    r.submit(lambda: 1, cb=delivered.append, distributed=False)
+    r.poll(7)
+    assert delivered == [1]
 
 
 def test_errors_surface_at_poll_in_order() -> None:
@@ -70,8 +77,9 @@ def test_errors_surface_at_poll_in_order() -> None:
         raise KeyError("missing")
 
     r.submit(fail, op_name="lookup")
+    r.poll(0)  # not due yet: the error waits for the agreed step too
     with pytest.raises(KeyError, match="missing"):
-        r.poll()
+        r.poll(1)
 
 
 @pytest.mark.timeout(60)

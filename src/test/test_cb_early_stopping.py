@@ -43,9 +43,10 @@ def fit(folder: Path, values: list[float], stopper: EarlyStoppingCallback, **kwa
 
 def test_stops_after_patience_evaluations_without_improvement(tmp_path: Path) -> None:
     stopper = EarlyStoppingCallback(patience=3)
-    trainer = fit(tmp_path, [5.0, 4.0, 4.5, 4.0, 4.2, 1.0, 1.0], stopper)
-    # Best 4.0 at step 2; 4.5, 4.0 (not strictly better) and 4.2 exhaust the patience.
-    assert trainer.global_step == 5 and trainer.is_canceled
+    trainer = fit(tmp_path, [5.0, 4.0, 4.5, 4.0, 4.2, 4.3, 1.0], stopper)
+    # Best 4.0 at step 2; 4.5, 4.0 (not strictly better) and 4.2 exhaust the patience. Step
+    # 5's metrics reach the callbacks at the end of step 6 (the agreed delivery step).
+    assert trainer.global_step == 6 and trainer.is_canceled
     assert stopper.best == 4.0
     assert "early stopping" in (trainer._cancel.reason or "")
 
@@ -59,22 +60,22 @@ def test_improvement_resets_the_count(tmp_path: Path) -> None:
 
 def test_min_delta_ignores_tiny_improvements(tmp_path: Path) -> None:
     stopper = EarlyStoppingCallback(patience=2, min_delta=0.1)
-    trainer = fit(tmp_path, [5.0, 4.95, 4.92, 1.0], stopper)
-    assert trainer.global_step == 3 and trainer.is_canceled
+    trainer = fit(tmp_path, [5.0, 4.95, 4.92, 1.0, 1.0], stopper)
+    assert trainer.global_step == 4 and trainer.is_canceled
 
 
 def test_max_mode_and_a_custom_metric(tmp_path: Path) -> None:
     stopper = EarlyStoppingCallback(
         metric="eval/lm/CE loss", mode=EarlyStoppingMode.max, patience=1
     )
-    trainer = fit(tmp_path, [1.0, 2.0, 1.5, 3.0], stopper)
-    assert trainer.global_step == 3 and stopper.best == 2.0
+    trainer = fit(tmp_path, [1.0, 2.0, 1.5, 1.0, 3.0], stopper)
+    assert trainer.global_step == 4 and stopper.best == 2.0
 
 
 def test_nan_never_counts_as_an_improvement(tmp_path: Path) -> None:
     stopper = EarlyStoppingCallback(patience=2)
-    trainer = fit(tmp_path, [float("nan"), 3.0, float("nan"), float("nan"), 1.0], stopper)
-    assert trainer.global_step == 4 and stopper.best == 3.0
+    trainer = fit(tmp_path, [float("nan"), 3.0, float("nan"), float("nan"), 4.0, 1.0], stopper)
+    assert trainer.global_step == 5 and stopper.best == 3.0
 
 
 def test_other_metrics_and_disabled_do_nothing(tmp_path: Path) -> None:
@@ -87,7 +88,8 @@ def test_other_metrics_and_disabled_do_nothing(tmp_path: Path) -> None:
 def test_patience_survives_a_resume_from_checkpoint(tmp_path: Path) -> None:
     values = [5.0, 4.0, 4.5, 4.6, 4.7, 4.8, 1.0]
     # The first run ends at step 4 (hard stop) with 2 of 3 evaluations used; the final
-    # checkpoint carries that count, so the resumed run stops at step 5, not step 7.
+    # checkpoint carries that count, so the resumed run stops after step 5's evaluation (at the
+    # end of step 6, where step 5's metrics are delivered), not at step 7.
     first = fit(
         tmp_path,
         values,
@@ -99,7 +101,7 @@ def test_patience_survives_a_resume_from_checkpoint(tmp_path: Path) -> None:
     resumed_stopper = EarlyStoppingCallback(patience=3)
     resumed = fit(tmp_path, values, resumed_stopper, no_checkpoints=False)
     assert resumed.checkpoint_loaded
-    assert resumed.global_step == 5 and resumed.is_canceled
+    assert resumed.global_step == 6 and resumed.is_canceled
     assert resumed_stopper.best == 4.0
 
 

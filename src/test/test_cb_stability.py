@@ -98,7 +98,8 @@ def test_stop_cancels_on_a_loss_spike(tmp_path: Path) -> None:
         policy="stop",  # type: ignore[arg-type]
     )
     trainer = fit(tmp_path, FakeLoss(values=values), monitor, steps=8, metrics_collect_interval=1)
-    assert trainer.global_step == 6 and trainer.is_canceled
+    # Step 6's metrics reach the callbacks at the end of step 7 (the agreed delivery step).
+    assert trainer.global_step == 7 and trainer.is_canceled
     assert "loss spike: 9" in (trainer._cancel.reason or "")
 
 
@@ -130,8 +131,8 @@ def test_stop_on_nan_from_metrics_disables_the_final_checkpoint(tmp_path: Path) 
         no_checkpoints=False,
         metrics_collect_interval=1,
     )
-    # Step 3's gradient norm is NaN: reported at the end of step 3, which stops the run there.
-    assert trainer.is_canceled and trainer.global_step == 3
+    # Step 3's gradient norm is NaN: delivered at the end of step 4, which stops the run there.
+    assert trainer.is_canceled and trainer.global_step == 4
     assert list(Checkpointer.find_checkpoints(str(tmp_path))) == [(0, str(tmp_path / "step0"))]
 
 

@@ -10,6 +10,8 @@ are covered the same way.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import logging
 import os
@@ -21,6 +23,7 @@ import torch.distributed as dist
 
 __all__ = [
     "RankFailureMonitor",
+    "install_exit_on_error",
     "report_rank_failure",
     "start_failure_monitor",
     "stop_failure_monitor",
@@ -61,8 +64,14 @@ class RankFailureMonitor:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop watching (normal shutdown: a peer that exits is no longer a failure)."""
+        """Stop watching (normal shutdown: a peer that exits is no longer a failure).
+
+        Waits for the thread to end: left inside a store call at interpreter exit, it would
+        race the C++ runtime's teardown, which aborts the process now and then.
+        """
         self._stopped.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.poll_interval + 30)
 
     def report(self, exc: BaseException) -> None:
         """Tell every other rank that this one failed with ``exc``. Idempotent."""
@@ -136,7 +145,6 @@ def start_failure_monitor(rank: int) -> RankFailureMonitor | None:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     _monitor = RankFailureMonitor(store, rank, attempt=attempt, grace_period=grace)
     _monitor.start()
-    _install_excepthook()
     return _monitor
 
 
@@ -153,11 +161,50 @@ def report_rank_failure(exc: BaseException) -> None:
         _monitor.report(exc)
 
 
-def _install_excepthook() -> None:
+EXIT_HANDLERS_TIMEOUT = 10.0
+"""Seconds a failing rank gives its ``atexit`` handlers before it exits."""
+
+_hook_installed = False
+
+
+def install_exit_on_error() -> None:
+    """Make an uncaught exception end this rank with status 1 and its traceback, promptly.
+
+    The exception is reported to the other ranks and printed; ``atexit`` handlers get
+    :data:`EXIT_HANDLERS_TIMEOUT` seconds; then the process exits without the interpreter's
+    and the C++ runtime's teardown. That teardown would otherwise run while background
+    threads are still inside collectives (an async save, a metric reduction) on process
+    groups that were never destroyed, which aborts the process with SIGABRT ("terminate
+    called without an active exception") and hides the real error's exit status.
+    """
+    global _hook_installed
+    if _hook_installed:
+        return
+    _hook_installed = True
     previous = sys.excepthook
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         report_rank_failure(exc)
         previous(exc_type, exc, tb)
+        _exit_without_teardown(1)
 
     sys.excepthook = hook
+
+
+def _exit_without_teardown(code: int) -> None:
+    finished = threading.Event()
+
+    def run_handlers() -> None:
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            finished.set()
+
+    threading.Thread(target=run_handlers, name="exit-handlers", daemon=True).start()
+    if not finished.wait(EXIT_HANDLERS_TIMEOUT):
+        sys.stderr.write(f"exit handlers still running after {EXIT_HANDLERS_TIMEOUT:.0f}s\n")
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed pipe must not change the exit status
+            stream.flush()
+    os._exit(code)

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
+import threading
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..exceptions import ConfigurationError
+from ..exceptions import ConfigurationError, OLMoLikeError
 
 __all__ = [
+    "DEBUG_GROUPS_ENV",
+    "GroupMisuseError",
     "backend_supports_cpu",
     "barrier",
     "broadcast_object",
@@ -20,11 +26,15 @@ __all__ = [
     "get_local_world_size",
     "get_rank",
     "get_world_size",
+    "group_timeout",
     "init_distributed",
     "is_distributed",
     "is_shared_filesystem",
     "launched_distributed",
+    "new_group",
+    "set_group_timeouts",
     "set_shared_filesystem",
+    "using_group",
 ]
 
 log = logging.getLogger(__name__)
@@ -79,12 +89,110 @@ def _resolve_backend(backend: str) -> str:
 
 def init_distributed(backend: str, timeout: datetime.timedelta) -> None:
     """Initialize the default process group from the launcher's environment variables."""
+    global _run_timeout
     if is_distributed():
         return
     resolved = _resolve_backend(backend)
     if torch.cuda.is_available() and "nccl" in resolved:
         torch.cuda.set_device(get_local_rank())
     dist.init_process_group(backend=resolved, timeout=timeout)
+    _run_timeout = timeout
+
+
+# -- process groups: timeouts and one thread at a time ----------------------------------------
+
+_run_timeout: datetime.timedelta | None = None
+"""The timeout given to :func:`init_distributed`; every group made by :func:`new_group` gets it."""
+_groups: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
+
+
+def new_group(purpose: str, *, shorten_timeout: bool = True) -> dist.ProcessGroup | None:
+    """A new group of all ranks, for one thread of collectives (``purpose`` names it in errors).
+
+    It gets the run's timeout (``torch.distributed.new_group`` alone would give torch's
+    30-minute default), and a CPU backend (gloo) whenever the run has one, so that it can
+    serve threads that must not touch the device. All ranks must call it in the same order.
+    ``shorten_timeout=False`` keeps the run's timeout when :func:`set_group_timeouts` lowers
+    the others: for groups whose ops legitimately wait long (a checkpoint uploaded rank by
+    rank).
+    """
+    if not is_distributed():
+        return None
+    kwargs: dict[str, Any] = {"group_desc": purpose}
+    if _run_timeout is not None:
+        kwargs["timeout"] = _run_timeout
+    group = dist.new_group(backend="gloo" if backend_supports_cpu() else None, **kwargs)
+    if shorten_timeout:
+        _groups.add(group)
+    return group
+
+
+def set_group_timeouts(timeout: datetime.timedelta) -> None:
+    """Give the default group and the groups from :func:`new_group` a new timeout.
+
+    The trainer shortens it after the first step (which may compile, allocate and load for a
+    long time): from then on, a collective that one rank never joins fails within ``timeout``
+    with an error naming the op, instead of hanging for the whole run's timeout.
+    """
+    if not is_distributed():
+        return
+    for group in [dist.group.WORLD, *_groups]:
+        if group is not None:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta:
+    """The timeout collectives on ``group`` (default: the default group) currently have."""
+    pg = group if group is not None else dist.group.WORLD
+    assert pg is not None
+    backend = pg._get_backend(torch.device("cpu"))
+    return backend.options._timeout
+
+
+DEBUG_GROUPS_ENV = "OLMOLIKE_DEBUG_GROUPS"
+"""Set to ``1`` to check that no process group is used by two threads at once (tests do)."""
+
+
+class GroupMisuseError(OLMoLikeError):
+    """A process group was used from a thread while another thread was in collectives on it."""
+
+
+_in_use: dict[int, tuple[int, str, int]] = {}  # id(group) -> (thread id, thread name, depth)
+_in_use_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def using_group(group: dist.ProcessGroup | None, purpose: str = "") -> Iterator[None]:
+    """Mark the block as issuing collectives on ``group`` from the current thread.
+
+    With ``OLMOLIKE_DEBUG_GROUPS=1``, entering it while another thread is inside such a block
+    for the same group raises :class:`GroupMisuseError`: two threads' collectives on one group
+    interleave differently on each rank and deadlock, usually only now and then. Otherwise it
+    costs nothing.
+    """
+    if os.environ.get(DEBUG_GROUPS_ENV) != "1" or not is_distributed():
+        yield
+        return
+    key = id(group if group is not None else dist.group.WORLD)
+    me, name = threading.get_ident(), threading.current_thread().name
+    with _in_use_lock:
+        owner = _in_use.get(key)
+        if owner is not None and owner[0] != me:
+            raise GroupMisuseError(
+                f"process group {purpose or key!r} is used by thread {name!r} while thread "
+                f"{owner[1]!r} is running collectives on it: collectives from two threads on one "
+                "group deadlock; give each thread its own group (distributed.utils.new_group)"
+            )
+        _in_use[key] = (me, name, 1 if owner is None else owner[2] + 1)
+    try:
+        yield
+    finally:
+        with _in_use_lock:
+            _, _, depth = _in_use[key]
+            if depth == 1:
+                del _in_use[key]
+            else:
+                _in_use[key] = (me, name, depth - 1)
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:

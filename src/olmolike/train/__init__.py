@@ -12,7 +12,11 @@ import logging
 
 import torch.distributed as dist
 
-from ..distributed.failure import start_failure_monitor, stop_failure_monitor
+from ..distributed.failure import (
+    install_exit_on_error,
+    start_failure_monitor,
+    stop_failure_monitor,
+)
 from ..distributed.utils import (
     barrier,
     get_rank,
@@ -82,6 +86,7 @@ def prepare_training_environment(
     if backend is not None and launched_distributed():
         init_distributed(backend, timeout)
         start_failure_monitor(get_rank())
+        install_exit_on_error()
     set_shared_filesystem(shared_filesystem)
     setup_logging(log_filter_type)  # after the process group: records carry the rank
     if is_distributed():
@@ -96,7 +101,12 @@ def prepare_training_environment(
 
 
 def teardown_training_environment() -> None:
-    """End of the training script: tear down all process groups."""
+    """End of the training script: tear down all process groups, in a fixed order.
+
+    A barrier (every rank is done with its collectives), then the rank-failure monitor's
+    thread is stopped and joined (a peer exiting is no longer a failure), then every process
+    group is shut down and destroyed. Nothing that uses a group is left running at exit.
+    """
     if is_distributed():
         barrier()
         stop_failure_monitor()

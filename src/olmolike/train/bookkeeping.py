@@ -5,8 +5,9 @@ that uses its own (gloo) process group. Since every rank submits the same ops at
 steps, every rank runs the same collectives in the same order, and none of them ever touches
 the training process group: no deadlock with the training step's own collectives.
 
-Results are handed back to the training thread, in submission order, by :meth:`poll`; that is
-also where an exception raised inside an op is re-raised, with its original traceback.
+Results are handed back to the training thread by :meth:`BookkeepingRunner.poll`, at a step
+fixed at submission (the same on every rank); that is also where an exception raised inside
+an op is re-raised, with its original traceback.
 
 Worker threads are daemons: a collective stuck because a peer died must not keep the process
 alive at exit (``concurrent.futures.ThreadPoolExecutor`` joins its threads at exit).
@@ -24,9 +25,19 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
-from ..exceptions import BookkeepingError
+import torch
+import torch.distributed as dist
 
-__all__ = ["BookkeepingRunner", "DaemonThreadPool"]
+from ..distributed.utils import (
+    backend_supports_cpu,
+    get_world_size,
+    is_distributed,
+    new_group,
+    using_group,
+)
+from ..exceptions import ConfigurationError
+
+__all__ = ["BookkeepingRunner", "DaemonThreadPool", "build_bookkeeping"]
 
 log = logging.getLogger(__name__)
 
@@ -80,24 +91,54 @@ class DaemonThreadPool(Executor):
 
 
 class _PendingOp:
-    __slots__ = ("callback", "future", "name")
+    __slots__ = ("callback", "due_step", "future", "name")
 
-    def __init__(self, name: str, future: Future[Any], callback: Callable[[Any], None] | None):
+    def __init__(
+        self,
+        name: str,
+        future: Future[Any],
+        callback: Callable[[Any], None] | None,
+        due_step: int,
+    ) -> None:
         self.name = name
         self.future = future
         self.callback = callback
+        self.due_step = due_step
 
 
 class BookkeepingRunner:
-    """Runs bookkeeping ops, asynchronously when the trainer has a CPU-capable group for them."""
+    """Runs bookkeeping ops, asynchronously when the trainer has a CPU-capable group for them.
 
-    def __init__(self, *, asynchronous: bool, distributed: bool, soft_timeout: float) -> None:
+    When results reach the training thread is fixed, so that every rank sees them at the same
+    step: a distributed op submitted during step ``s`` (or before the first step, ``s = 0``) is
+    delivered at the end of step ``s + 1``, :meth:`poll` waiting for it if it is still running.
+    A callback may then change which collectives run (stop, skip a save) and all ranks do the
+    same. Non-distributed ops (``distributed=False``) are delivered once they are done, which
+    may be a different step on each rank: their callbacks must not change collectives.
+    """
+
+    DELIVERY_DELAY = 1
+    """Steps between the submission of a distributed op and the delivery of its result."""
+
+    def __init__(
+        self,
+        *,
+        asynchronous: bool,
+        distributed: bool,
+        soft_timeout: float,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.asynchronous = asynchronous
         self.distributed = distributed
         self.soft_timeout = soft_timeout
+        self.group = group
+        """The bookkeeping thread's own process group, used by no other thread."""
+        self.step = 0
+        """The step in progress; the trainer sets it at the start of each step."""
         self._single: DaemonThreadPool | None = None
         self._multi: DaemonThreadPool | None = None
-        self._pending: deque[_PendingOp] = deque()
+        self._agreed: deque[_PendingOp] = deque()
+        self._local: deque[_PendingOp] = deque()
         self._lock = threading.Lock()
 
     @property
@@ -118,7 +159,6 @@ class BookkeepingRunner:
         *args: Any,
         cb: Callable[[T], None] | None = None,
         op_name: str | None = None,
-        allow_multiple: bool = True,
         soft_timeout: float | None = None,
         distributed: bool = True,
         **kwargs: Any,
@@ -126,83 +166,115 @@ class BookkeepingRunner:
         """Run ``op(*args, **kwargs)``; ``cb(result)`` later runs on the training thread."""
         name = op_name or str(getattr(op, "__name__", "bookkeeping op"))
         timeout = self.soft_timeout if soft_timeout is None else soft_timeout
-        if not allow_multiple:
-            if distributed and self.distributed:
-                raise BookkeepingError(
-                    f"op {name!r}: allow_multiple=False cannot be used with a distributed op, "
-                    "because ranks could drop different invocations and then deadlock; make the "
-                    "op non-distributed or allow multiple invocations"
-                )
-            running = self._dedupe(name)
-            if running is not None:
-                return running
+        group = self.group if distributed else _NO_GROUP
         if not self.asynchronous:
             future: Future[T] = Future()
             future.set_running_or_notify_cancel()
             try:
-                future.set_result(_slow_op_watch.run(op, name, timeout, args, kwargs))
+                future.set_result(_run_op(op, name, timeout, group, args, kwargs))
             except Exception as e:
                 future.set_exception(e)
         else:
             pool = self.single_thread_pool if distributed else self.multi_thread_pool
-            future = pool.submit(_slow_op_watch.run, op, name, timeout, args, kwargs)
+            future = pool.submit(_run_op, op, name, timeout, group, args, kwargs)
         with self._lock:
-            self._pending.append(_PendingOp(name, future, cb))
+            queue_ = self._agreed if distributed else self._local
+            queue_.append(_PendingOp(name, future, cb, self.step + self.DELIVERY_DELAY))
         return future
 
-    def poll(self) -> None:
-        """Deliver finished results in submission order; re-raise the first failure."""
+    def poll(self, step: int) -> None:
+        """At the end of ``step``: deliver every distributed op due by now, waiting for it, and
+        every finished non-distributed op; each in submission order. Re-raises failures."""
         while True:
             with self._lock:
-                if not self._pending or not self._pending[0].future.done():
+                if not self._agreed or self._agreed[0].due_step > step:
+                    break
+                pending = self._agreed.popleft()
+            self._deliver(pending)
+        while True:
+            with self._lock:
+                if not self._local or not self._local[0].future.done():
                     return
-                pending = self._pending.popleft()
+                pending = self._local.popleft()
             self._deliver(pending)
 
     def wait_all(self) -> None:
         """Block until every submitted op has finished, delivering results in order."""
-        while True:
-            with self._lock:
-                if not self._pending:
-                    return
-                pending = self._pending.popleft()
-            if not pending.future.cancelled():
-                pending.future.exception()  # blocks until done
-            self._deliver(pending)
+        for ops in (self._agreed, self._local):
+            while True:
+                with self._lock:
+                    if not ops:
+                        break
+                    pending = ops.popleft()
+                self._deliver(pending)
 
     def shutdown(self, *, wait: bool) -> None:
         """Stop the workers. Without ``wait`` a stuck op is abandoned (its thread is a daemon)."""
         if not wait:
             with self._lock:
-                for pending in self._pending:
+                for pending in (*self._agreed, *self._local):
                     pending.future.cancel()
-                self._pending.clear()
+                self._agreed.clear()
+                self._local.clear()
         for pool in (self._single, self._multi):
             if pool is not None:
                 pool.shutdown(wait=wait)
         self._single = self._multi = None
 
-    def _dedupe(self, name: str) -> Future[Any] | None:
-        """Cancel queued ops named ``name``; return the running one, if any."""
-        with self._lock:
-            running = None
-            for pending in self._pending:
-                unfinished = pending.name == name and not pending.future.done()
-                if unfinished and not pending.future.cancel():
-                    running = pending.future
-            return running
-
     @staticmethod
     def _deliver(pending: _PendingOp) -> None:
         if pending.future.cancelled():
             return
-        error = pending.future.exception()
+        error = pending.future.exception()  # blocks until done
         if error is not None:
             if hasattr(error, "add_note"):
                 error.add_note(f"(raised in the bookkeeping op {pending.name!r})")
             raise error
         if pending.callback is not None:
             pending.callback(pending.future.result())
+
+
+def build_bookkeeping(
+    asynchronous: bool | None, device: torch.device, soft_timeout: float
+) -> tuple[BookkeepingRunner, bool]:
+    """The trainer's runner, with its own process group when distributed, and whether it is
+    asynchronous (``None`` chooses: yes unless a single process trains on the CPU)."""
+    cpu_capable = backend_supports_cpu() if is_distributed() else True
+    if asynchronous is None:
+        # One process on the CPU has nothing to overlap: the ops are cheap host work with
+        # no collective, and a worker thread would only contend for the GIL with training.
+        single_cpu = not is_distributed() and device.type == "cpu"
+        asynchronous = cpu_capable and not single_cpu
+    elif asynchronous and not cpu_capable:
+        raise ConfigurationError(
+            "needs a CPU-capable backend for its separate process group; initialize with "
+            "backend='cpu:gloo,cuda:nccl' or set async_bookkeeping=False",
+            path="async_bookkeeping",
+        )
+    runner = BookkeepingRunner(
+        asynchronous=asynchronous,
+        distributed=is_distributed() and get_world_size() > 1,
+        soft_timeout=soft_timeout,
+        group=new_group("bookkeeping"),  # never the training group
+    )
+    return runner, asynchronous
+
+
+_NO_GROUP = object()
+
+
+def _run_op(
+    op: Callable[..., T],
+    name: str,
+    soft_timeout: float,
+    group: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> T:
+    if group is _NO_GROUP:
+        return _slow_op_watch.run(op, name, soft_timeout, args, kwargs)
+    with using_group(group, "bookkeeping"):
+        return _slow_op_watch.run(op, name, soft_timeout, args, kwargs)
 
 
 class _SlowOpWatch:

@@ -45,7 +45,7 @@ from ..distributed.checkpoint import (
     load_state_dict,
     save_state_dict,
 )
-from ..distributed.utils import get_rank, get_world_size, is_distributed
+from ..distributed.utils import get_rank, get_world_size, is_distributed, using_group
 from ..exceptions import CheckpointError
 from .bookkeeping import DaemonThreadPool
 
@@ -203,13 +203,15 @@ class Checkpointer:
         )
 
         def finish() -> None:
-            try:
-                dcp_future.result()
-                ok = True
-            except BaseException:  # DCP's CheckpointException derives from BaseException
-                log.exception("Writing the model and optimizer state of %s failed", plan.target)
-                ok = False
-            self._finish(plan, state_bytes, ephemeral, ok)
+            # The group belongs to this save (DCP's thread, then this one) until it is done.
+            with using_group(self.process_group, "checkpointer"):
+                try:
+                    dcp_future.result()
+                    ok = True
+                except BaseException:  # DCP's CheckpointException derives from BaseException
+                    log.exception("Writing the model and optimizer state of %s failed", plan.target)
+                    ok = False
+                self._finish(plan, state_bytes, ephemeral, ok)
 
         self._pending = self._writer_thread().submit(finish)
         return self._pending
@@ -451,12 +453,14 @@ class Checkpointer:
         if not is_distributed():
             return ok
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group)
+        with using_group(self.process_group, "checkpointer"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group)
         return bool(flag.item())
 
     def _barrier(self) -> None:
         if is_distributed():
-            dist.barrier(group=self.process_group)
+            with using_group(self.process_group, "checkpointer"):
+                dist.barrier(group=self.process_group)
 
     def _take_turns(self, upload: Any) -> None:
         error: Exception | None = None

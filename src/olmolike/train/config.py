@@ -13,10 +13,10 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..distributed.utils import (
-    backend_supports_cpu,
     get_world_size,
     is_distributed,
     is_shared_filesystem,
+    new_group,
 )
 from ..io import is_url, local_path
 from ..utils import get_default_device
@@ -59,6 +59,12 @@ class TrainerConfig(Config):
     callbacks: dict[str, Callback] = field(default_factory=dict)
     async_bookkeeping: bool | None = None
     bookkeeping_soft_timeout: int = 30
+    train_timeout_seconds: int | None = 300
+    """After the first step, the timeout of the process groups (all but the checkpointer's,
+    whose ranks wait at barriers while others upload) drops from the run's (the ``timeout``
+    of ``prepare_training_environment``, for start-up) to this many seconds, so that a
+    collective some rank never joins fails with an error naming it within minutes. ``None``
+    keeps the run's timeout."""
     no_checkpoints: bool = False
     no_evals: bool = False
     steps_to_skip: list[StepSkipRange] | None = None
@@ -73,6 +79,11 @@ class TrainerConfig(Config):
         ):
             if getattr(self, name) < 1:
                 raise self._invalid(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.train_timeout_seconds is not None and self.train_timeout_seconds < 1:
+            raise self._invalid(
+                "train_timeout_seconds",
+                f"must be >= 1 or None (keep the run's timeout), got {self.train_timeout_seconds}",
+            )
         if self.device is not None:
             try:
                 torch.device(self.device)
@@ -120,7 +131,9 @@ class TrainerConfig(Config):
         work_dir = Path(self.work_dir) if self.work_dir else self._default_work_dir()
         if checkpointer_pg is None and is_distributed():
             # Checkpoint collectives may run in a background thread: give them their own group.
-            checkpointer_pg = dist.new_group(backend="gloo" if backend_supports_cpu() else None)
+            # It keeps the run's timeout: ranks take turns uploading a checkpoint, and the
+            # others wait at a barrier meanwhile, for as long as the upload takes.
+            checkpointer_pg = new_group("checkpointer", shorten_timeout=False)
         callbacks = dict(self.callbacks)
         # Defaults, unless the user has one of the kind (a user callback keeps its name).
         if not any(isinstance(cb, CheckpointerCallback) for cb in callbacks.values()):
@@ -151,6 +164,7 @@ class TrainerConfig(Config):
             hard_stop=self.hard_stop,
             async_bookkeeping=self.async_bookkeeping,
             bookkeeping_soft_timeout=self.bookkeeping_soft_timeout,
+            train_timeout_seconds=self.train_timeout_seconds,
             no_checkpoints=self.no_checkpoints,
             no_evals=self.no_evals,
             steps_to_skip=list(self.steps_to_skip) if self.steps_to_skip else None,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from ..exceptions import MetricError
 from .common import MetricMergeStrategy, ReduceType
 
-__all__ = ["CollectedMetrics", "MetricBuffer", "reduce_collected"]
+__all__ = ["CollectedMetrics", "MetricBuffer", "MetricReducer", "reduce_collected"]
 
 log = logging.getLogger(__name__)
 
@@ -206,56 +205,88 @@ def _start_host_copy(
 _Key = tuple[int, str, str]  # (step, name, reduce type)
 
 
+class MetricReducer:
+    """Reduces collected metrics across ranks; one per trainer, used by the bookkeeping thread.
+
+    It remembers the reduce type every metric was agreed with, so that a metric recorded as
+    ``mean`` on one rank and as ``sum`` on another raises :class:`MetricError` even when the two
+    records fall in different steps or collections.
+    """
+
+    def __init__(self) -> None:
+        self._agreed_types: dict[str, str] = {}
+
+    def __call__(
+        self,
+        collected: CollectedMetrics,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+    ) -> StepMetrics:
+        """Reduce ``collected`` across ``group`` and return ``{step: {name: value}}``.
+
+        Every rank issues the same collectives in the same order, whatever it recorded (a rank
+        with nothing still joins): an exchange of the exact metric keys, then one SUM and one
+        MAX all-reduce over their union.
+        """
+        values = collected.host_values()
+        result: StepMetrics = {step: {} for step in collected.steps}
+        reduced: dict[_Key, float] = {}
+        for (step, name), value in values.items():
+            reduce_type = collected.reduce_types.get(name)
+            if reduce_type is None:
+                result[step][name] = value
+            else:
+                reduced[(step, name, str(reduce_type))] = value
+        distributed = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
+        if not distributed:  # one rank: its values are the reduced values
+            keys = sorted(reduced)  # the order of several ranks
+            self._check_types([keys])
+            values_out = [reduced[k] for k in keys]
+        else:
+            keys = self._agree_on_keys(sorted(reduced), group)
+            values_out = _reduce_values(keys, reduced, group, device)
+        for (step, name, _), value in zip(keys, values_out):
+            result.setdefault(step, {})[name] = value
+        return result
+
+    def _agree_on_keys(self, local: list[_Key], group: dist.ProcessGroup | None) -> list[_Key]:
+        """The union of every rank's keys, compared exactly (no digest that could collide)."""
+        gathered: list[list[_Key] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, local, group=group)
+        per_rank = [keys or [] for keys in gathered]
+        self._check_types(per_rank)
+        return sorted({key for keys in per_rank for key in keys})
+
+    def _check_types(self, per_rank: list[list[_Key]]) -> None:
+        """Raise if a metric has two reduce types, across ranks, steps or collections."""
+        types: dict[str, set[str]] = defaultdict(set)
+        for keys in per_rank:
+            for _, name, reduce_type in keys:
+                types[name].add(reduce_type)
+        for name, agreed in self._agreed_types.items():
+            if name in types:
+                types[name].add(agreed)
+        conflicts = {name: sorted(kinds) for name, kinds in types.items() if len(kinds) > 1}
+        if conflicts:
+            details = "; ".join(
+                f"{name!r}: {', '.join(k)}" for name, k in sorted(conflicts.items())
+            )
+            raise MetricError(
+                f"metrics were recorded with different reduce types on different ranks or "
+                f"steps ({details}); a metric must keep one reduce type on every rank for "
+                "the whole run"
+            )
+        for name, kinds in types.items():
+            self._agreed_types[name] = next(iter(kinds))
+
+
 def reduce_collected(
     collected: CollectedMetrics,
     group: dist.ProcessGroup | None,
     device: torch.device,
 ) -> StepMetrics:
-    """Reduce ``collected`` across ``group`` and return ``{step: {name: value}}``.
-
-    Every rank issues the same collectives in the same order, whatever it recorded: first a
-    check that all ranks hold the same metric keys, then (only if they differ) an exchange of
-    the keys, then one SUM and one MAX all-reduce over the union.
-    """
-    values = collected.host_values()
-    result: StepMetrics = {step: {} for step in collected.steps}
-    reduced: dict[_Key, float] = {}
-    for (step, name), value in values.items():
-        reduce_type = collected.reduce_types.get(name)
-        if reduce_type is None:
-            result[step][name] = value
-        else:
-            reduced[(step, name, str(reduce_type))] = value
-
-    distributed = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
-    if not distributed:  # one rank: its values are the reduced values
-        for (step, name, _), value in sorted(reduced.items()):  # the order of several ranks
-            result.setdefault(step, {})[name] = value
-        return result
-    keys = _agree_on_keys(sorted(reduced), group, device)
-    for (step, name, _), value in zip(keys, _reduce_values(keys, reduced, group, device)):
-        result.setdefault(step, {})[name] = value
-    return result
-
-
-def _agree_on_keys(
-    local: list[_Key], group: dist.ProcessGroup | None, device: torch.device
-) -> list[_Key]:
-    digest = zlib.crc32(repr(local).encode())
-    probe = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
-    if int(probe[0]) == -int(probe[1]):
-        return local
-    gathered: list[list[_Key] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, local, group=group)
-    union = sorted({key for keys in gathered for key in keys or []})
-    types_by_name: dict[tuple[int, str], set[str]] = defaultdict(set)
-    for step, name, reduce_type in union:
-        types_by_name[(step, name)].add(reduce_type)
-    conflicts = sorted(name for (_, name), kinds in types_by_name.items() if len(kinds) > 1)
-    if conflicts:
-        raise MetricError(f"ranks recorded metrics {conflicts} with different reduce types")
-    return union
+    """Reduce ``collected`` once, with no memory of earlier collections (see MetricReducer)."""
+    return MetricReducer()(collected, group, device)
 
 
 def _reduce_values(

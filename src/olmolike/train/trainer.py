@@ -3,6 +3,7 @@ I/O live in their own modules; this file wires them into the loop."""
 
 from __future__ import annotations
 
+import datetime
 import logging
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
@@ -15,16 +16,16 @@ import torch.distributed as dist
 
 from ..data.data_loader import DataLoaderBase
 from ..distributed.failure import report_rank_failure
-from ..distributed.utils import backend_supports_cpu, get_rank, get_world_size, is_distributed
+from ..distributed.utils import get_rank, get_world_size, is_distributed, set_group_timeouts
 from ..exceptions import ConfigurationError, DataError
 from ..utils import get_rng_state, move_to_device, set_rng_state
-from .bookkeeping import BookkeepingRunner
+from .bookkeeping import BookkeepingRunner, build_bookkeeping
 from .callbacks.callback import CALLBACK_HOOKS, Callback
 from .cancellation import CancelCoordinator
 from .checkpoint import Checkpointer
 from .common import Duration, LoadStrategy, MetricMergeStrategy, ReduceType, StepSkipRange
 from .durations import Progress, duration_to_steps, duration_to_tokens, stop_step
-from .metrics import MetricBuffer, StepMetrics, metric_name, reduce_collected
+from .metrics import MetricBuffer, MetricReducer, StepMetrics, metric_name
 from .train_module import TrainModule
 from .trainer_io import TrainerCheckpointing
 
@@ -70,11 +71,16 @@ class Trainer(TrainerCheckpointing):
     """Stop here without changing ``max_duration`` (and so without changing the LR schedule)."""
     async_bookkeeping: bool | None = None
     bookkeeping_soft_timeout: int = 30
+    train_timeout_seconds: int | None = 300
+    """After the first step, every process group's timeout drops to this (``None``: keep the
+    run's timeout): a collective some rank never joins then fails with an error naming it."""
     no_checkpoints: bool = False
     no_evals: bool = False
     steps_to_skip: list[StepSkipRange] | None = None
 
     _metrics: MetricBuffer = field(default_factory=MetricBuffer, init=False, repr=False)
+    _reducer: MetricReducer = field(default_factory=MetricReducer, init=False, repr=False)
+    _timeouts_shortened: bool = field(default=False, init=False, repr=False)
     _bookkeeping: BookkeepingRunner = field(init=False, repr=False)
     _bookkeeping_pg: dist.ProcessGroup | None = field(default=None, init=False, repr=False)
     _cancel: CancelCoordinator = field(init=False, repr=False)
@@ -118,26 +124,10 @@ class Trainer(TrainerCheckpointing):
             )
 
     def _set_up_bookkeeping(self) -> None:
-        cpu_capable = backend_supports_cpu() if is_distributed() else True
-        if self.async_bookkeeping is None:
-            # One process on the CPU has nothing to overlap: the ops are cheap host work with
-            # no collective, and a worker thread would only contend for the GIL with training.
-            single_cpu = not is_distributed() and self.device.type == "cpu"
-            self.async_bookkeeping = cpu_capable and not single_cpu
-        elif self.async_bookkeeping and not cpu_capable:
-            raise ConfigurationError(
-                "needs a CPU-capable backend for its separate process group; initialize with "
-                "backend='cpu:gloo,cuda:nccl' or set async_bookkeeping=False",
-                path="async_bookkeeping",
-            )
-        if is_distributed():
-            # Bookkeeping collectives get their own group, never the training one.
-            self._bookkeeping_pg = dist.new_group(backend="gloo" if cpu_capable else None)
-        self._bookkeeping = BookkeepingRunner(
-            asynchronous=self.async_bookkeeping,
-            distributed=is_distributed() and get_world_size() > 1,
-            soft_timeout=self.bookkeeping_soft_timeout,
+        self._bookkeeping, self.async_bookkeeping = build_bookkeeping(
+            self.async_bookkeeping, self.device, self.bookkeeping_soft_timeout
         )
+        self._bookkeeping_pg = self._bookkeeping.group
 
     def _attach_callbacks(self, callbacks: dict[str, Callback]) -> None:
         for callback in callbacks.values():
@@ -162,9 +152,6 @@ class Trainer(TrainerCheckpointing):
         self.callbacks[name] = callback
         self._attach_callbacks({name: callback})
 
-    def has_callback(self, cb_class: type[Callback]) -> bool:
-        return any(isinstance(cb, cb_class) for cb in self.callbacks.values())
-
     # -- sizes and durations -----------------------------------------------------------------
 
     @property
@@ -176,10 +163,6 @@ class Trainer(TrainerCheckpointing):
     def rank_batch_size(self) -> int:
         """Tokens in each training batch on this rank."""
         return self.data_loader.rank_batch_size
-
-    @property
-    def tokens_per_batch(self) -> int:
-        return self.global_batch_size
 
     @property
     def steps_per_epoch(self) -> int | None:
@@ -251,23 +234,24 @@ class Trainer(TrainerCheckpointing):
         *args: Any,
         cb: Callable[[T], None] | None = None,
         op_name: str | None = None,
-        allow_multiple: bool = True,
         soft_timeout: int | None = None,
         distributed: bool = True,
         **kwargs: Any,
     ) -> Future[T]:
         """Run a bookkeeping op, in the background when bookkeeping is asynchronous.
 
-        ``cb(result)`` runs later on the training thread, in submission order. A distributed
-        op must be submitted by every rank at the same point, so they all run the same
-        collectives in the same order. An exception in ``op`` is re-raised in the loop.
+        A distributed op must be submitted by every rank at the same point, so they all run
+        the same collectives in the same order; ``cb(result)`` then runs on the training thread
+        at the end of the step after the one it was submitted in (the same step on every rank,
+        waiting for the op if needed), so it may change which collectives run. A
+        non-distributed op's ``cb`` runs once it is done, at a step that may differ between
+        ranks. An exception in ``op`` is re-raised where ``cb`` would run.
         """
         return self._bookkeeping.submit(
             op,
             *args,
             cb=cb,
             op_name=op_name,
-            allow_multiple=allow_multiple,
             soft_timeout=soft_timeout,
             distributed=distributed,
             **kwargs,
@@ -319,10 +303,12 @@ class Trainer(TrainerCheckpointing):
         return self._metrics.get(self.global_step, metric_name(name, namespace))
 
     def _collect_metrics(self) -> None:
-        if not self._metrics:
+        # Every rank joins the reduction, even with nothing recorded since the last one: a
+        # rank-local metric (say rank 0's, in post_epoch) must not start a one-sided collective.
+        if not self._metrics and not self._bookkeeping.distributed:
             return
         self.run_bookkeeping_op(
-            reduce_collected,
+            self._reducer,
             self._metrics.collect(),
             self.bookkeeping_pg,
             self.bookkeeping_device,
@@ -393,8 +379,7 @@ class Trainer(TrainerCheckpointing):
         self._call("pre_train")
         while not self.training_complete:
             self._fit_epoch()
-        self._collect_metrics()
-        self._bookkeeping.wait_all()
+        self._flush_bookkeeping()
         if self.is_canceled:
             log.warning(
                 "Run canceled at step %d by rank %s: %s",
@@ -403,7 +388,13 @@ class Trainer(TrainerCheckpointing):
                 self._cancel.reason,
             )
         self._call("post_train")
+        self._flush_bookkeeping()  # what post_train recorded or submitted, errors included
         log.info("Training done at step %d", self.global_step)
+
+    def _flush_bookkeeping(self) -> None:
+        """Reduce the metrics recorded since the last collection and deliver every result."""
+        self._collect_metrics()
+        self._bookkeeping.wait_all()
 
     def _fit_epoch(self) -> None:
         self.data_loader.reshuffle(epoch=self.epoch)
@@ -432,6 +423,7 @@ class Trainer(TrainerCheckpointing):
 
     def _train_step(self, batch: dict[str, Any]) -> None:
         self.global_step += 1
+        self._bookkeeping.step = self.global_step
         self.global_train_tokens_seen += self.global_batch_size
         self._metrics.begin_step(self.global_step)
         batch = move_to_device(batch, self.device)
@@ -469,7 +461,11 @@ class Trainer(TrainerCheckpointing):
         self._cancel.resolve(step)
         if step % self.cancel_check_interval == 0:
             self.check_if_canceled()
-        self._bookkeeping.poll()
+        self._bookkeeping.poll(step)
+        if not self._timeouts_shortened and self.train_timeout_seconds is not None:
+            # The first step (compiling, allocating, loading) may legitimately take long.
+            self._timeouts_shortened = True
+            set_group_timeouts(datetime.timedelta(seconds=self.train_timeout_seconds))
 
     def _call(self, hook: str, *args: Any) -> None:
         for method in self._hooks[hook]:
@@ -495,4 +491,5 @@ class Trainer(TrainerCheckpointing):
                     raise
                 log.exception("A callback's close hook failed")
         if self._error is None:
+            self._flush_bookkeeping()  # what close hooks submitted; their errors are raised
             self._bookkeeping.shutdown(wait=True)

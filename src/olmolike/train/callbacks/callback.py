@@ -12,6 +12,7 @@ the loop. Hooks fire in this order::
       post_train_batch               after the optimizer step
       post_step                      at the end of the step
       log_metrics(step, metrics)     for each step, once its metrics are collected and reduced
+                                     (collected at step s: delivered at the end of step s + 1)
       post_log_metrics               after the log_metrics calls of one collection
     post_epoch                       when an epoch's batches are exhausted
     post_train                       once, when training ends normally or is canceled
@@ -130,7 +131,12 @@ class Callback:
         """Called at the end of each step."""
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        """Called for each step once its metrics have been collected and reduced."""
+        """Called for each step once its metrics have been collected and reduced.
+
+        The metrics collected at step ``s`` arrive at the end of step ``s + 1``, the same step
+        on every rank (those pending at the end of training, before ``post_train``), so a
+        decision taken here may change which collectives run: every rank takes it together.
+        """
 
     def post_log_metrics(self) -> None:
         """Called after :meth:`log_metrics` has been called for every step of a collection

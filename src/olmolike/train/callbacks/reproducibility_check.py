@@ -25,7 +25,14 @@ from torch.distributed.fsdp import FSDPModule
 
 from ... import io
 from ...distributed.checkpoint import load_model_and_optim_state
-from ...distributed.utils import backend_supports_cpu, get_rank, get_world_size, is_distributed
+from ...distributed.utils import (
+    backend_supports_cpu,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    new_group,
+    using_group,
+)
 from ...exceptions import CheckpointError, ConfigurationError
 from ..checkpoint import MODEL_AND_OPTIM
 from .callback import Callback
@@ -62,7 +69,7 @@ class ReproducibilityCheckCallback(Callback, name="reproducibility_check"):
 
     The checkpoint is loaded into the live model itself, not into a copy: its state is set
     aside (each rank clones its own part), filled with NaN so that anything the load misses
-    cannot match by accident, loaded through the checkpointer's process group, run, and then
+    cannot match by accident, loaded through the callback's own process group, run, and then
     restored bit for bit. A copy would have to be sharded exactly like the live model, and
     that cannot be had in general: FSDP2 refuses ``copy.deepcopy`` ("FSDP does not support
     deepcopy"), and rebuilding one needs the unsharded model (a train module may be handed a
@@ -100,6 +107,7 @@ class ReproducibilityCheckCallback(Callback, name="reproducibility_check"):
     _pending: list[_Reference] = field(default_factory=list, init=False, repr=False)
     _checkpointer: CheckpointerCallback | None = field(default=None, init=False, repr=False)
     _last_counted: str | None = field(default=None, init=False, repr=False)
+    _group: dist.ProcessGroup | None = field(default=None, init=False, repr=False)
 
     priority = -5  # after the checkpointer (1), which must have saved the step first
 
@@ -129,6 +137,9 @@ class ReproducibilityCheckCallback(Callback, name="reproducibility_check"):
             )
         self._checkpointer = found[0]
         self._model()  # no model to check is a build error, not one at the first save
+        # Its own group: an async save may still run collectives on the checkpointer's group
+        # in the background while this check loads on the training thread.
+        self._group = new_group("reproducibility check")
 
     def state_dict(self) -> dict[str, Any]:
         # Called while the checkpointer saves this step, before post_step counts that save: the
@@ -234,19 +245,18 @@ class ReproducibilityCheckCallback(Callback, name="reproducibility_check"):
     def _verify(self, reference: _Reference) -> None:
         model = self._model()
         weights = io.join_path(reference.path, MODEL_AND_OPTIM)
-        with _live_state_set_aside(model):
-            load_model_and_optim_state(
-                weights, model, process_group=self.trainer.checkpointer.process_group
-            )
-            logits, losses = self._outputs(model)
-        self._compare(reference, logits, losses)
+        with using_group(self._group, "reproducibility check"):
+            with _live_state_set_aside(model):
+                load_model_and_optim_state(weights, model, process_group=self._group)
+                logits, losses = self._outputs(model)
+            self._compare(reference, logits, losses)
         log.info("Checkpoint %s reproduces the live model's outputs", reference.path)
 
     def _ranks_that_differ(self, differs: bool) -> list[int]:
         """Every rank's verdict, on every rank (a collective: all ranks call it in turn)."""
         if not is_distributed():
             return [0] if differs else []
-        group = self.trainer.checkpointer.process_group  # the group the load just used
+        group = self._group  # the group the load just used
         # It is a gloo group whenever the backend has gloo; an NCCL-only one needs the device.
         device = "cpu" if backend_supports_cpu(group) else self.trainer.device
         flags = torch.zeros(get_world_size(group), dtype=torch.int32, device=device)

@@ -1,0 +1,80 @@
+"""Ranks end with a defined status: 0 after a finished run, every time; 1 and the error after
+a failure, even with background collectives in flight (never SIGABRT at interpreter exit)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from testutils import free_port
+
+RUNS = int(os.environ.get("OLMOLIKE_CLEAN_EXIT_RUNS", "10"))
+"""How many times the finished run is repeated (set it to 100 for a soak run)."""
+
+SCRIPT = """
+import sys
+sys.path.insert(0, {test_dir!r})
+import torch.distributed as dist
+from testutils import CrashAtStep, build_trainer
+from olmolike.train import Duration, prepare_training_environment, teardown_training_environment
+from olmolike.train.callbacks.checkpointer import CheckpointerCallback
+
+if __name__ == "__main__":
+    prepare_training_environment(seed=0)
+    callbacks = {{}}
+    if {crash}:
+        callbacks["checkpointer"] = CheckpointerCallback(save_interval=1, save_async=True)
+        if dist.get_rank() == 1:
+            callbacks["crash"] = CrashAtStep(step_to_crash=3)
+    trainer = build_trainer(sys.argv[1], max_duration=Duration.steps(4), callbacks=callbacks)
+    trainer.fit()
+    print(f"rank {{dist.get_rank()}} done at step {{trainer.global_step}}")
+    teardown_training_environment()
+"""
+
+
+def _torchrun(tmp_path: Path, *, crash: bool) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "train.py"
+    test_dir = str(Path(__file__).parent)
+    script.write_text(textwrap.dedent(SCRIPT.format(test_dir=test_dir, crash=crash)))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+    return subprocess.run(
+        [*torchrun, f"--master-port={free_port()}", str(script), str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def test_a_rank_failing_with_an_async_save_in_flight_exits_1_with_its_error(
+    tmp_path: Path,
+) -> None:
+    result = _torchrun(tmp_path, crash=True)
+    assert result.returncode != 0
+    assert "Crash: crash at step 3" in result.stderr
+    assert "terminate called" not in result.stderr, result.stderr[-3000:]
+    assert "SIGABRT" not in result.stderr and "exitcode: -6" not in result.stderr
+    # torchrun's summary lists each failed rank's exit code: 1 for both (rank 0 fails on the
+    # closed connection, or is ended by the failure monitor with 3).
+    codes = [
+        line.split(":", 1)[1].split()[0]
+        for line in result.stderr.splitlines()
+        if line.strip().startswith("exitcode")
+    ]
+    assert codes and set(codes) <= {"1", "3"}, codes
+
+
+def test_a_finished_run_exits_0_on_every_rank_every_time(tmp_path: Path) -> None:
+    failures = []
+    for attempt in range(RUNS):
+        folder = tmp_path / f"attempt{attempt}"
+        folder.mkdir()
+        result = _torchrun(folder, crash=False)
+        done = [f"rank {rank} done at step 4" in result.stdout for rank in (0, 1)]
+        if result.returncode != 0 or not all(done):
+            failures.append(f"attempt {attempt}: exit {result.returncode}\n{result.stderr[-2000:]}")
+    assert not failures, f"{len(failures)} of {RUNS} runs failed:\n" + "\n".join(failures)
