@@ -487,12 +487,15 @@ class Trainer(TrainerCheckpointing):
         self._bookkeeping.shutdown(wait=False)
 
     def _close(self) -> None:
-        for method in self._hooks["close"]:
-            try:
-                method()
-            except Exception:
-                if self._error is None:
-                    raise
-                log.exception("A callback's close hook failed")
+        try:
+            for method in self._hooks["close"]:
+                try:
+                    method()
+                except Exception:
+                    if self._error is None:
+                        raise
+                    log.exception("A callback's close hook failed")
+        finally:
+            self._release_save_folder()
         if self._error is None:
             self._bookkeeping.shutdown(wait=True)
