@@ -45,7 +45,6 @@ def _disk_full_on_rank1(save: str, save_async: bool) -> dict[str, Any]:
     from olmolike.distributed.utils import get_rank
 
     if get_rank() == 1:
-
         write_data = FileSystemWriter.write_data
 
         def no_space(self: Any, *args: Any, **kwargs: Any) -> Any:

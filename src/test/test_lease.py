@@ -266,3 +266,38 @@ def test_saving_after_losing_the_lease_fails_without_a_marker(tmp_path: Path) ->
         trainer.save_checkpoint()
     assert not (tmp_path / "step0").exists()
     trainer.checkpointer.release_lease()
+
+
+def _train_with_fast_heartbeats(save: str) -> list[str]:
+    import threading
+
+    import torch.distributed as dist
+
+    from olmolike.train import CheckpointerConfig
+    from olmolike.train.callbacks import CheckpointerCallback
+
+    threads: list[str] = []
+    for name in ("all_reduce", "barrier", "broadcast_object_list", "all_gather_object", "gather"):
+        real = getattr(dist, name)
+
+        def recording(*args: object, _real: object = real, **kwargs: object) -> object:
+            threads.append(threading.current_thread().name)
+            return _real(*args, **kwargs)  # type: ignore[operator]
+
+        setattr(dist, name, recording)
+    trainer = build_trainer(
+        save,
+        max_duration=Duration.steps(4),
+        checkpointer=CheckpointerConfig(lease_timeout=0.3),  # a heartbeat every 50 ms
+        callbacks={"checkpointer": CheckpointerCallback(save_interval=2, save_async=True)},
+    )
+    trainer.fit()
+    return sorted(set(threads))
+
+
+def test_the_heartbeat_thread_runs_no_collective(tmp_path: Path) -> None:
+    from testutils import run_distributed_test
+
+    for threads in run_distributed_test(_train_with_fast_heartbeats, 2, args=(str(tmp_path),)):
+        assert threads and "lease-heartbeat" not in threads, threads
+    assert all(r["released"] for r in records(str(tmp_path)))

@@ -384,7 +384,11 @@ class Checkpointer:
             shutil.rmtree(plan.staging, ignore_errors=True)
 
     def _upload_own_files(self, plan: _SavePlan) -> None:
-        files = sorted(p for p in plan.staging.rglob("*") if p.is_file())
+        # Shards first, as DCP writes them; .metadata and the small files after.
+        files = sorted(
+            (p for p in plan.staging.rglob("*") if p.is_file()),
+            key=lambda p: (p.suffix != ".distcp", str(p)),
+        )
         if self.throttle_uploads:
             self._take_turns(lambda: self._upload(plan, files))
         else:

@@ -23,8 +23,8 @@ after the first read back); the heartbeat re-reads the record and stops the lose
 
 A lease is stale (its run dead) when its heartbeat is older than its timeout. Heartbeats
 compare wall clocks of different machines: keep clocks synchronised (NTP) to well under the
-timeout. Two shortcuts take over a lease at once: its holder ran on this host and its process
-is gone, or it has this run's id (the same job restarted by its scheduler: set
+timeout. Shortcuts take over a lease at once: its holder ran on this host and its process is
+gone (or is this process, which no longer holds it), or it has this run's id (the same job restarted by its scheduler: set
 ``OLMOLIKE_RUN_ID``; ``SLURM_JOB_ID`` is used when set).
 
 The heartbeat thread only reads and writes the lease record; it runs no collective.
@@ -65,6 +65,11 @@ DEFAULT_TIMEOUT = 120.0
 SETTLE_SECONDS = 1.0
 
 
+# Run ids of the leases this process holds or is taking now (a release that could not reach the store
+# leaves a record behind that names this process; it must not block a later run here).
+_HELD_HERE: set[str] = set()
+
+
 class SaveFolderInUseError(CheckpointError):
     """Another live run holds the save folder's lease (or took it over from this run)."""
 
@@ -96,7 +101,11 @@ class LeaseRecord:
         """Whether the holder may still be writing (seen from the run ``for_run``)."""
         if self.released or self.age() > self.timeout or self.run_id == for_run:
             return False
-        return not (self.host == socket.gethostname() and not _process_exists(self.pid))
+        if self.host != socket.gethostname():
+            return True
+        if self.pid == os.getpid():  # this process: live only while it holds the lease
+            return self.run_id in _HELD_HERE
+        return _process_exists(self.pid)
 
     def describe(self) -> str:
         started = datetime.fromtimestamp(self.started_at, timezone.utc).strftime("%Y-%m-%d %H:%M")
@@ -194,6 +203,14 @@ class SaveFolderLease:
         """Take the lease, or raise :class:`SaveFolderInUseError` naming the live holder."""
         if self._epoch is not None:
             return
+        _HELD_HERE.add(self.run_id)  # from the first write on, its record is live
+        try:
+            self._acquire()
+        except BaseException:
+            _HELD_HERE.discard(self.run_id)
+            raise
+
+    def _acquire(self) -> None:
         for _ in range(5):
             epochs = _epochs(self.folder)
             top = epochs[-1] if epochs else 0
@@ -282,6 +299,7 @@ class SaveFolderLease:
         with self._lock:
             epoch, record, lost = self._epoch, self._record, self._lost_to
             self._epoch = self._record = None
+            _HELD_HERE.discard(self.run_id)
         if epoch is None or record is None or lost is not None:
             return
         try:
