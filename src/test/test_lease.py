@@ -301,3 +301,20 @@ def test_the_heartbeat_thread_runs_no_collective(tmp_path: Path) -> None:
     for threads in run_distributed_test(_train_with_fast_heartbeats, 2, args=(str(tmp_path),)):
         assert threads and "lease-heartbeat" not in threads, threads
     assert all(r["released"] for r in records(str(tmp_path)))
+
+
+@pytest.mark.parametrize("variable", ["OLMOLIKE_RUN_ID", "SLURM_JOB_ID"])
+def test_the_same_job_restarted_takes_its_own_lease_over_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    folder = str(tmp_path / "run")
+    write_record(folder, run_id="job-42")  # live, on another host: the job's previous attempt
+    monkeypatch.delenv("OLMOLIKE_RUN_ID", raising=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(SaveFolderInUseError):
+        SaveFolderLease(folder).acquire()
+    monkeypatch.setenv(variable, "job-42")
+    assert current_lease(folder, for_run="job-42") is None
+    trainer = build_trainer(folder, max_duration=Duration.steps(1))  # not refused at build
+    trainer.fit()
+    assert [r["run_id"] for r in records(folder)] == ["job-42"]
