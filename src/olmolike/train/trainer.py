@@ -487,15 +487,13 @@ class Trainer(TrainerCheckpointing):
         self._bookkeeping.shutdown(wait=False)
 
     def _close(self) -> None:
-        try:
-            for method in self._hooks["close"]:
-                try:
-                    method()
-                except Exception:
-                    if self._error is None:
-                        raise
-                    log.exception("A callback's close hook failed")
-        finally:
-            self._release_save_folder()
+        for method in self._hooks["close"]:
+            try:
+                method()
+            except Exception:
+                if self._error is None:
+                    raise
+                log.exception("A callback's close hook failed")
+        self._release_save_folder()  # after the last save: the next run may start
         if self._error is None:
             self._bookkeeping.shutdown(wait=True)
