@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +22,7 @@ import fsspec
 from .exceptions import NetworkError
 
 __all__ = [
+    "create_file",
     "exists",
     "is_url",
     "join_path",
@@ -166,14 +167,74 @@ def _replace_atomically(target: Path, overwrite: bool, fill: Callable[[Path], ob
     if target.exists() and not overwrite:
         raise _exists_error(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = _new_temp_file(target)
     try:
-        fill(Path(tmp))
+        fill(tmp)
+        _fsync_path(tmp)
         os.replace(tmp, target)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+    _fsync_path(target.parent)  # the rename itself survives a crash only once its dir is synced
+
+
+def _new_temp_file(target: Path) -> Path:
+    """An empty file beside ``target`` created with the user's umask (``mkstemp`` forces 0600,
+    which would make every written file unreadable to teammates on a shared filesystem)."""
+    while True:
+        tmp = target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def _fsync_path(path: Path) -> None:
+    """Flush a file's or a directory's entries to disk (best effort for directories)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems cannot fsync a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def create_file(path: PathOrStr, contents: str | bytes) -> bool:
+    """Write ``path`` only if nothing exists there; returns whether this call created it.
+
+    Exclusive on local disks (a hard link, which fails if the name exists) and on stores with
+    conditional writes (S3 ``If-None-Match``, GCS ``ifGenerationMatch=0``). A store that
+    ignores the condition overwrites: callers that need exclusivity read the file back.
+    """
+    data = contents.encode() if isinstance(contents, str) else contents
+    if is_url(path):
+        fs, fs_path = fsspec.core.url_to_fs(str(path))
+
+        def put() -> bool:
+            try:
+                fs.pipe_file(fs_path, data, mode="create")
+            except FileExistsError:
+                return False
+            return True
+
+        return retry_network(put, f"creating {path}")
+    target = local_path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _new_temp_file(target)
+    try:
+        _write_synced(tmp, data)
+        os.link(tmp, target)
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_path(target.parent)
+    return True
 
 
 def _write_synced(path: Path, data: bytes) -> None:

@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..exceptions import CheckpointError
+from ..exceptions import CheckpointError, ConfigurationError
 from ..io import is_url
 from .utils import is_distributed
 
@@ -41,10 +42,12 @@ __all__ = [
     "ReusedBufferStager",
     "apply_model_and_optim_state_dict",
     "async_save_state_dict",
+    "check_checkpoint_backend",
     "checkpoint_keys",
     "load_model_and_optim_state",
     "load_state_dict",
     "model_and_optim_state_dict",
+    "read_metadata",
     "save_model_and_optim_state",
     "save_state_dict",
 ]
@@ -67,6 +70,30 @@ def model_and_optim_state_dict(
     if optim is not None:
         state["optim"] = get_optimizer_state_dict(model, optim)
     return state
+
+
+_CPU_BACKENDS = ("gloo", "mpi")
+
+
+def check_checkpoint_backend(backend: str) -> None:
+    """Refuse a process-group backend that cannot run collectives on CPU tensors.
+
+    Checkpoint collectives (DCP's planning, the checkpointer's agreement on success) exchange
+    CPU tensors and objects, also from a background thread; ``"nccl"`` alone cannot. Accepted:
+    a CPU backend (``"gloo"``) or a per-device string with a CPU part (``"cpu:gloo,cuda:nccl"``).
+    """
+    parts = [p.strip().lower() for p in str(backend).split(",") if p.strip()]
+    for part in parts:
+        device, _, name = part.rpartition(":")
+        if device in ("", "cpu") and name in _CPU_BACKENDS:
+            return
+    raise ConfigurationError(
+        f"checkpoints need a process-group backend with CPU collectives, but the backend is "
+        f"{backend!r}. Initialize with backend='cpu:gloo,cuda:nccl' (e.g. "
+        "prepare_training_environment(backend='cpu:gloo,cuda:nccl')), or pass a gloo group "
+        "as checkpointer_pg to TrainerConfig.build()",
+        path="backend",
+    )
 
 
 def _writer(dir: str | Path, thread_count: int | None) -> FileSystemWriter:
@@ -174,8 +201,12 @@ def load_state_dict(
 
 def checkpoint_keys(dir: str | Path) -> set[str]:
     """Top-level names saved in a DCP checkpoint (e.g. ``{"model", "optim"}``)."""
-    metadata = _reader(dir).read_metadata()
-    return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    return {key.split(".", 1)[0] for key in read_metadata(dir).state_dict_metadata}
+
+
+def read_metadata(dir: str | Path) -> Metadata:
+    """DCP's ``.metadata`` of the checkpoint in ``dir`` (which tensors, shapes, shard files)."""
+    return _reader(dir).read_metadata()
 
 
 def _reader(dir: str | Path) -> FileSystemReader:

@@ -11,11 +11,16 @@ The commit protocol never lets a reader see a partial checkpoint:
 
 * local folders: every rank writes into ``.step{N}.tmp`` beside the target; once all ranks
   report success, rank 0 writes the marker into it and renames it into place (atomic);
-* object stores (no atomic rename): every rank writes locally, then uploads the files it
-  wrote, in place; once all ranks report success, rank 0 uploads the marker last.
+* object stores (no atomic rename): rank 0 first deletes whatever the target prefix holds
+  (its marker first, then every object, e.g. shards of a larger world size), then every rank
+  writes into a staging folder of its own under ``work_dir`` and uploads the files it wrote;
+  once all ranks report success, rank 0 uploads the marker last.
 
-Removing a checkpoint deletes its marker first. Trainer state is saved with ``torch.save``
-and loaded with ``weights_only=True``: loading never runs code from a file.
+Removing a checkpoint deletes its marker first. A save that fails raises
+:class:`~olmolike.exceptions.CheckpointError` on every rank and removes its staging folder.
+Loading first checks that the checkpoint is intact (:mod:`.checkpoint_format`). Trainer state
+is saved with ``torch.save`` and loaded with ``weights_only=True``: loading never runs code
+from a file. The run's lease on the save folder (:mod:`.lease`) is held by the checkpointer.
 """
 
 from __future__ import annotations
@@ -23,31 +28,60 @@ from __future__ import annotations
 import io as std_io
 import json
 import logging
-import re
 import shutil
+import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import fsspec
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import io
 from ..config import Config
 from ..distributed.checkpoint import (
     ReusedBufferStager,
     async_save_state_dict,
-    checkpoint_keys,
+    check_checkpoint_backend,
     load_state_dict,
+    read_metadata,
     save_state_dict,
 )
-from ..distributed.utils import get_rank, get_world_size, is_distributed, using_group
+from ..distributed.utils import (
+    broadcast_object,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    using_group,
+)
 from ..exceptions import CheckpointError
 from .bookkeeping import DaemonThreadPool
+from .checkpoint_download import local_copy
+from .checkpoint_format import (
+    MARKER,
+    MODEL_AND_OPTIM,
+    STEP_DIR,
+    TRAIN_STATE,
+    DamagedCheckpointError,
+    contains_checkpoint,
+    describe_error,
+    describe_shape_mismatch,
+    dir_is_checkpoint,
+    find_checkpoints,
+    fsync_dir,
+    latest_checkpoint,
+    load_train_state,
+    read_marker,
+    remove_abandoned,
+    remove_checkpoint,
+    verify_checkpoint,
+    write_synced,
+)
+from .lease import DEFAULT_TIMEOUT, SaveFolderLease, acquire_lease
 
 if TYPE_CHECKING:
     from .train_module import TrainModule
@@ -56,11 +90,7 @@ __all__ = ["Checkpointer", "CheckpointerConfig"]
 
 log = logging.getLogger(__name__)
 
-MARKER = ".olmolike-checkpoint.json"
-MODEL_AND_OPTIM = "model_and_optim"
-TRAIN_STATE = "train"
 FORMAT_VERSION = 1
-_STEP_DIR = re.compile(r"^step(\d+)$")
 
 
 @dataclass
@@ -79,12 +109,21 @@ class CheckpointerConfig(Config):
     """Threads reading checkpoint files (per rank)."""
     throttle_uploads: bool = False
     """Let ranks upload one after another, for object stores that limit request rates."""
+    lease_timeout: float = DEFAULT_TIMEOUT
+    """Seconds without a heartbeat after which a run's lease on its save folder is stale.
+
+    A training run holds a lease on its save folder so that a second run cannot write there
+    at the same time; the lease of a run that died is taken over once it is this old (at
+    once if the dead run was on the same host). Heartbeats are sent every sixth of it.
+    """
 
     def validate(self) -> None:
         for name in ("save_thread_count", "load_thread_count"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise self._invalid(name, f"must be >= 1 if set, got {value}")
+        if self.lease_timeout <= 0:
+            raise self._invalid("lease_timeout", f"must be > 0, got {self.lease_timeout}")
 
     def build(
         self,
@@ -101,6 +140,7 @@ class CheckpointerConfig(Config):
             save_thread_count=self.save_thread_count,
             load_thread_count=self.load_thread_count,
             throttle_uploads=self.throttle_uploads,
+            lease_timeout=self.lease_timeout,
         )
 
 
@@ -136,7 +176,10 @@ class Checkpointer:
         save_thread_count: int | None = None,
         load_thread_count: int | None = None,
         throttle_uploads: bool = False,
+        lease_timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
+        if process_group is not None or is_distributed():
+            check_checkpoint_backend(str(dist.get_backend(process_group)))
         self.work_dir = Path(work_dir)
         self.save_overwrite = save_overwrite
         self.pre_download = pre_download
@@ -147,6 +190,19 @@ class Checkpointer:
         self._writer: DaemonThreadPool | None = None
         self._pending: Future[Any] | None = None
         self._stager = ReusedBufferStager()
+        self.lease_timeout = lease_timeout
+        self.lease: SaveFolderLease | None = None
+        """The lease on the save folder while a run trains (held by rank 0 only)."""
+
+    def acquire_lease(self, folder: str) -> None:
+        """Take the lease on ``folder`` (see :mod:`.lease`); every rank raises if in use."""
+        self.lease = acquire_lease(folder, self.lease_timeout, group=self.process_group)
+
+    def release_lease(self) -> None:
+        """Release the lease: the next run on the folder may start at once."""
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.release()
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -165,6 +221,7 @@ class Checkpointer:
         """
         self.wait_for_pending_save()
         plan = self._begin(dir, extra_files)
+        cause: BaseException | None = None
         try:
             save_state_dict(
                 plan.staging / MODEL_AND_OPTIM,
@@ -172,11 +229,10 @@ class Checkpointer:
                 process_group=self.process_group,
                 thread_count=self.save_thread_count,
             )
-            ok = True
-        except Exception:
-            log.exception("Writing the model and optimizer state of %s failed", plan.target)
-            ok = False
-        self._finish(plan, _serialize(train_state), ephemeral, ok)
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            log.error("Writing the model and optimizer state of %s failed: %s", plan.target, e)
+            cause = e
+        self._finish(plan, _serialize(train_state), ephemeral, cause)
 
     def save_async(
         self,
@@ -194,24 +250,29 @@ class Checkpointer:
         self.wait_for_pending_save()
         plan = self._begin(dir, extra_files)
         state_bytes = _serialize(train_state)
-        dcp_future = async_save_state_dict(
-            plan.staging / MODEL_AND_OPTIM,
-            train_module.state_dict_to_save(),
-            process_group=self.process_group,
-            thread_count=self.save_thread_count,
-            stager=self._stager,
-        )
+        try:
+            dcp_future = async_save_state_dict(
+                plan.staging / MODEL_AND_OPTIM,
+                train_module.state_dict_to_save(),
+                process_group=self.process_group,
+                thread_count=self.save_thread_count,
+                stager=self._stager,
+            )
+        except (Exception, CheckpointException) as e:  # planning failed, on every rank
+            self._finish(plan, state_bytes, ephemeral, e)
 
         def finish() -> None:
             # The group belongs to this save (DCP's thread, then this one) until it is done.
             with using_group(self.process_group, "checkpointer"):
+                cause: BaseException | None = None
                 try:
                     dcp_future.result()
-                    ok = True
-                except BaseException:  # DCP's CheckpointException derives from BaseException
-                    log.exception("Writing the model and optimizer state of %s failed", plan.target)
-                    ok = False
-                self._finish(plan, state_bytes, ephemeral, ok)
+                except (Exception, CheckpointException) as e:  # a BaseException: never let it out
+                    log.error(
+                        "Writing the model and optimizer state of %s failed: %s", plan.target, e
+                    )
+                    cause = e
+                self._finish(plan, state_bytes, ephemeral, cause)
 
         self._pending = self._writer_thread().submit(finish)
         return self._pending
@@ -257,59 +318,91 @@ class Checkpointer:
         remote = io.is_url(target)
         name = target.rsplit("/", 1)[-1]
         if remote:
-            staging = self.work_dir / "checkpoint-staging" / name
+            # Per rank, on each node's own disk: every rank cleans up what it staged itself.
+            mine = self.work_dir / "checkpoint-staging" / f"rank{get_rank()}"
+            shutil.rmtree(mine, ignore_errors=True)  # leftovers of interrupted saves
+            staging = mine / name
         else:
             staging = Path(target).parent / f".{name}.tmp"
+        error: str | None = None
         if get_rank() == 0:
-            shutil.rmtree(staging, ignore_errors=True)  # leftovers of an interrupted save
-        self._barrier()
-        # Every rank creates it too: remote saves stage on each node's own disk.
+            error = self._prepare_target(target, staging, remote)
+        error = self._broadcast(error)
+        if error is not None:
+            raise CheckpointError(error)
         (staging / TRAIN_STATE).mkdir(parents=True, exist_ok=True)
         return _SavePlan(target, staging, remote, extra)
 
-    def _finish(self, plan: _SavePlan, state_bytes: bytes, ephemeral: bool, ok: bool) -> None:
-        rank = get_rank()
-        cause: Exception | None = None
+    def _prepare_target(self, target: str, staging: Path, remote: bool) -> str | None:
+        """Rank 0, before any rank writes: check the lease, clear what is in the way."""
         try:
-            if ok:
-                (plan.staging / TRAIN_STATE / f"rank{rank}.pt").write_bytes(state_bytes)
+            if self.lease is not None:
+                self.lease.check()
+            if remote:
+                # Marker first: from here on no reader trusts what the prefix holds.
+                self.remove_checkpoint(target)
+            else:
+                shutil.rmtree(staging, ignore_errors=True)
+        except Exception as e:
+            return f"cannot save {target}: {e}"
+        return None
+
+    def _finish(
+        self, plan: _SavePlan, state_bytes: bytes, ephemeral: bool, cause: BaseException | None
+    ) -> None:
+        rank = get_rank()
+        try:
+            if cause is None:
+                write_synced(plan.staging / TRAIN_STATE / f"rank{rank}.pt", state_bytes)
                 if rank == 0:
                     for name, data in plan.extra_files.items():
-                        (plan.staging / name).write_bytes(data)
+                        write_synced(plan.staging / name, data)
                 if plan.remote:
                     self._upload_own_files(plan)
         except Exception as e:
             log.exception("Saving this rank's part of %s failed", plan.target)
-            ok, cause = False, e
-        if not self._all_agree(ok):
+            cause = e
+        if not self._all_agree(cause is None):
+            self._clean_staging(plan)
+            reason = f": {describe_error(cause)}" if cause is not None else ""
             raise CheckpointError(
-                f"saving {plan.target} failed on at least one rank; it has no marker"
-            ) from cause
-        committed = True
+                f"saving {plan.target} failed on at least one rank (this rank: "
+                f"{'failed' if cause else 'ok'}{reason}); it has no marker"
+            ) from None
+        commit_error: Exception | None = None
         if rank == 0:
             try:
                 self._commit(plan, ephemeral)
-            except Exception:
+            except Exception as e:
                 log.exception("Committing %s failed", plan.target)
-                committed = False
-        if not self._all_agree(committed):
-            raise CheckpointError(f"committing {plan.target} failed; it has no marker")
-        if plan.remote and rank == 0:
-            shutil.rmtree(plan.staging, ignore_errors=True)
+                commit_error = e
+        if not self._all_agree(commit_error is None):
+            self._clean_staging(plan)
+            raise CheckpointError(
+                f"committing {plan.target} failed; it has no marker"
+                + (f": {commit_error}" if commit_error else "")
+            )
+        if plan.remote:
+            shutil.rmtree(plan.staging.parent, ignore_errors=True)
         log.info("Saved checkpoint %s", plan.target)
 
+    def _clean_staging(self, plan: _SavePlan) -> None:
+        """After a failed save (every rank is past writing): free the disk it used."""
+        if plan.remote:
+            shutil.rmtree(plan.staging.parent, ignore_errors=True)
+        elif get_rank() == 0:
+            shutil.rmtree(plan.staging, ignore_errors=True)
+
     def _upload_own_files(self, plan: _SavePlan) -> None:
-        rank = get_rank()
-        dcp_dir = plan.staging / MODEL_AND_OPTIM
-        own = sorted(dcp_dir.glob(f"__{rank}_*.distcp"))
-        if rank == 0:
-            own += [p for p in dcp_dir.iterdir() if not p.name.endswith(".distcp")]
-            own += [plan.staging / name for name in plan.extra_files]
-        own.append(plan.staging / TRAIN_STATE / f"rank{rank}.pt")
+        # Shards first, as DCP writes them; .metadata and the small files after.
+        files = sorted(
+            (p for p in plan.staging.rglob("*") if p.is_file()),
+            key=lambda p: (p.suffix != ".distcp", str(p)),
+        )
         if self.throttle_uploads:
-            self._take_turns(lambda: self._upload(plan, own))
+            self._take_turns(lambda: self._upload(plan, files))
         else:
-            self._upload(plan, own)
+            self._upload(plan, files)
 
     def _upload(self, plan: _SavePlan, files: list[Path]) -> None:
         for path in files:
@@ -317,6 +410,8 @@ class Checkpointer:
             io.persist(plan.staging, plan.target, relative, overwrite=True)
 
     def _commit(self, plan: _SavePlan, ephemeral: bool) -> None:
+        if self.lease is not None:
+            self.lease.check()  # a run that lost its lease must not vouch for anything
         marker = json.dumps(
             {
                 "format_version": FORMAT_VERSION,
@@ -324,16 +419,20 @@ class Checkpointer:
                 "ephemeral": ephemeral,
                 "world_size": get_world_size(),
                 "saved_at": time.time(),
+                "host": socket.gethostname(),
             }
         )
         if plan.remote:
             io.write_file(plan.target, MARKER, marker, overwrite=True)
             return
-        io.write_file(plan.staging, MARKER, marker, overwrite=True)
+        for folder in (plan.staging / TRAIN_STATE, plan.staging / MODEL_AND_OPTIM):
+            fsync_dir(folder)
+        io.write_file(plan.staging, MARKER, marker, overwrite=True)  # fsyncs it and its dir
         target = Path(plan.target)
         if target.exists():
             self.remove_checkpoint(str(target))
         plan.staging.rename(target)
+        fsync_dir(target.parent)
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -344,50 +443,80 @@ class Checkpointer:
         *,
         load_trainer_state: bool | None = None,
         load_optim_state: bool | None = None,
+        current_config: str | bytes | None = None,
     ) -> dict[str, Any] | None:
         """Load a checkpoint into ``train_module``; return this rank's trainer state, if loaded.
 
-        ``None`` for either flag means: load it if the checkpoint has it.
+        ``None`` for either flag means: load it if the checkpoint has it. The checkpoint is
+        checked first; :class:`CheckpointError` names what is wrong with it, on every rank.
+        ``current_config`` (this run's ``config.json``) lets a shape mismatch name the config
+        fields that differ.
         """
         dir = str(dir).rstrip("/")
-        if not self.dir_is_checkpoint(dir):
-            raise CheckpointError(f"{dir} is not a complete checkpoint (it has no {MARKER} marker)")
-        source = self._local_copy(dir) if io.is_url(dir) and self.pre_download else dir
+        trainer_state, optim_state, config = load_trainer_state, load_optim_state, current_config
+        error: tuple[bool, str] | None = None
+        if get_rank() == 0:
+            try:
+                verify_checkpoint(dir)
+            except Exception as e:  # every rank raises, not only this one
+                error = (isinstance(e, DamagedCheckpointError), str(e))
+        error = self._broadcast(error)
+        if error is not None:
+            raise (DamagedCheckpointError if error[0] else CheckpointError)(error[1])
+        if not (io.is_url(dir) and self.pre_download):
+            return self._load_from(dir, dir, train_module, trainer_state, optim_state, config)
+        with local_copy(
+            dir,
+            self.work_dir,
+            process_group=self.process_group,
+            thread_count=self.load_thread_count,
+        ) as source:
+            return self._load_from(dir, source, train_module, trainer_state, optim_state, config)
+
+    def _load_from(
+        self,
+        dir: str,
+        source: str,
+        train_module: TrainModule,
+        load_trainer_state: bool | None,
+        load_optim_state: bool | None,
+        current_config: str | bytes | None,
+    ) -> dict[str, Any] | None:
         dcp_dir = io.join_path(source, MODEL_AND_OPTIM)
-        has_optim = "optim" in checkpoint_keys(dcp_dir)
+        metadata = read_metadata(dcp_dir)
+        has_optim = any(key.startswith("optim.") for key in metadata.state_dict_metadata)
         if load_optim_state and not has_optim:
             raise CheckpointError(f"{dir} holds no optimizer state; set load_optim_state=False")
         state = train_module.state_dict_to_load(
             optim=has_optim if load_optim_state is None else load_optim_state
         )
-        load_state_dict(dcp_dir, state, process_group=self.process_group)
+        mismatch = describe_shape_mismatch(dir, metadata, state.get("model", {}), current_config)
+        if mismatch is not None:
+            raise CheckpointError(mismatch)
+        try:
+            load_state_dict(dcp_dir, state, process_group=self.process_group)
+        except (Exception, CheckpointException) as e:  # raised on every rank alike
+            raise CheckpointError(f"loading checkpoint {dir} failed: {describe_error(e)}") from None
         train_module.load_state_dict(state)
         if load_trainer_state is False:
             return None
-        return self._load_train_state(source, required=bool(load_trainer_state))
+        return self._load_train_state(source, dir)
 
-    def _load_train_state(self, dir: str, *, required: bool) -> dict[str, Any] | None:
-        for name in (f"rank{get_rank()}.pt", "rank0.pt"):
-            path = io.join_path(dir, f"{TRAIN_STATE}/{name}")
-            if io.exists(path):
-                data = io.read_bytes(path)
-                return torch.load(std_io.BytesIO(data), weights_only=True, map_location="cpu")
-        if required:
-            raise CheckpointError(f"{dir} holds no trainer state; set load_trainer_state=False")
-        return None
-
-    def _local_copy(self, dir: str) -> str:
-        local = self.work_dir / "checkpoint-download" / dir.rsplit("/", 1)[-1]
-        if get_rank() == 0:
-            shutil.rmtree(local, ignore_errors=True)
-            fs, path = fsspec.core.url_to_fs(dir)
-            # load_thread_count bounds the concurrent downloads of async stores (gcsfs, s3fs).
-            batch = {"batch_size": self.load_thread_count} if self.load_thread_count else {}
-            io.retry_network(
-                lambda: fs.get(path, str(local), recursive=True, **batch), f"downloading {dir}"
+    def _load_train_state(self, source: str, dir: str) -> dict[str, Any]:
+        error: str | None = None
+        state: dict[str, Any] = {}
+        rank = get_rank()
+        # A checkpoint of fewer ranks: a new rank starts from rank 0's state.
+        has_own = io.exists(io.join_path(source, f"{TRAIN_STATE}/rank{rank}.pt"))
+        try:
+            state = load_train_state(source, rank if has_own else 0)
+        except CheckpointError as e:
+            error = str(e).replace(source, dir)
+        if not self._all_agree(error is None):
+            raise DamagedCheckpointError(
+                error or f"checkpoint {dir}: a rank's trainer state is bad"
             )
-        self._barrier()
-        return str(local)
+        return state
 
     # -- finding and removing ----------------------------------------------------------------
 
@@ -395,57 +524,14 @@ class Checkpointer:
         """Write ``contents`` to ``dir/fname`` (local or remote); returns its path or URL."""
         return io.write_file(dir, fname, contents, overwrite=self.save_overwrite)
 
-    @classmethod
-    def dir_is_checkpoint(cls, dir: str | Path) -> bool:
-        """Whether ``dir`` is a complete checkpoint (its marker exists)."""
-        return io.exists(io.join_path(dir, MARKER))
-
-    @classmethod
-    def find_checkpoints(
-        cls, dir: str | Path, ephemeral: bool | None = None
-    ) -> Iterator[tuple[int, str]]:
-        """Complete checkpoints ``(step, path)`` directly under ``dir``, by step."""
-        found = []
-        for name in io.list_dir(dir):
-            match = _STEP_DIR.match(name)
-            path = io.join_path(dir, name)
-            if match is None or not cls.dir_is_checkpoint(path):
-                continue
-            if (
-                ephemeral is not None
-                and cls.checkpoint_metadata(path).get("ephemeral") != ephemeral
-            ):
-                continue
-            found.append((int(match.group(1)), path))
-        yield from sorted(found)
-
-    @classmethod
-    def contains_checkpoint(cls, dir: str | Path) -> bool:
-        """Whether ``dir`` is a checkpoint or holds one."""
-        return cls.dir_is_checkpoint(dir) or any(True for _ in cls.find_checkpoints(dir))
-
-    @classmethod
-    def latest_checkpoint(cls, dir: str | Path) -> str:
-        """The complete checkpoint with the highest step under ``dir``.
-
-        :raises FileNotFoundError: if there is none.
-        """
-        found = list(cls.find_checkpoints(dir))
-        if not found:
-            raise FileNotFoundError(f"no complete checkpoint in {dir}")
-        return found[-1][1]
-
-    @classmethod
-    def checkpoint_metadata(cls, dir: str | Path) -> dict[str, Any]:
-        metadata = json.loads(io.read_bytes(io.join_path(dir, MARKER)))
-        assert isinstance(metadata, dict)
-        return metadata
-
-    @classmethod
-    def remove_checkpoint(cls, dir: str) -> None:
-        """Delete a checkpoint, marker first: an interrupted removal leaves no 'complete' half."""
-        io.remove(io.join_path(dir, MARKER))
-        io.remove(dir, recursive=True)
+    # The on-disk format's functions, also reachable from here (as in OLMo-core).
+    dir_is_checkpoint = staticmethod(dir_is_checkpoint)
+    find_checkpoints = staticmethod(find_checkpoints)
+    contains_checkpoint = staticmethod(contains_checkpoint)
+    latest_checkpoint = staticmethod(latest_checkpoint)
+    checkpoint_metadata = staticmethod(read_marker)
+    remove_checkpoint = staticmethod(remove_checkpoint)
+    remove_abandoned = staticmethod(remove_abandoned)
 
     # -- collectives -------------------------------------------------------------------------
 
@@ -456,6 +542,10 @@ class Checkpointer:
         with using_group(self.process_group, "checkpointer"):
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group)
         return bool(flag.item())
+
+    def _broadcast(self, obj: Any) -> Any:
+        with using_group(self.process_group, "checkpointer"):
+            return broadcast_object(obj, group=self.process_group)
 
     def _barrier(self) -> None:
         if is_distributed():
@@ -482,5 +572,5 @@ def _serialize(state: dict[str, Any]) -> bytes:
 
 
 def _step_of(path: str) -> int | None:
-    match = _STEP_DIR.match(path.rsplit("/", 1)[-1])
+    match = STEP_DIR.match(path.rsplit("/", 1)[-1])
     return int(match.group(1)) if match else None

@@ -25,6 +25,7 @@ from .callbacks.checkpointer import CheckpointerCallback
 from .callbacks.console_logger import ConsoleLoggerCallback
 from .checkpoint import Checkpointer, CheckpointerConfig
 from .common import Duration, LoadStrategy, StepSkipRange
+from .lease import SaveFolderInUseError, current_lease, in_use_message, run_id
 
 if TYPE_CHECKING:
     from ..data.data_loader import DataLoaderBase
@@ -185,6 +186,9 @@ class TrainerConfig(Config):
             )
 
     def _check_save_folder(self) -> None:
+        holder = current_lease(self.save_folder, for_run=run_id())
+        if holder is not None:  # the cause is another run: never advise save_overwrite here
+            raise SaveFolderInUseError(in_use_message(self.save_folder, holder))
         if (
             self.load_strategy == LoadStrategy.never
             and not self.save_overwrite

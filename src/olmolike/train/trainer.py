@@ -490,6 +490,7 @@ class Trainer(TrainerCheckpointing):
                 if self._error is None:
                     raise
                 log.exception("A callback's close hook failed")
+        self._release_save_folder()  # after the last save: the next run may start
         if self._error is None:
             self._flush_bookkeeping()  # what close hooks submitted; their errors are raised
             self._bookkeeping.shutdown(wait=True)

@@ -12,6 +12,7 @@ from .. import io
 from ..distributed.utils import broadcast_object, get_rank
 from ..exceptions import CheckpointError
 from .checkpoint import Checkpointer, check_extra_file_name
+from .checkpoint_format import DamagedCheckpointError, mark_damaged
 from .common import LoadStrategy
 
 if TYPE_CHECKING:
@@ -111,6 +112,7 @@ class TrainerCheckpointing(ABC):
             load_optim_state=self.load_optim_state
             if load_optim_state is None
             else load_optim_state,
+            current_config=self._checkpoint_files.get("config.json"),
         )
         if trainer_state is not None:
             self.load_state_dict(trainer_state)
@@ -135,31 +137,57 @@ class TrainerCheckpointing(ABC):
         return True
 
     def _load_on_start(self) -> None:
-        """What ``fit()`` loads: the save folder's latest checkpoint, else ``load_path``."""
+        """What ``fit()`` does first: take the save folder's lease (one writer per folder),
+        then load the save folder's latest checkpoint, else ``load_path``.
+
+        A checkpoint that turns out damaged (missing, truncated or unreadable files) is skipped
+        with a warning, and the next older complete one is loaded (the save folder's, then
+        ``load_path``'s); a damaged one in the save folder loses its marker (the reason is
+        kept in ``.olmolike-damaged.json``), so the steps trained again can be saved there.
+        Other load errors (a model of another shape, say) are raised as they are.
+        """
+        self.checkpointer.acquire_lease(self.save_folder)
         if self.load_strategy == LoadStrategy.never:
             return
-        # Rank 0 looks, everyone loads the same path: listings can differ between nodes.
-        path = broadcast_object(self._find_checkpoint_to_load() if get_rank() == 0 else None)
-        if path is not None:
-            self.load_checkpoint(path)
-        elif self.load_strategy == LoadStrategy.always:
+        # Rank 0 looks, everyone loads the same paths: listings can differ between nodes.
+        paths = broadcast_object(self._checkpoints_to_load() if get_rank() == 0 else None)
+        for i, path in enumerate(paths):
+            try:
+                self.load_checkpoint(path)
+                return
+            except DamagedCheckpointError as e:
+                if i + 1 == len(paths):
+                    raise
+                log.warning("Cannot resume from %s; trying %s instead. %s", path, paths[i + 1], e)
+                if get_rank() == 0 and path.startswith(self.save_folder.rstrip("/") + "/"):
+                    # This run holds the folder: the steps it trains again may be saved anew.
+                    mark_damaged(path, str(e))
+        if self.load_strategy == LoadStrategy.always:
             raise CheckpointError(
                 f"load_strategy is 'always' but there is no checkpoint in the save folder "
                 f"({self.save_folder}) or at load_path ({self.load_path})"
             )
 
-    def _find_checkpoint_to_load(self) -> str | None:
+    def _checkpoints_to_load(self) -> list[str]:
+        """Complete checkpoints to try, best first: the save folder's, newest first, then
+        ``load_path`` (itself if it is one, else the ones it holds, newest first)."""
         load_path = self.load_path
         if load_path is not None:
             load_path = io.resolve_download_url(load_path, self.work_dir / "downloads")
+        paths: list[str] = []
         for candidate in (self.save_folder, load_path):
             if candidate is None:
                 continue
             if Checkpointer.dir_is_checkpoint(candidate):
-                return str(candidate)
-            if Checkpointer.contains_checkpoint(candidate):
-                return Checkpointer.latest_checkpoint(candidate)
-        return None
+                paths.append(str(candidate))
+            else:
+                found = Checkpointer.find_checkpoints(candidate)
+                paths += [path for _, path in reversed(list(found))]
+        return paths
+
+    def _release_save_folder(self) -> None:
+        """Let the next run on the save folder start at once (``fit()`` calls it at the end)."""
+        self.checkpointer.release_lease()
 
     def write_file(self, name: str, contents: str | bytes, dir: str | Path | None = None) -> str:
         """Write ``contents`` to ``name`` under ``dir`` (default: the save folder)."""

@@ -22,7 +22,8 @@ class CheckpointerCallback(Callback, name="checkpointer"):
 
     Ephemeral checkpoints (every ``ephemeral_save_interval`` steps) are for resuming after a
     preemption: only the newest is kept, and it is removed once a newer checkpoint of any kind
-    is complete, never before. Removal is done by rank 0, marker first.
+    is complete, never before. Removal is done by rank 0, marker first; step folders left
+    without a marker by a killed removal or save are removed after the next save.
     """
 
     save_interval: int = 250
@@ -135,16 +136,31 @@ class CheckpointerCallback(Callback, name="checkpointer"):
             self._after_save(path, ephemeral)
 
     def _after_save(self, path: str, ephemeral: bool) -> None:
+        """Retention, by rank 0, once the checkpoint at ``path`` is complete.
+
+        Ephemeral checkpoints of earlier steps than ``path`` are removed, so a newer one is
+        never removed in favour of an older one (two async saves may be collected at once).
+        Step folders without a marker (a removal or save killed half-way) are removed too,
+        except those of saves still in progress.
+        """
         if get_rank() != 0:
             return
         folder = self.trainer.save_folder
-        for _, old in Checkpointer.find_checkpoints(folder, ephemeral=True):
-            if old != path:
+        saved_step = _step_of(path)
+        for step, old in Checkpointer.find_checkpoints(folder, ephemeral=True):
+            if step < saved_step:
                 log.info("Removing ephemeral checkpoint %s", old)
                 Checkpointer.remove_checkpoint(old)
+        in_progress = [pending for pending, _, _ in self._pending]
+        Checkpointer.remove_abandoned(folder, keep=[path, *in_progress])
         if ephemeral or self.max_checkpoints is None:
             return
         permanent = list(Checkpointer.find_checkpoints(folder, ephemeral=False))
         for _, old in permanent[: max(0, len(permanent) - self.max_checkpoints)]:
             log.info("Removing checkpoint %s (max_checkpoints=%d)", old, self.max_checkpoints)
             Checkpointer.remove_checkpoint(old)
+
+
+def _step_of(path: str) -> int:
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    return int(name[len("step") :]) if name.startswith("step") and name[4:].isdigit() else -1

@@ -1,0 +1,77 @@
+"""``pre_download``: a remote checkpoint copied to local disk once per node, then loaded."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import torch
+import torch.distributed as dist
+
+from .. import io
+from ..distributed.utils import get_rank, get_world_size, is_distributed
+from ..exceptions import CheckpointError
+
+__all__ = ["local_copy"]
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def local_copy(
+    url: str,
+    work_dir: Path,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    thread_count: int | None = None,
+) -> Iterator[str]:
+    """Yield a local copy of the checkpoint at ``url`` under ``work_dir``, removed afterwards.
+
+    Ranks that see the same download folder on the same host share one copy, downloaded by
+    the lowest of them: once per node with a node-local ``work_dir``, and once per rank when
+    ranks are given work dirs of their own. Collective over ``process_group``.
+    """
+    local = work_dir / "checkpoint-download" / url.rstrip("/").rsplit("/", 1)[-1]
+    where = (socket.gethostname(), str(local.resolve()))
+    downloads = True
+    if is_distributed():
+        places: list[Any] = [None] * get_world_size(process_group)
+        dist.all_gather_object(places, where, group=process_group)
+        downloads = places.index(where) == get_rank(process_group)
+    ok = True
+    if downloads:
+        try:
+            shutil.rmtree(local, ignore_errors=True)
+            fs, path = fsspec.core.url_to_fs(url)
+            # thread_count bounds the concurrent downloads of async stores (gcsfs, s3fs).
+            batch = {"batch_size": thread_count} if thread_count else {}
+            io.retry_network(
+                lambda: fs.get(path, str(local), recursive=True, **batch), f"downloading {url}"
+            )
+            log.info("Downloaded %s to %s", url, local)
+        except Exception:
+            log.exception("Downloading %s failed", url)
+            ok = False
+    if not _all_agree(ok, process_group):
+        raise CheckpointError(f"downloading {url} to {local} failed on at least one node")
+    try:
+        yield str(local)
+    finally:
+        if is_distributed():
+            dist.barrier(group=process_group)  # every rank sharing the copy has read it
+        if downloads:
+            shutil.rmtree(local, ignore_errors=True)
+
+
+def _all_agree(ok: bool, group: dist.ProcessGroup | None) -> bool:
+    if not is_distributed():
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())

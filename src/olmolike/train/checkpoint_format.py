@@ -1,0 +1,357 @@
+"""The on-disk format of train checkpoints: layout, marker, finding, removing, checking.
+
+``{save_folder}/step{N}/`` is a checkpoint once its marker exists (see
+:mod:`olmolike.train.checkpoint` for how saves get there). Removal deletes the marker first.
+
+A marker says every rank's files landed; it cannot say they are still there and whole. A
+deleted or truncated shard, an unreadable DCP ``.metadata``, a truncated ``rank0.pt`` or a
+malformed marker each becomes one :class:`~olmolike.exceptions.CheckpointError` that names
+the checkpoint and what is wrong, so a resume can fall back to the previous checkpoint
+instead of failing half-way through loading (or, worse, loading garbage).
+"""
+
+from __future__ import annotations
+
+import io as std_io
+import json
+import logging
+import os
+import re
+from collections.abc import Collection, Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from .. import io
+from ..distributed.checkpoint import read_metadata
+from ..exceptions import CheckpointError
+
+__all__ = [
+    "DamagedCheckpointError",
+    "contains_checkpoint",
+    "describe_error",
+    "describe_shape_mismatch",
+    "dir_is_checkpoint",
+    "find_checkpoints",
+    "fsync_dir",
+    "latest_checkpoint",
+    "load_train_state",
+    "mark_damaged",
+    "read_marker",
+    "remove_abandoned",
+    "remove_checkpoint",
+    "verify_checkpoint",
+    "write_synced",
+]
+
+log = logging.getLogger(__name__)
+
+MARKER = ".olmolike-checkpoint.json"
+MODEL_AND_OPTIM = "model_and_optim"
+TRAIN_STATE = "train"
+STEP_DIR = re.compile(r"^step(\d+)$")
+STAGING_DIR = re.compile(r"^\.step(\d+)\.tmp$")
+_MARKER_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "format_version": int,
+    "world_size": int,
+    "ephemeral": bool,
+}
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint with a marker whose files are missing, truncated or unreadable."""
+
+
+DAMAGED = ".olmolike-damaged.json"
+
+
+def mark_damaged(dir: str, reason: str) -> None:
+    """Demote a damaged checkpoint: keep why in ``.olmolike-damaged.json``, then delete its
+    marker. It is then an abandoned folder (removed by retention) that a new save may replace.
+    """
+    io.write_file(dir, DAMAGED, json.dumps({"reason": reason}), overwrite=True)
+    io.remove(io.join_path(dir, MARKER))
+
+
+def dir_is_checkpoint(dir: str | Path) -> bool:
+    """Whether ``dir`` is a complete checkpoint (its marker exists)."""
+    return io.exists(io.join_path(dir, MARKER))
+
+
+def find_checkpoints(dir: str | Path, ephemeral: bool | None = None) -> Iterator[tuple[int, str]]:
+    """Complete checkpoints ``(step, path)`` directly under ``dir``, by step.
+
+    With ``ephemeral`` set, only those of that kind; a malformed marker is of neither kind.
+    """
+    found = []
+    for name in io.list_dir(dir):
+        match = STEP_DIR.match(name)
+        path = io.join_path(dir, name)
+        if match is None or not dir_is_checkpoint(path):
+            continue
+        if ephemeral is not None:
+            try:
+                if read_marker(path)["ephemeral"] != ephemeral:
+                    continue
+            except CheckpointError as e:
+                log.warning("Skipping %s: %s", path, e)
+                continue
+        found.append((int(match.group(1)), path))
+    yield from sorted(found)
+
+
+def contains_checkpoint(dir: str | Path) -> bool:
+    """Whether ``dir`` is a checkpoint or holds one."""
+    return dir_is_checkpoint(dir) or any(True for _ in find_checkpoints(dir))
+
+
+def latest_checkpoint(dir: str | Path) -> str:
+    """The complete checkpoint with the highest step under ``dir``.
+
+    :raises FileNotFoundError: if there is none.
+    """
+    found = list(find_checkpoints(dir))
+    if not found:
+        raise FileNotFoundError(f"no complete checkpoint in {dir}")
+    return found[-1][1]
+
+
+def remove_checkpoint(dir: str) -> None:
+    """Delete a checkpoint, marker first: an interrupted removal leaves no 'complete' half."""
+    io.remove(io.join_path(dir, MARKER))
+    io.remove(dir, recursive=True)
+
+
+def remove_abandoned(folder: str, keep: Collection[str] = ()) -> list[str]:
+    """Delete step folders without a marker (a removal or a save that was killed) and local
+    staging folders of saves that are not in progress; returns what was removed.
+
+    Call it only from the run holding the folder's lease, naming in ``keep`` the checkpoints
+    it is still saving (a remote save writes in place before its marker).
+    """
+    keep_names = {str(k).rstrip("/").rsplit("/", 1)[-1] for k in keep}
+    removed = []
+    for name in io.list_dir(folder):
+        step, staging = STEP_DIR.match(name), STAGING_DIR.match(name)
+        path = io.join_path(folder, name)
+        if step and name not in keep_names and not dir_is_checkpoint(path):
+            log.warning("Removing %s: a step folder without a marker (abandoned)", path)
+        elif staging and f"step{staging.group(1)}" not in keep_names and not io.is_url(path):
+            log.warning("Removing %s: the staging folder of an interrupted save", path)
+        else:
+            continue
+        io.remove(path, recursive=True)
+        removed.append(path)
+    return removed
+
+
+def read_marker(dir: str | Path) -> dict[str, Any]:
+    """The marker's contents; :class:`CheckpointError` if it is missing or malformed."""
+    path = io.join_path(dir, MARKER)
+    try:
+        data = json.loads(io.read_bytes(path))
+    except FileNotFoundError:
+        raise DamagedCheckpointError(
+            f"checkpoint {dir} has no {MARKER} marker (incomplete)"
+        ) from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DamagedCheckpointError(
+            f"checkpoint {dir}: its marker {MARKER} is not JSON ({e})"
+        ) from None
+    if not isinstance(data, dict):
+        raise DamagedCheckpointError(f"checkpoint {dir}: its marker {MARKER} is not a JSON object")
+    for name, kind in _MARKER_FIELDS.items():
+        if not isinstance(data.get(name), kind):
+            raise DamagedCheckpointError(
+                f"checkpoint {dir}: its marker {MARKER} is malformed ({name!r} is "
+                f"{data.get(name)!r})"
+            )
+    if data["world_size"] < 1:
+        raise DamagedCheckpointError(
+            f"checkpoint {dir}: its marker says world_size={data['world_size']}"
+        )
+    return data
+
+
+def verify_checkpoint(dir: str) -> dict[str, Any]:
+    """Raise :class:`CheckpointError` unless ``dir`` is complete and intact; return its marker.
+
+    Checks the marker, the DCP metadata, that every shard it references exists with at least
+    the bytes it references, and that every rank's trainer state exists (``rank0.pt`` is
+    also parsed). Reads only metadata and ``rank0.pt``, never the shards themselves.
+    """
+    marker = read_marker(dir)
+    dcp_dir = io.join_path(dir, MODEL_AND_OPTIM)
+    try:
+        metadata = read_metadata(dcp_dir)
+    except FileNotFoundError:
+        raise DamagedCheckpointError(
+            f"checkpoint {dir}: {MODEL_AND_OPTIM}/.metadata is missing"
+        ) from None
+    except BaseException as e:  # DCP and pickle raise anything, including BaseExceptions
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise DamagedCheckpointError(
+            f"checkpoint {dir}: {MODEL_AND_OPTIM}/.metadata is unreadable ({type(e).__name__}: "
+            f"{str(e)[:200]})"
+        ) from None
+    sizes = _file_sizes(dcp_dir)
+    for name, needed in sorted(_bytes_needed(metadata).items()):
+        if name not in sizes:
+            raise DamagedCheckpointError(
+                f"checkpoint {dir}: shard {MODEL_AND_OPTIM}/{name} is missing"
+            )
+        if sizes[name] < needed:
+            raise DamagedCheckpointError(
+                f"checkpoint {dir}: shard {MODEL_AND_OPTIM}/{name} is truncated "
+                f"({sizes[name]} of {needed} bytes)"
+            )
+    train_files = _file_sizes(io.join_path(dir, TRAIN_STATE))
+    for rank in range(marker["world_size"]):
+        if f"rank{rank}.pt" not in train_files:
+            raise DamagedCheckpointError(
+                f"checkpoint {dir}: {TRAIN_STATE}/rank{rank}.pt is missing"
+            )
+    load_train_state(dir, 0)
+    return marker
+
+
+def load_train_state(dir: str, rank: int) -> dict[str, Any]:
+    """The trainer state saved by ``rank``; :class:`CheckpointError` if unreadable."""
+    path = io.join_path(dir, f"{TRAIN_STATE}/rank{rank}.pt")
+    try:
+        state = torch.load(
+            std_io.BytesIO(io.read_bytes(path)), weights_only=True, map_location="cpu"
+        )
+    except FileNotFoundError:
+        raise DamagedCheckpointError(
+            f"checkpoint {dir}: {TRAIN_STATE}/rank{rank}.pt is missing"
+        ) from None
+    except Exception as e:
+        raise DamagedCheckpointError(
+            f"checkpoint {dir}: {TRAIN_STATE}/rank{rank}.pt is truncated or unreadable "
+            f"({type(e).__name__}: {str(e)[:200]})"
+        ) from None
+    if not isinstance(state, dict):
+        raise DamagedCheckpointError(
+            f"checkpoint {dir}: {TRAIN_STATE}/rank{rank}.pt holds no state dict"
+        )
+    return state
+
+
+def _bytes_needed(metadata: Metadata) -> dict[str, int]:
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    return needed
+
+
+def _file_sizes(dir: str) -> dict[str, int]:
+    """Sizes of the files directly in ``dir`` (empty if it does not exist)."""
+    fs, path = fsspec.core.url_to_fs(dir)
+
+    def listing() -> dict[str, int]:
+        try:
+            entries = fs.ls(path, detail=True, **({"refresh": True} if io.is_url(dir) else {}))
+        except FileNotFoundError:
+            return {}
+        return {
+            str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+            for e in entries
+            if e.get("type") == "file"
+        }
+
+    return io.retry_network(listing, f"listing {dir}")
+
+
+def describe_shape_mismatch(
+    dir: str,
+    metadata: Metadata,
+    model_state: dict[str, Any],
+    current_config: str | bytes | None,
+) -> str | None:
+    """A message naming the tensors (and config fields) whose shapes differ, or ``None``."""
+    differing = []
+    for fqn, tensor in model_state.items():
+        saved = metadata.state_dict_metadata.get(f"model.{fqn}")
+        if not isinstance(saved, TensorStorageMetadata) or not hasattr(tensor, "shape"):
+            continue
+        if tuple(saved.size) != tuple(tensor.shape):
+            differing.append(f"{fqn}: {list(saved.size)} saved, {list(tensor.shape)} here")
+    if not differing:
+        return None
+    message = (
+        f"checkpoint {dir} holds a model of another shape: "
+        + "; ".join(differing[:5])
+        + (f"; and {len(differing) - 5} more" if len(differing) > 5 else "")
+    )
+    fields = _config_differences(dir, current_config)
+    if fields:
+        message += ". Config fields that differ (checkpoint -> this run): " + ", ".join(fields)
+    return message + ". Build the model with the checkpoint's settings, or start a new run."
+
+
+def _config_differences(dir: str, current: str | bytes | None) -> list[str]:
+    if current is None:
+        return []
+    try:
+        saved = json.loads(io.read_bytes(io.join_path(dir, "config.json")))
+        now = json.loads(current)
+    except (FileNotFoundError, ValueError):
+        return []
+    old_flat, new_flat = _flatten(saved), _flatten(now)
+    keys = sorted(
+        k for k in old_flat.keys() | new_flat.keys() if old_flat.get(k) != new_flat.get(k)
+    )
+    # The model's own fields decide shapes: name only those when some differ.
+    keys = [k for k in keys if k.startswith("model.")] or keys
+    return [f"{k}: {old_flat.get(k)!r} -> {new_flat.get(k)!r}" for k in keys[:10]]
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        flat: dict[str, Any] = {}
+        for key, item in value.items():
+            flat.update(_flatten(item, f"{prefix}{key}."))
+        return flat
+    return {prefix[:-1]: value}
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    """Write a local file and flush it to disk (before a marker vouches for it)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries durable (the marker protocol relies on them)."""
+    if not path.is_dir():
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems cannot fsync a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def describe_error(error: BaseException | None) -> str:
+    """One line for an error; DCP's CheckpointException names each failed rank's error."""
+    if isinstance(error, CheckpointException):
+        failures = "; ".join(
+            f"rank {rank}: {describe_error(f[0] if isinstance(f, tuple) else f)}"
+            for rank, f in sorted(error.failures.items())
+        )
+        return f"CheckpointException ({failures})"
+    if error is None:
+        return "unknown error"
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[-1][:300] if lines else ''}"

@@ -1,0 +1,336 @@
+"""One writer per save folder: a lease with a run id and a heartbeat, on any storage.
+
+Two runs writing into one save folder overwrite each other's checkpoints and metrics. A run
+that trains holds a lease on its save folder; a second run is refused with a message naming
+the first, and a lease whose holder is dead is taken over.
+
+The lease lives in ``{save_folder}/.olmolike-lease/`` as numbered records
+(``0000000001.json``, ``0000000002.json``, ...). The record with the highest number is the
+current lease. A run takes the lease by *creating* the next number, exclusively:
+
+* on a local or shared disk with a hard link (which fails if the name exists);
+* on S3 with ``If-None-Match: *``, on GCS with ``ifGenerationMatch=0`` (conditional writes).
+
+So when two runs start together, or both find the same stale lease, exactly one creates the
+next record and the other is refused. Records are never reused: a clean exit marks its
+record released instead of deleting it, and a new holder deletes only older records.
+
+A store that ignores conditional writes (some S3-compatible servers, GCS emulators) lets both
+writes land; the taker therefore waits a moment and reads its record back, and refuses if
+another run's record replaced it or another live lease appeared. The residual risk there is a
+race narrower than that moment (a run that listed the folder before the first wrote, and wrote
+after the first read back); the heartbeat re-reads the record and stops the loser's saves.
+
+A lease is stale (its run dead) when its heartbeat is older than its timeout. Heartbeats
+compare wall clocks of different machines: keep clocks synchronised (NTP) to well under the
+timeout. Shortcuts take over a lease at once: its holder ran on this host and its process is
+gone (or is this process, which no longer holds it), or it has this run's id (the same job restarted by its scheduler: set
+``OLMOLIKE_RUN_ID``; ``SLURM_JOB_ID`` is used when set).
+
+The heartbeat thread only reads and writes the lease record; it runs no collective.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime, timezone
+
+import torch.distributed as dist
+
+from .. import io
+from ..distributed.utils import broadcast_object, get_rank
+from ..exceptions import CheckpointError
+
+__all__ = [
+    "LeaseRecord",
+    "SaveFolderInUseError",
+    "SaveFolderLease",
+    "acquire_lease",
+    "current_lease",
+    "run_id",
+]
+
+log = logging.getLogger(__name__)
+
+LEASE_DIR = ".olmolike-lease"
+DEFAULT_TIMEOUT = 120.0
+# How long a taker waits before reading its record back (stores without conditional writes).
+SETTLE_SECONDS = 1.0
+
+
+# Run ids of the leases this process holds or is taking now (a release that could not reach the store
+# leaves a record behind that names this process; it must not block a later run here).
+_HELD_HERE: set[str] = set()
+
+
+class SaveFolderInUseError(CheckpointError):
+    """Another live run holds the save folder's lease (or took it over from this run)."""
+
+
+def run_id() -> str:
+    """This run's id: ``OLMOLIKE_RUN_ID``, else ``SLURM_JOB_ID``, else host, pid and a token."""
+    explicit = os.environ.get("OLMOLIKE_RUN_ID") or os.environ.get("SLURM_JOB_ID")
+    if explicit:
+        return explicit
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """What a lease record says about its holder."""
+
+    run_id: str
+    host: str
+    pid: int
+    started_at: float
+    heartbeat_at: float
+    timeout: float
+    released: bool = False
+
+    def age(self) -> float:
+        return max(0.0, time.time() - self.heartbeat_at)
+
+    def is_live(self, for_run: str | None = None) -> bool:
+        """Whether the holder may still be writing (seen from the run ``for_run``)."""
+        if self.released or self.age() > self.timeout or self.run_id == for_run:
+            return False
+        if self.host != socket.gethostname():
+            return True
+        if self.pid == os.getpid():  # this process: live only while it holds the lease
+            return self.run_id in _HELD_HERE
+        return _process_exists(self.pid)
+
+    def describe(self) -> str:
+        started = datetime.fromtimestamp(self.started_at, timezone.utc).strftime("%Y-%m-%d %H:%M")
+        return (
+            f"run {self.run_id} (host {self.host}, pid {self.pid}, running since {started} UTC, "
+            f"last heartbeat {self.age():.0f}s ago)"
+        )
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _lease_dir(folder: str) -> str:
+    return io.join_path(folder, LEASE_DIR)
+
+
+def _epochs(folder: str) -> list[int]:
+    names = io.list_dir(_lease_dir(folder))
+    return sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
+
+
+def _record_path(folder: str, epoch: int) -> str:
+    return io.join_path(_lease_dir(folder), f"{epoch:010d}.json")
+
+
+def _write(folder: str, epoch: int, record: LeaseRecord) -> None:
+    io.write_file(_lease_dir(folder), f"{epoch:010d}.json", _encode(record), overwrite=True)
+
+
+def _read(folder: str, epoch: int) -> LeaseRecord | None:
+    """The record, or ``None`` if it is gone or unreadable (treated as a dead holder)."""
+    try:
+        return LeaseRecord(**json.loads(io.read_bytes(_record_path(folder, epoch))))
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError) as e:
+        log.warning("Ignoring the malformed lease record %s: %s", _record_path(folder, epoch), e)
+        return None
+
+
+def current_lease(folder: str, for_run: str | None = None) -> LeaseRecord | None:
+    """The live lease on ``folder`` held by a run other than ``for_run``, if there is one."""
+    epochs = _epochs(folder)
+    record = _read(folder, epochs[-1]) if epochs else None
+    return record if record is not None and record.is_live(for_run) else None
+
+
+def in_use_message(folder: str, holder: LeaseRecord) -> str:
+    wait = max(0.0, holder.timeout - holder.age())
+    return (
+        f"the save folder {folder} is in use by {holder.describe()}. Two runs writing to one "
+        "folder overwrite each other's checkpoints and metrics. Wait for that run to end, or "
+        "give this run another save_folder. If that run is dead, its lease goes stale "
+        f"{wait:.0f}s from now (lease_timeout={holder.timeout:g}s) and is then taken over; "
+        f"to take it over now, delete {_lease_dir(folder)}."
+    )
+
+
+class SaveFolderLease:
+    """Holds the lease on one save folder while a run writes there (see the module docstring)."""
+
+    def __init__(
+        self,
+        folder: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        run: str | None = None,
+        settle: float | None = None,
+    ) -> None:
+        self.folder = str(folder).rstrip("/")
+        self.timeout = timeout
+        self.run_id = run or run_id()
+        self.settle = (
+            (SETTLE_SECONDS if io.is_url(self.folder) else 0.0) if settle is None else settle
+        )
+        self._epoch: int | None = None
+        self._record: LeaseRecord | None = None
+        self._lost_to: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def held(self) -> bool:
+        return self._epoch is not None and self._lost_to is None
+
+    def acquire(self) -> None:
+        """Take the lease, or raise :class:`SaveFolderInUseError` naming the live holder."""
+        if self._epoch is not None:
+            return
+        _HELD_HERE.add(self.run_id)  # from the first write on, its record is live
+        try:
+            self._acquire()
+        except BaseException:
+            _HELD_HERE.discard(self.run_id)
+            raise
+
+    def _acquire(self) -> None:
+        for _ in range(5):
+            epochs = _epochs(self.folder)
+            top = epochs[-1] if epochs else 0
+            holder = _read(self.folder, top) if top else None
+            if holder is not None and holder.is_live(self.run_id):
+                raise SaveFolderInUseError(in_use_message(self.folder, holder))
+            if holder is not None and not holder.released:
+                log.warning(
+                    "Taking over the stale lease on %s of %s", self.folder, holder.describe()
+                )
+            now = time.time()
+            record = LeaseRecord(
+                self.run_id, socket.gethostname(), os.getpid(), now, now, self.timeout
+            )
+            if not io.create_file(_record_path(self.folder, top + 1), _encode(record)):
+                continue  # another run took this number first: look at it again
+            if self._confirm(top + 1, record):
+                self._start(top + 1, record, [e for e in epochs if e <= top])
+                return
+        raise SaveFolderInUseError(f"could not take the lease on {self.folder}: runs keep racing")
+
+    def _confirm(self, epoch: int, record: LeaseRecord) -> bool:
+        """Read back after a moment: a store that ignored the condition may hold another record."""
+        if self.settle:
+            time.sleep(self.settle)
+        mine = _read(self.folder, epoch)
+        if mine is None or mine.run_id != self.run_id or mine.pid != record.pid:
+            return False
+        for other in _epochs(self.folder):
+            if other == epoch:
+                continue
+            rival = _read(self.folder, other)
+            if rival is not None and rival.is_live(self.run_id):
+                _write(self.folder, epoch, replace(record, released=True))
+                raise SaveFolderInUseError(in_use_message(self.folder, rival))
+        return True
+
+    def _start(self, epoch: int, record: LeaseRecord, older: list[int]) -> None:
+        self._epoch, self._record, self._lost_to = epoch, record, None
+        for old in older:
+            io.remove(_record_path(self.folder, old))
+        log.info("Holding the lease on %s as run %s", self.folder, self.run_id)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat, name="lease-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        interval = self.timeout / 6
+        while not self._stop.wait(interval):
+            try:
+                self.heartbeat()
+            except Exception as e:  # a store outage: keep trying, takers need the timeout
+                log.warning("Renewing the lease on %s failed: %s", self.folder, e)
+
+    def heartbeat(self) -> None:
+        """Renew the lease now; notice if another run has taken it over."""
+        with self._lock:
+            if self._epoch is None or self._record is None or self._lost_to is not None:
+                return
+            epochs = _epochs(self.folder)
+            current = _read(self.folder, self._epoch)
+            newer = [e for e in epochs if e > self._epoch]
+            if current is None or current.run_id != self.run_id or newer:
+                taker = _read(self.folder, newer[-1]) if newer else current
+                self._lost_to = taker.describe() if taker is not None else "another run"
+                log.error("Lost the lease on %s to %s", self.folder, self._lost_to)
+                return
+            self._record = replace(self._record, heartbeat_at=time.time())
+            _write(self.folder, self._epoch, self._record)
+
+    def check(self) -> None:
+        """Raise if another run has taken the lease over (this run must stop writing)."""
+        if self._lost_to is not None:
+            raise SaveFolderInUseError(
+                f"another run took over the save folder {self.folder}: {self._lost_to}. This "
+                "run's heartbeats did not arrive in time (lease_timeout="
+                f"{self.timeout:g}s), so it was considered dead; it stops writing there"
+            )
+
+    def release(self) -> None:
+        """Stop the heartbeat and mark the lease released (the next run takes it at once)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        with self._lock:
+            epoch, record, lost = self._epoch, self._record, self._lost_to
+            self._epoch = self._record = None
+            _HELD_HERE.discard(self.run_id)
+        if epoch is None or record is None or lost is not None:
+            return
+        try:
+            current = _read(self.folder, epoch)
+            if current is not None and current.run_id == self.run_id:
+                released = replace(record, heartbeat_at=time.time(), released=True)
+                _write(self.folder, epoch, released)
+            log.info("Released the lease on %s", self.folder)
+        except Exception as e:
+            log.warning(
+                "Releasing the lease on %s failed (it goes stale instead): %s", self.folder, e
+            )
+
+
+def acquire_lease(
+    folder: str, timeout: float, *, group: dist.ProcessGroup | None = None
+) -> SaveFolderLease | None:
+    """Rank 0 takes the lease on ``folder`` and holds it (returned there, ``None`` elsewhere);
+    every rank raises :class:`SaveFolderInUseError` if another run holds it."""
+    lease, error = None, None
+    if get_rank() == 0:
+        lease = SaveFolderLease(folder, timeout=timeout)
+        try:
+            lease.acquire()
+        except CheckpointError as e:
+            lease, error = None, str(e)
+    error = broadcast_object(error, group=group)
+    if error is not None:
+        raise SaveFolderInUseError(error)
+    return lease
+
+
+def _encode(record: LeaseRecord) -> str:
+    return json.dumps(asdict(record))
