@@ -36,6 +36,7 @@ __all__ = [
     "TransformerBlock",
     "TransformerConfig",
     "TransformerPreset",
+    "document_attention",
 ]
 
 log = logging.getLogger(__name__)
@@ -319,6 +320,21 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
+def document_attention(doc_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Positions and attention mask for sequences that pack several documents.
+
+    ``doc_ids`` (B, T) labels each token's document; a document is a run of equal ids. Returns
+    positions (B, T) that restart at 0 with each document, and a boolean mask (B, 1, T, T)
+    that lets a token see the earlier tokens of its own document only: each document is
+    then computed exactly as if it were alone in the sequence.
+    """
+    index = torch.arange(doc_ids.shape[1], device=doc_ids.device)
+    starts = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=True)
+    doc_start = torch.where(starts, index, 0).cummax(dim=1).values
+    same_doc = doc_start[:, :, None] == doc_start[:, None, :]
+    return index - doc_start, (same_doc & (index[:, None] >= index[None, :])).unsqueeze(1)
+
+
 class Attention(nn.Module):
     """Causal self-attention with optional grouped-query attention and QK-norm."""
 
@@ -335,7 +351,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(kv_dim, config.norm_eps) if config.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        """``mask`` (B, 1, T, T), True where attention is allowed, replaces the causal mask."""
         batch, seq_len, d_model = x.shape
         q, k, v = self.w_q(x), self.w_k(x), self.w_v(x)
         if self.q_norm is not None and self.k_norm is not None:
@@ -348,8 +365,9 @@ class Attention(nn.Module):
         # With enable_gqa, query head h reads key/value head h // (n_heads / n_kv_heads), the
         # same grouping as Hugging Face's repeat_kv, without materialising repeated k and v.
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+            q, k, v, attn_mask=mask, is_causal=mask is None,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )  # fmt: skip
         return self.w_out(y.transpose(1, 2).reshape(batch, seq_len, d_model))
 
 
@@ -376,8 +394,8 @@ class TransformerBlock(nn.Module):
         self.feed_forward_norm = RMSNorm(config.d_model, config.norm_eps)
         self.feed_forward = FeedForward(config.d_model, config.hidden_size)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.feed_forward_norm(h))
 
 
@@ -412,7 +430,9 @@ class Transformer(nn.Module):
         if config.tie_weights:
             self.lm_head.weight = self.embeddings.weight
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        """Logits of ``input_ids``; with ``doc_ids`` (B, T), each packed document is computed
+        alone (no attention across documents, positions restarting per document)."""
         if input_ids.dim() != 2:
             raise ValueError(
                 f"input_ids must have shape (batch, seq_len), got {tuple(input_ids.shape)}; "
@@ -427,8 +447,12 @@ class Transformer(nn.Module):
             )
         h = self.embeddings(input_ids)
         cos, sin = self.rope(seq_len)
+        mask = None
+        if doc_ids is not None:
+            positions, mask = document_attention(doc_ids)
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         for block in self.blocks:
-            h = block(h, cos, sin)
+            h = block(h, cos, sin, mask)
         return self.lm_head(self.norm(h))
 
     @torch.no_grad()
