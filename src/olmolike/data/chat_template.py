@@ -23,7 +23,7 @@ from typing import Any
 
 from ..exceptions import ConfigurationError, DataError
 
-__all__ = ["BYTE_CHAT_TEMPLATE", "ChatTemplate", "Message", "SPECIAL_TOKEN_NAMES"]
+__all__ = ["BYTE_CHAT_TEMPLATE", "SPECIAL_TOKEN_NAMES", "ChatTemplate", "Message"]
 
 log = logging.getLogger(__name__)
 
@@ -185,8 +185,12 @@ class ChatTemplate:
                 spans.append((start, end))
         return full, spans
 
-    def _prefix(self, messages: Sequence[Message], full: str, *, add_generation_prompt: bool) -> str:
-        text = self.render(messages, add_generation_prompt=add_generation_prompt) if messages else ""
+    def _prefix(
+        self, messages: Sequence[Message], full: str, *, add_generation_prompt: bool
+    ) -> str:
+        text = (
+            self.render(messages, add_generation_prompt=add_generation_prompt) if messages else ""
+        )
         if not full.startswith(text):
             raise DataError(
                 "the chat template renders a conversation's first turns differently from the "
