@@ -135,11 +135,11 @@ class ChatTemplate:
         """The conversation as text, as ``apply_chat_template(..., tokenize=False)`` renders it."""
         return self._render(messages, add_generation_prompt, kwargs)
 
-    def _render(self, messages: Sequence[Message], add_generation_prompt: bool, kwargs: Any) -> str:
-        import jinja2
-
+    def _variables(
+        self, messages: Sequence[Message], add_generation_prompt: bool, kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
         cleaned = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
-        variables = {
+        return {
             **self.special_tokens,
             "tools": None,
             "documents": None,
@@ -147,15 +147,20 @@ class ChatTemplate:
             "messages": cleaned,
             "add_generation_prompt": add_generation_prompt,
         }
+
+    def _render(self, messages: Sequence[Message], add_generation_prompt: bool, kwargs: Any) -> str:
+        import jinja2
+
+        variables = self._variables(messages, add_generation_prompt, kwargs)
         try:
             return str(self._template.render(**variables))
         except jinja2.TemplateError as e:
             raise DataError(f"the chat template refused the conversation: {e}") from None
 
     @contextmanager
-    def _tracking(self) -> Iterator[list[tuple[int, int]]]:
+    def _tracking(self, chunks: list[str]) -> Iterator[list[tuple[int, int]]]:
         spans: list[tuple[int, int]] = []
-        self._tag.spans, self._tag.rendered = spans, []
+        self._tag.spans, self._tag.rendered = spans, chunks
         try:
             yield spans
         finally:
@@ -201,14 +206,16 @@ class ChatTemplate:
 
     def _tagged_spans(self, messages: Sequence[Message]) -> tuple[str, list[tuple[int, int]]]:
         # The tag reads the length of the chunks generated so far as the span's offset.
-        cleaned = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
-        variables = {**self.special_tokens, "tools": None, "documents": None}
-        variables.update(messages=cleaned, add_generation_prompt=False)
+        variables = self._variables(messages, False, {})
         chunks: list[str] = []
-        with self._tracking() as spans:
-            self._tag.rendered = chunks
-            for chunk in self._template.generate(**variables):
-                chunks.append(chunk)
+        import jinja2
+
+        with self._tracking(chunks) as spans:
+            try:
+                for chunk in self._template.generate(**variables):
+                    chunks.append(chunk)
+            except jinja2.TemplateError as e:
+                raise DataError(f"the chat template refused the conversation: {e}") from None
         return "".join(chunks), spans
 
     @classmethod

@@ -88,7 +88,7 @@ class LMEvaluator(Evaluator):
         the dataset's own (masked) labels if it has them, else the next tokens."""
         placeholder = not indices  # this rank ran out: a batch whose labels are all ignored
         items = [self.dataset[i] for i in (indices or [0])]
-        inputs = {
+        inputs: dict[str, torch.Tensor] = {
             key: torch.stack([item[key] for item in items]).to(self.device)
             for key in ("input_ids", "doc_ids")
             if key in items[0]
