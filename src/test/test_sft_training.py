@@ -196,3 +196,16 @@ def test_evaluator_scores_completions_only_with_documents_apart(
     got = evaluator.evaluate(trainer.train_module)["CE loss"].item()
     assert got == pytest.approx(_alone_loss(model, val), rel=1e-5)
     assert recorder.metrics[2]["eval/sft/CE loss"] == pytest.approx(got, rel=1e-6)
+
+
+def test_basic_train_module_refuses_packed_batches(packed: Path) -> None:
+    from olmolike.exceptions import ConfigurationError
+    from olmolike.testing import TinyCausalLM
+    from olmolike.train import BasicTrainModule
+
+    model = TinyCausalLM(vocab_size=ByteTokenizer.VOCAB_SIZE, d_model=16, n_layers=1, n_heads=2)
+    module = BasicTrainModule(model, torch.optim.SGD(model.parameters()), rank_microbatch_size=SEQ)
+    item = SFTDataset(packed)[0]
+    batch = {key: item[key].unsqueeze(0) for key in ("input_ids", "labels", "doc_ids")}
+    with pytest.raises(ConfigurationError, match="TransformerTrainModule"):
+        module.train_batch(batch)
