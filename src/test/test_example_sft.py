@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from test_examples import olmolike, prepared_corpus, run_in_own_session, run_train_lm  # noqa: F401
@@ -21,13 +23,42 @@ def base_run(prepared_corpus: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return run_dir
 
 
-def run_sft(base: Path, out: Path, *launcher: str) -> str:
+def load_example() -> ModuleType:
+    """The example script as a module (under its own name: train_lm's is also train.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sft_example_train", SFT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def functions(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example's JSONL from 150 standard-library files (the example scans them all)."""
+    from olmolike.data.prepare import stdlib_python_files
+
+    examples = load_example().function_examples(stdlib_python_files()[:150])
+    assert len(examples) > 100
+    path = tmp_path_factory.mktemp("functions") / "functions.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    return path
+
+
+def run_sft(base: Path, functions: Path, out: Path, *launcher: str) -> str:
     import os
+    import shutil
+
+    data_dir = out.parent / "sft-data"
+    data_dir.mkdir()
+    shutil.copy(functions, data_dir / "functions.jsonl")  # present: the example uses it
 
     args = [
         "demo",
         f"--base={base}",
-        f"--data_dir={out.parent / 'sft-data'}",
+        f"--data_dir={data_dir}",
         f"--trainer.save_folder={out}",
         "--trainer.max_duration.value=16",
         "--trainer.metrics_collect_interval=4",
@@ -54,8 +85,10 @@ def ratio(stdout: str) -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_sft_example_lowers_the_held_out_masked_loss(base_run: Path, tmp_path: Path) -> None:
-    stdout = run_sft(base_run, tmp_path / "sft")
+def test_sft_example_lowers_the_held_out_masked_loss(
+    base_run: Path, functions: Path, tmp_path: Path
+) -> None:
+    stdout = run_sft(base_run, functions, tmp_path / "sft")
     assert "masked loss on held-out completions" in stdout and "base model :" in stdout
     assert ratio(stdout) < 0.9
     assert (tmp_path / "sft" / "step16").is_dir()
@@ -70,23 +103,19 @@ def test_sft_example_lowers_the_held_out_masked_loss(base_run: Path, tmp_path: P
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_sft_example_runs_under_torchrun(base_run: Path, tmp_path: Path) -> None:
+def test_sft_example_runs_under_torchrun(base_run: Path, functions: Path, tmp_path: Path) -> None:
     from testutils import free_port
 
     launcher = (
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
         f"--master-port={free_port()}",
     )  # fmt: skip
-    stdout = run_sft(base_run, tmp_path / "sft", *launcher)
+    stdout = run_sft(base_run, functions, tmp_path / "sft", *launcher)
     assert ratio(stdout) < 0.9
 
 
 def test_missing_base_says_how_to_make_it(tmp_path: Path) -> None:
-    sys.path.insert(0, str(SFT.parent))
-    try:
-        import train as sft_example
-    finally:
-        sys.path.remove(str(SFT.parent))
+    sft_example = load_example()
     config = sft_example.default_config("x").replace(base=str(tmp_path / "nothing"))
     with pytest.raises(SystemExit, match="make run"):
         sft_example.load_base(config)

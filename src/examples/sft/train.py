@@ -112,12 +112,14 @@ def default_config(run_name: str) -> SFTExperimentConfig:
 # -- the data ----------------------------------------------------------------------------------
 
 
-def function_examples(max_chars: int = MAX_EXAMPLE_CHARS) -> list[dict[str, str]]:
+def function_examples(
+    files: list[Path] | None = None, max_chars: int = MAX_EXAMPLE_CHARS
+) -> list[dict[str, str]]:
     """Short standard-library functions with a docstring, as prompt/completion pairs: the
     prompt names the signature and the docstring's first line, the completion is the code
     (signature and body, the docstring left out)."""
     out = []
-    for path in stdlib_python_files():
+    for path in stdlib_python_files() if files is None else files:
         try:
             text = path.read_text(encoding="utf-8")
             tree = ast.parse(text)
@@ -129,7 +131,7 @@ def function_examples(max_chars: int = MAX_EXAMPLE_CHARS) -> list[dict[str, str]
                 continue
             doc = ast.get_docstring(node)
             signature = lines[node.lineno - 1]
-            if not doc or not signature.rstrip().endswith(":"):
+            if not doc or not doc.strip() or not signature.rstrip().endswith(":"):
                 continue  # no docstring, or a signature over several lines
             body = lines[node.body[1].lineno - 1 : node.end_lineno]
             code = textwrap.dedent("\n".join([signature, *body]))
