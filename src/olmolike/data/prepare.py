@@ -420,7 +420,9 @@ def _run_command(args: argparse.Namespace) -> int:
     if not inputs:
         raise DataError("name INPUT files, folders or globs, or pass --stdlib")
     if args.sft:
-        return _run_sft_command(args, inputs)
+        from .sft import run_sft_command  # imports this module
+
+        return run_sft_command(args, inputs)
     prepared = prepare_data(
         inputs,
         args.output,
@@ -438,34 +440,6 @@ def _run_command(args: argparse.Namespace) -> int:
             f"{split}: {prepared.num_tokens(split):,d} tokens in {len(prepared.paths(split))} shard(s)"
         )
     print(f"metadata: {prepared.output_dir / METADATA_FILE}")
-    return 0
-
-
-def _run_sft_command(args: argparse.Namespace, inputs: list[str | Path]) -> int:
-    from .sft import prepare_sft_data  # imports this module
-
-    if args.sequence_length is None:
-        raise DataError("--sft needs --sequence-length: the length of the training sequences")
-    metadata = prepare_sft_data(
-        inputs,
-        args.output,
-        sequence_length=args.sequence_length,
-        tokenizer=TokenizerConfig(identifier=args.tokenizer),
-        chat_template=args.chat_template,
-        packing=args.packing,
-        overlong=args.overlong,
-        val_fraction=args.val_fraction,
-        seed=args.seed,
-        overwrite=args.overwrite,
-    )
-    for split, stats in metadata["splits"].items():
-        print(
-            f"{split}: {stats['examples']:,d} examples in {stats['sequences']:,d} sequences of "
-            f"{metadata['sequence_length']} tokens, {stats['trained_tokens']:,d} trained tokens, "
-            f"padding {stats['padding_fraction']:.1%}, {stats['truncated']} truncated, "
-            f"{stats['dropped']} dropped"
-        )
-    print(f"metadata: {Path(args.output) / METADATA_FILE}")
     return 0
 
 
@@ -493,24 +467,7 @@ def add_prepare_data_command(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also use this Python's standard-library .py files (the embedded default corpus)",
     )
-    sft = cmd.add_argument_group("supervised fine-tuning (--sft)")
-    sft.add_argument(
-        "--sft",
-        action="store_true",
-        help="chat JSONL ('messages', or 'prompt'/'completion') -> sequences with label masks",
-    )
-    sft.add_argument("--sequence-length", type=int, help="tokens per training sequence")
-    sft.add_argument(
-        "--packing",
-        choices=["packed", "padded"],
-        default="packed",
-        help="several examples per sequence, or one padded (default: %(default)s)",
-    )
-    sft.add_argument(
-        "--overlong",
-        choices=["error", "truncate", "drop"],
-        default="error",
-        help="what to do with an example longer than a sequence (default: %(default)s)",
-    )
-    sft.add_argument("--chat-template", help="a Jinja file replacing the tokenizer's template")
+    from .sft import add_sft_arguments  # imports this module
+
+    add_sft_arguments(cmd)
     cmd.set_defaults(run=_run_command)

@@ -21,6 +21,7 @@ on padding). ``metadata.json``, written last, records counts and the padding fra
 
 from __future__ import annotations
 
+import argparse
 import bisect
 import json
 import logging
@@ -35,6 +36,7 @@ import numpy as np
 from ..config import StrEnum
 from ..exceptions import DataError
 from .chat_template import ChatTemplate, Message
+from .numpy_dataset import METADATA_FILE
 from .prepare import (
     FORMAT_VERSION,
     SPLITS,
@@ -346,3 +348,57 @@ def _template(tokenizer: Tokenizer, path: str | None) -> ChatTemplate:
             "'chat_template' beside its tokenizer.json, or pass --chat-template FILE.jinja"
         )
     return template
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def run_sft_command(args: argparse.Namespace, inputs: list[str | Path]) -> int:
+    """``olmolike prepare-data --sft``."""
+    if args.sequence_length is None:
+        raise DataError("--sft needs --sequence-length: the length of the training sequences")
+    metadata = prepare_sft_data(
+        inputs,
+        args.output,
+        sequence_length=args.sequence_length,
+        tokenizer=TokenizerConfig(identifier=args.tokenizer),
+        chat_template=args.chat_template,
+        packing=args.packing,
+        overlong=args.overlong,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        overwrite=args.overwrite,
+    )
+    for split, stats in metadata["splits"].items():
+        print(
+            f"{split}: {stats['examples']:,d} examples in {stats['sequences']:,d} sequences of "
+            f"{metadata['sequence_length']} tokens, {stats['trained_tokens']:,d} trained tokens, "
+            f"padding {stats['padding_fraction']:.1%}, {stats['truncated']} truncated, "
+            f"{stats['dropped']} dropped"
+        )
+    print(f"metadata: {Path(args.output) / METADATA_FILE}")
+    return 0
+
+
+def add_sft_arguments(cmd: argparse.ArgumentParser) -> None:
+    """The ``--sft`` options of ``olmolike prepare-data``."""
+    sft = cmd.add_argument_group("supervised fine-tuning (--sft)")
+    sft.add_argument(
+        "--sft",
+        action="store_true",
+        help="chat JSONL ('messages', or 'prompt'/'completion') -> sequences with label masks",
+    )
+    sft.add_argument("--sequence-length", type=int, help="tokens per training sequence")
+    sft.add_argument(
+        "--packing",
+        choices=[m.value for m in PackingMode],
+        default="packed",
+        help="several examples per sequence, or one padded (default: %(default)s)",
+    )
+    sft.add_argument(
+        "--overlong",
+        choices=[p.value for p in OverlongPolicy],
+        default="error",
+        help="what to do with an example longer than a sequence (default: %(default)s)",
+    )
+    sft.add_argument("--chat-template", help="a Jinja file replacing the tokenizer's template")
