@@ -14,6 +14,7 @@ from testutils import run_distributed_test
 
 from olmolike.data import ByteTokenizer, NumpyDataLoaderConfig, SFTDataset, prepare_sft_data
 from olmolike.data.sft_dataset import SFTDatasetConfig
+from olmolike.distributed.parallel import DataParallelConfig, DataParallelType
 from olmolike.distributed.utils import broadcast_object
 from olmolike.nn import TransformerConfig
 from olmolike.nn.functional import cross_entropy_loss
@@ -75,7 +76,13 @@ class Recorder(Callback):
 
 
 def build(
-    save: str | Path, data: Path, *, steps: int, shuffle: bool = True, **kwargs: Any
+    save: str | Path,
+    data: Path,
+    *,
+    steps: int,
+    shuffle: bool = True,
+    dp: str | None = None,
+    **kwargs: Any,
 ) -> tuple[Trainer, Recorder]:
     from olmolike.distributed.utils import get_world_size
 
@@ -89,6 +96,7 @@ def build(
         optim=AdamWConfig(lr=1e-2, weight_decay=0.1),
         scheduler=CosWithWarmup(warmup=min(2, steps)),
         max_grad_norm=1.0,
+        dp_config=None if dp is None else DataParallelConfig(name=DataParallelType(dp)),
     ).build(model)
     loader = NumpyDataLoaderConfig(global_batch_size=BATCH * SEQ, seed=0, shuffle=shuffle).build(
         SFTDatasetConfig(str(data)).build()
@@ -105,9 +113,9 @@ def build(
     return config.build(module, loader), recorder
 
 
-def _one_step(data: Path) -> tuple[float, list[torch.Tensor], float]:
+def _one_step(data: Path, dp: str | None = None) -> tuple[float, list[torch.Tensor], float]:
     save = broadcast_object(tempfile.mkdtemp())
-    trainer, recorder = build(save, data, steps=1, shuffle=False, no_checkpoints=True)
+    trainer, recorder = build(save, data, steps=1, shuffle=False, no_checkpoints=True, dp=dp)
     trainer.fit()
     return recorder.losses[1], recorder.grads, recorder.metrics[1]["train/padding fraction"]
 
@@ -137,10 +145,11 @@ def test_masked_loss_is_a_mean_over_the_global_trained_tokens(uneven: Path) -> N
     assert padding == pytest.approx((doc_ids < 0).float().mean().item())
 
 
-@pytest.mark.timeout(180)
-def test_two_ranks_with_uneven_masks_match_one_process(uneven: Path) -> None:
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("dp", ["ddp", "fsdp"])
+def test_two_ranks_with_uneven_masks_match_one_process(uneven: Path, dp: str) -> None:
     loss, grads, _ = _one_step(uneven)
-    for rank_loss, rank_grads, _ in run_distributed_test(_one_step, 2, args=(uneven,)):
+    for rank_loss, rank_grads, _ in run_distributed_test(_one_step, 2, args=(uneven, dp)):
         assert rank_loss == pytest.approx(loss, rel=1e-5)
         for got, want in zip(rank_grads, grads):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
