@@ -29,25 +29,33 @@ from ..config import Config
 from ..exceptions import ConfigurationError, DataError
 from .data_loader import Batch, DataLoaderBase, check_resized_resume
 from .numpy_dataset import NumpyFSLDataset
+from .sft_dataset import SFTDataset
 
 __all__ = ["NumpyDataLoader", "NumpyDataLoaderConfig", "iter_eval_batches"]
 
 log = logging.getLogger(__name__)
 
 
-def _collate(dataset: NumpyFSLDataset, indices: np.ndarray) -> Batch:
+Instances = NumpyFSLDataset | SFTDataset
+"""What the loader serves: token instances, or SFT sequences (which add labels, doc ids)."""
+
+
+def _collate(dataset: Instances, indices: np.ndarray) -> Batch:
     items = [dataset[int(i)] for i in indices]
-    return {
-        "input_ids": torch.stack([item["input_ids"] for item in items]),
-        "index": torch.as_tensor(indices, dtype=torch.long),
+    batch = {
+        key: torch.stack([item[key] for item in items])
+        for key, value in items[0].items()
+        if isinstance(value, torch.Tensor)
     }
+    batch["index"] = torch.as_tensor(indices, dtype=torch.long)
+    return batch
 
 
 class _Batches(torch.utils.data.Dataset):
     """Batch ``k`` is the instances in row ``k``: lets DataLoader workers build whole batches
     while the DataLoader keeps them in order."""
 
-    def __init__(self, dataset: NumpyFSLDataset, rows: np.ndarray) -> None:
+    def __init__(self, dataset: Instances, rows: np.ndarray) -> None:
         self.dataset = dataset
         self.rows = rows
 
@@ -59,7 +67,8 @@ class _Batches(torch.utils.data.Dataset):
 
 
 class NumpyDataLoader(DataLoaderBase):
-    """Yields ``{"input_ids": (B, T) LongTensor, "index": (B,) LongTensor}`` for this rank.
+    """Yields ``{"input_ids": (B, T) LongTensor, "index": (B,) LongTensor}`` for this rank
+    (over an :class:`SFTDataset`, also ``"labels"`` and ``"doc_ids"``).
 
     ``global_batch_size`` counts tokens across all ranks and must be a multiple of
     ``sequence_length x dp_world_size``. With ``num_workers > 0``, batches are read in
@@ -71,7 +80,7 @@ class NumpyDataLoader(DataLoaderBase):
 
     def __init__(
         self,
-        dataset: NumpyFSLDataset,
+        dataset: Instances,
         *,
         global_batch_size: int,
         seed: int = 0,
@@ -224,6 +233,8 @@ class NumpyDataLoader(DataLoaderBase):
 
     def get_mock_batch(self) -> Batch:
         rows = self.instances_per_batch // self.dp_world_size
+        if isinstance(self.dataset, SFTDataset):  # real rows: labels and doc ids must agree
+            return _collate(self.dataset, np.arange(rows) % len(self.dataset))
         high = self.dataset.vocab_size or 256
         generator = torch.Generator().manual_seed(self.seed)
         return {
@@ -258,7 +269,7 @@ class NumpyDataLoaderConfig(Config):
 
     def build(
         self,
-        dataset: NumpyFSLDataset,
+        dataset: Instances,
         *,
         dp_process_group: dist.ProcessGroup | None = None,
         dp_rank: int | None = None,
@@ -286,7 +297,7 @@ class NumpyDataLoaderConfig(Config):
 
 
 def iter_eval_batches(
-    dataset: NumpyFSLDataset, batch_size_instances: int, dp_rank: int = 0, dp_world_size: int = 1
+    dataset: Instances, batch_size_instances: int, dp_rank: int = 0, dp_world_size: int = 1
 ) -> Iterator[Batch]:
     """Every instance once, in order, in batches of ``batch_size_instances``.
 

@@ -419,6 +419,10 @@ def _run_command(args: argparse.Namespace) -> int:
         inputs += stdlib_python_files()
     if not inputs:
         raise DataError("name INPUT files, folders or globs, or pass --stdlib")
+    if args.sft:
+        from .sft import run_sft_command  # imports this module
+
+        return run_sft_command(args, inputs)
     prepared = prepare_data(
         inputs,
         args.output,
@@ -463,4 +467,7 @@ def add_prepare_data_command(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also use this Python's standard-library .py files (the embedded default corpus)",
     )
+    from .sft import add_sft_arguments  # imports this module
+
+    add_sft_arguments(cmd)
     cmd.set_defaults(run=_run_command)

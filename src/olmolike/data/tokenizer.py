@@ -6,10 +6,16 @@ supported through the optional ``tokenizers`` package (``pip install 'olmolike[h
 
 Both implement :class:`Tokenizer`. Special tokens are never added unless asked for, because
 ``prepare-data`` decides itself where documents end (one EOS after each document).
+
+Each tokenizer may carry a :class:`~olmolike.data.chat_template.ChatTemplate`: the byte
+tokenizer a simple built-in one, a tokenizer file the ``chat_template`` of the
+``tokenizer_config.json`` (or ``chat_template.jinja``) beside it, whose special tokens
+(``eos_token``, ``bos_token``, ``pad_token``) also name the ids, as in ``transformers``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -19,9 +25,10 @@ import numpy as np
 
 from ..config import Config
 from ..exceptions import ConfigurationError
-from ..io import read_bytes
+from ..io import exists, join_path, read_bytes
+from .chat_template import BYTE_CHAT_TEMPLATE, ChatTemplate, Message, special_token_strings
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "TokenizerConfig"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "TokenizerConfig", "apply_chat_template"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +72,29 @@ class Tokenizer(Protocol):
         """Text of ``ids``, skipping special tokens."""
         ...
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """Token ids of ``text`` (no special tokens) and the character where each one starts."""
+        ...
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        """How a conversation becomes text, or ``None`` if the tokenizer has no template."""
+        ...
+
+
+def apply_chat_template(
+    tokenizer: Tokenizer, messages: Sequence[Message], *, add_generation_prompt: bool = False
+) -> list[int]:
+    """Token ids of a conversation, as ``transformers``' ``apply_chat_template`` makes them:
+    the rendered text encoded without adding special tokens (the template writes its own)."""
+    template = tokenizer.chat_template
+    if template is None:
+        raise ConfigurationError(
+            "the tokenizer has no chat template; put a tokenizer_config.json with a "
+            "'chat_template' (or a chat_template.jinja) beside its tokenizer.json"
+        )
+    return tokenizer.encode(template.render(messages, add_generation_prompt=add_generation_prompt))
+
 
 def _with_specials(ids: list[int], bos: int | None, eos: int) -> list[int]:
     return ([bos] if bos is not None else []) + ids + [eos]
@@ -79,6 +109,23 @@ class ByteTokenizer:
     EOS = 256
     PAD = 257
     VOCAB_SIZE = 258
+    _template: ChatTemplate | None = None
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """:data:`~olmolike.data.chat_template.BYTE_CHAT_TEMPLATE`, compiled once."""
+        if ByteTokenizer._template is None:
+            ByteTokenizer._template = ChatTemplate(BYTE_CHAT_TEMPLATE)
+        return ByteTokenizer._template
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        ids: list[int] = []
+        starts: list[int] = []
+        for position, char in enumerate(text):
+            encoded = char.encode("utf-8")
+            ids += encoded
+            starts += [position] * len(encoded)
+        return ids, starts
 
     @property
     def vocab_size(self) -> int:
@@ -131,8 +178,10 @@ class HFTokenizer:
         pad_token_id: int,
         bos_token_id: int | None,
         vocab_size: int,
+        chat_template: ChatTemplate | None = None,
     ) -> None:
         self._tokenizer = tokenizer
+        self._chat_template = chat_template
         self._eos = eos_token_id
         self._pad = pad_token_id
         self._bos = bos_token_id
@@ -172,6 +221,14 @@ class HFTokenizer:
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         return np.asarray(ids, dtype=np.uint32)
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return list(encoding.ids), [start for start, _ in encoding.offsets]
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        return self._chat_template
+
     def decode(self, ids: Iterable[int]) -> str:
         kept = [int(i) for i in ids if int(i) not in self._special]
         return str(self._tokenizer.decode(kept, skip_special_tokens=True))
@@ -201,6 +258,24 @@ def _load_hf_tokenizer(identifier: str) -> Any:
             f"{identifier!r} is not a valid Hugging Face tokenizer JSON file: {e}",
             path="identifier",
         ) from None
+
+
+def _read_tokenizer_config(identifier: str) -> tuple[ChatTemplate | None, dict[str, str]]:
+    """The chat template and special-token strings of the ``tokenizer_config.json`` (and
+    ``chat_template.jinja``, which newer ``transformers`` versions write) beside the file."""
+    folder = identifier.rstrip("/").rpartition("/")[0] or "."
+    config_path = join_path(folder, "tokenizer_config.json")
+    data: dict[str, Any] = {}
+    if exists(config_path):
+        try:
+            data = json.loads(read_bytes(config_path))
+        except json.JSONDecodeError as e:
+            raise ConfigurationError(f"{config_path} is not valid JSON: {e}") from None
+    template = ChatTemplate.from_tokenizer_config(data, config_path)
+    jinja_path = join_path(folder, "chat_template.jinja")
+    if template is None and exists(jinja_path):
+        template = ChatTemplate(read_bytes(jinja_path).decode("utf-8"), special_token_strings(data))
+    return template, special_token_strings(data)
 
 
 def _find_token(tokenizer: Any, candidates: Sequence[str]) -> int | None:
@@ -269,6 +344,7 @@ class TokenizerConfig(Config):
         if self.identifier == BYTE_IDENTIFIER:
             return ByteTokenizer()
         raw = _load_hf_tokenizer(self.identifier)
+        template, named = _read_tokenizer_config(self.identifier)
         own_vocab = int(raw.get_vocab_size(with_added_tokens=True))
         vocab_size = self.vocab_size if self.vocab_size is not None else own_vocab
         if vocab_size < own_vocab:
@@ -280,7 +356,7 @@ class TokenizerConfig(Config):
         eos = (
             self.eos_token_id
             if self.eos_token_id is not None
-            else _find_token(raw, _EOS_CANDIDATES)
+            else _find_token(raw, (named.get("eos_token", ""), *_EOS_CANDIDATES))
         )
         if eos is None:
             raise self._invalid(
@@ -292,12 +368,12 @@ class TokenizerConfig(Config):
         pad = (
             self.pad_token_id
             if self.pad_token_id is not None
-            else _find_token(raw, _PAD_CANDIDATES)
+            else _find_token(raw, (named.get("pad_token", ""), *_PAD_CANDIDATES))
         )
         bos = (
             self.bos_token_id
             if self.bos_token_id is not None
-            else _find_token(raw, _BOS_CANDIDATES)
+            else _find_token(raw, (named.get("bos_token", ""), *_BOS_CANDIDATES))
         )
         for name, value in (("eos_token_id", eos), ("pad_token_id", pad), ("bos_token_id", bos)):
             if value is not None and value >= vocab_size:
@@ -308,6 +384,7 @@ class TokenizerConfig(Config):
             pad_token_id=eos if pad is None else pad,
             bos_token_id=bos,
             vocab_size=vocab_size,
+            chat_template=template,
         )
 
     def resolve(self) -> TokenizerConfig:

@@ -110,9 +110,5 @@ class LayerKVCache:
     def __init__(self, cache: KVCache, index: int) -> None:
         self.cache, self.index = cache, index
 
-    @property
-    def mask(self) -> Tensor | None:
-        return self.cache.mask
-
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         return self.cache.store(self.index, k, v)

@@ -41,6 +41,7 @@ __all__ = [
     "TransformerBlockType",
     "TransformerConfig",
     "TransformerPreset",
+    "document_attention",
 ]
 
 log = logging.getLogger(__name__)
@@ -357,6 +358,21 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
+def document_attention(doc_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Positions and attention mask for sequences that pack several documents.
+
+    ``doc_ids`` (B, T) labels each token's document; a document is a run of equal ids. Returns
+    positions (B, T) that restart at 0 with each document, and a boolean mask (B, 1, T, T)
+    that lets a token see the earlier tokens of its own document only: each document is
+    then computed exactly as if it were alone in the sequence.
+    """
+    index = torch.arange(doc_ids.shape[1], device=doc_ids.device)
+    starts = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=True)
+    doc_start = torch.where(starts, index, 0).cummax(dim=1).values
+    same_doc = doc_start[:, :, None] == doc_start[:, None, :]
+    return index - doc_start, (same_doc & (index[:, None] >= index[None, :])).unsqueeze(1)
+
+
 class Attention(nn.Module):
     """Causal self-attention with optional grouped-query attention and QK-norm."""
 
@@ -374,8 +390,15 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(kv_dim, config.norm_eps) if config.qk_norm else None
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKVCache | None = None
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None = None,
+        cache: LayerKVCache | None = None,
     ) -> Tensor:
+        """``mask`` (B, 1, T, keys), True where attention is allowed, replaces the causal mask;
+        with a ``cache``, the keys are every cached one followed by this call's."""
         batch, seq_len, d_model = x.shape
         q, k, v = self.w_q(x), self.w_k(x), self.w_v(x)
         if self.q_norm is not None and self.k_norm is not None:
@@ -387,12 +410,12 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # With enable_gqa, query head h reads key/value head h // (n_heads / n_kv_heads), the
         # same grouping as Hugging Face's repeat_kv, without materialising repeated k and v.
-        gqa = self.n_kv_heads != self.n_heads
-        if cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:  # decoding: attend to every cached key, padding masked out by the cache's mask
+        if cache is not None:
             k, v = cache.update(k, v)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=gqa)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )  # fmt: skip
         return self.w_out(y.transpose(1, 2).reshape(batch, seq_len, d_model))
 
 
@@ -421,12 +444,17 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(config.d_model, config.hidden_size)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKVCache | None = None
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None = None,
+        cache: LayerKVCache | None = None,
     ) -> Tensor:
         if self.reordered_norm:
-            h = x + self.attention_norm(self.attention(x, cos, sin, cache))
+            h = x + self.attention_norm(self.attention(x, cos, sin, mask, cache))
             return h + self.feed_forward_norm(self.feed_forward(h))
-        h = x + self.attention(self.attention_norm(x), cos, sin, cache)
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, cache)
         return h + self.feed_forward(self.feed_forward_norm(h))
 
 
@@ -463,9 +491,15 @@ class Transformer(nn.Module):
         if config.tie_weights:
             self.lm_head.weight = self.embeddings.weight
 
-    def forward(self, input_ids: Tensor, *, cache: KVCache | None = None) -> Tensor:
-        """Logits for ``input_ids``; with a ``cache``, they extend the sequences cached so far
-        (see :mod:`olmolike.nn.kv_cache`)."""
+    def forward(
+        self, input_ids: Tensor, doc_ids: Tensor | None = None, *, cache: KVCache | None = None
+    ) -> Tensor:
+        """Logits of ``input_ids``.
+
+        With ``doc_ids`` (B, T), each packed document is computed alone (no attention across
+        documents, positions restarting per document). With a ``cache``, the logits extend the
+        sequences cached so far (see :mod:`olmolike.nn.kv_cache`).
+        """
         if input_ids.dim() != 2:
             raise ValueError(
                 f"input_ids must have shape (batch, seq_len), got {tuple(input_ids.shape)}; "
@@ -478,18 +512,25 @@ class Transformer(nn.Module):
                 f"{self.config.max_sequence_length}; crop the input or build the model with "
                 f"max_sequence_length >= {seq_len}"
             )
+        if cache is not None and doc_ids is not None:
+            raise ValueError("pass doc_ids or a KV cache, not both: decoding packs no documents")
         if cache is not None and cache.capacity > self.config.max_sequence_length:
             raise ValueError(
                 f"the KV cache has {cache.capacity} slots but the model has rotary positions "
                 f"for {self.config.max_sequence_length} only; build a smaller cache"
             )
         h = self.embeddings(input_ids)
-        if cache is None:
-            cos, sin = self.rope(seq_len)
-        else:
+        mask = None
+        if cache is not None:
             cos, sin = self.rope.at(cache.begin(input_ids))
+            mask = cache.mask
+        elif doc_ids is not None:
+            positions, mask = document_attention(doc_ids)
+            cos, sin = self.rope.at(positions)
+        else:
+            cos, sin = self.rope(seq_len)
         for i, block in enumerate(self.blocks):
-            h = block(h, cos, sin, None if cache is None else cache.layer(i))
+            h = block(h, cos, sin, mask, None if cache is None else cache.layer(i))
         if cache is not None:
             cache.end()
         return self.lm_head(self.norm(h))

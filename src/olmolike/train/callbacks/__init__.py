@@ -7,7 +7,13 @@ from .checkpointer import CheckpointerCallback
 from .config_saver import ConfigSaverCallback
 from .console_logger import ConsoleLoggerCallback
 from .early_stopping import EarlyStoppingCallback, EarlyStoppingMode
-from .evaluator import Evaluator, EvaluatorCallback, LMEvaluator, LMEvaluatorCallbackConfig
+from .evaluator import (
+    Evaluator,
+    EvaluatorCallback,
+    LMEvaluator,
+    LMEvaluatorCallbackConfig,
+    SFTEvaluatorCallbackConfig,
+)
 from .garbage_collector import GarbageCollectorCallback
 from .gpu_memory_monitor import GPUMemoryMonitorCallback
 from .metric_saver import MetricSaverCallback
@@ -41,6 +47,7 @@ __all__ = [
     "ProfilerCallback",
     "ProgressCallback",
     "ReproducibilityCheckCallback",
+    "SFTEvaluatorCallbackConfig",
     "SpeedMonitorCallback",
     "StabilityMonitorCallback",
     "StabilityPolicy",

@@ -1,4 +1,9 @@
-"""Periodic evaluation during training: held-out LM loss and perplexity, across ranks."""
+"""Periodic evaluation during training: held-out LM loss and perplexity, across ranks.
+
+Over SFT data (:class:`~olmolike.data.sft_dataset.SFTDataset`), the dataset's labels are used
+as they are, so the loss is over the held-out completions' tokens only, and packed examples
+are evaluated each alone (their ``doc_ids`` reach the model).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ...data.numpy_dataset import NumpyDatasetConfig, NumpyFSLDataset
+from ...data.sft_dataset import SFTDataset, SFTDatasetConfig
 from ...distributed.utils import get_rank, get_world_size, is_distributed
 from ...exceptions import ConfigurationError, DataError
 from ...nn.functional import cross_entropy_loss
@@ -20,7 +26,13 @@ from .callback import Callback
 if TYPE_CHECKING:
     from ..train_module import TrainModule
 
-__all__ = ["Evaluator", "EvaluatorCallback", "LMEvaluator", "LMEvaluatorCallbackConfig"]
+__all__ = [
+    "Evaluator",
+    "EvaluatorCallback",
+    "LMEvaluator",
+    "LMEvaluatorCallbackConfig",
+    "SFTEvaluatorCallbackConfig",
+]
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +59,7 @@ class LMEvaluator(Evaluator):
     def __init__(
         self,
         name: str,
-        dataset: NumpyFSLDataset,
+        dataset: NumpyFSLDataset | SFTDataset,
         *,
         rank_batch_instances: int,
         max_batches: int | None = None,
@@ -71,20 +83,32 @@ class LMEvaluator(Evaluator):
         size = self.rank_batch_instances
         return [mine[i * size : (i + 1) * size] for i in range(count)], count
 
-    def _batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        if not indices:  # this rank ran out: a placeholder whose labels are all ignored
-            ids = self.dataset[0]["input_ids"].unsqueeze(0)
-            return ids.to(self.device), torch.full_like(ids, self.ignore_index).to(self.device)
-        ids = torch.stack([self.dataset[i]["input_ids"] for i in indices]).to(self.device)
-        labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=self.ignore_index)
-        return ids, labels
+    def _batch(self, indices: list[int]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The model's inputs (``input_ids``, and ``doc_ids`` if the data has them) and labels:
+        the dataset's own (masked) labels if it has them, else the next tokens."""
+        placeholder = not indices  # this rank ran out: a batch whose labels are all ignored
+        items = [self.dataset[i] for i in (indices or [0])]
+        inputs: dict[str, torch.Tensor] = {
+            key: torch.stack([item[key] for item in items]).to(self.device)
+            for key in ("input_ids", "doc_ids")
+            if key in items[0]
+        }
+        ids = inputs["input_ids"]
+        if placeholder:
+            labels = torch.full_like(ids, self.ignore_index)
+        elif "labels" in items[0]:
+            labels = torch.stack([item["labels"] for item in items]).to(self.device)
+            labels = labels.masked_fill(labels == -100, self.ignore_index)
+        else:
+            labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=self.ignore_index)
+        return inputs, labels
 
     def evaluate(self, train_module: TrainModule) -> dict[str, torch.Tensor]:
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # loss sum, tokens
         batches, _ = self._rank_batches()
         for indices in batches:
-            ids, labels = self._batch(indices)
-            logits = train_module.eval_batch({"input_ids": ids})
+            inputs, labels = self._batch(indices)
+            logits = train_module.eval_batch(inputs)
             loss_sum, _ = cross_entropy_loss(
                 logits, labels, ignore_index=self.ignore_index, reduction="sum"
             )
@@ -201,6 +225,55 @@ class LMEvaluatorCallbackConfig(_PeriodicEvaluation, name="lm_evaluator"):
                 max_batches=self.max_batches,
                 device=self.trainer.device,
                 label_ignore_index=ignore,
+            )
+        ]
+
+    def _evaluators(self) -> list[Evaluator]:
+        return self._built
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass
+class SFTEvaluatorCallbackConfig(_PeriodicEvaluation, name="sft_evaluator"):
+    """Loss on held-out SFT examples (``prepare-data --sft --val-fraction``): the mean
+    cross-entropy over their completions' tokens only, logged as ``eval/{label}/CE loss``."""
+
+    eval_dataset: SFTDatasetConfig | None = None
+    eval_batch_size: int = 8
+    """Sequences per forward pass on each rank."""
+    max_batches: int | None = None
+    """Evaluate on at most this many batches per rank (``None``: every held-out sequence)."""
+    label: str = "sft"
+    _built: list[Evaluator] = field(default_factory=list, init=False, repr=False)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.eval_dataset is None:
+            raise ConfigurationError(
+                "is required: the SFT folder's 'val' split", path="eval_dataset"
+            )
+        if self.eval_batch_size < 1 or (self.max_batches is not None and self.max_batches < 1):
+            raise ConfigurationError(
+                "eval_batch_size and max_batches must be >= 1 (max_batches may be null)",
+                path="eval_batch_size",
+            )
+
+    def post_attach(self) -> None:
+        assert self.eval_dataset is not None
+        try:
+            dataset = self.eval_dataset.build()
+        except DataError as e:
+            raise ConfigurationError(f"is unusable: {e}", path="eval_dataset") from e
+        self._built = [
+            LMEvaluator(
+                self.label,
+                dataset,
+                rank_batch_instances=self.eval_batch_size,
+                max_batches=self.max_batches,
+                device=self.trainer.device,
+                label_ignore_index=getattr(self.trainer.train_module, "label_ignore_index", -100),
             )
         ]
 

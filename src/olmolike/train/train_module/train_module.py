@@ -202,6 +202,13 @@ class BasicTrainModule(ModelAndOptimTrainModule):
     def train_batch(self, batch: dict[str, Any], dry_run: bool = False) -> None:
         if not self.model.training:  # train() walks every submodule: not on every step
             self.model.train()
+        if "doc_ids" in batch:
+            raise ConfigurationError(
+                "the batches are packed SFT sequences (they carry doc_ids), which "
+                "BasicTrainModule would train with attention across examples and a per-rank "
+                "loss mean; train them with TransformerTrainModule",
+                path="train_module",
+            )
         input_ids = batch["input_ids"]
         labels = labels_from_batch(batch, self.label_ignore_index)
         rows = microbatch_rows(input_ids, self.rank_microbatch_size, "rank_microbatch_size")

@@ -124,7 +124,12 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
 
     The loss is normalised by the number of non-ignored tokens in the whole global batch (a
     count all-reduced across data-parallel ranks), so neither the micro-batch split nor the
-    number of ranks changes the result.
+    number of ranks changes the result: with masked labels (SFT), every trained token weighs
+    the same whichever rank and micro-batch it falls in.
+
+    A batch with ``doc_ids`` (packed SFT sequences) passes them to the model, which then keeps
+    attention within each document; its share of padding (``doc_ids < 0``) is logged as
+    ``train/padding fraction``.
     """
 
     def __init__(
@@ -249,14 +254,16 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
             input_ids, self.config.rank_microbatch_size, "train_module.rank_microbatch_size"
         )
         micro_ids, micro_labels = input_ids.split(split), labels.split(split)
+        doc_ids = batch.get("doc_ids")
+        micro_docs = doc_ids.split(split) if doc_ids is not None else [None] * len(micro_ids)
         # The denominator is this step's non-ignored token count over all ranks; each rank's
         # gradient is scaled by the world size because DDP and FSDP average across ranks.
         scale = self._global_token_count(labels).reciprocal() * self.dp_world_size
         ce_total = torch.zeros((), device=input_ids.device)
         z_total = torch.zeros((), device=input_ids.device)
-        for i, (ids, mb_labels) in enumerate(zip(micro_ids, micro_labels)):
+        for i, (ids, mb_labels, docs) in enumerate(zip(micro_ids, micro_labels, micro_docs)):
             with self._grad_sync(last=i == len(micro_ids) - 1), self._autocast:
-                logits = self._forward_module(ids)
+                logits = self._forward_module(ids, **_doc_kwargs(docs))
                 ce_loss, z_loss = cross_entropy_loss(
                     logits,
                     mb_labels,
@@ -276,6 +283,9 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         self.record_ce_loss(ce_total * scale, ReduceType.mean)
         if self.config.z_loss_multiplier is not None:
             self.record_metric("Z loss", z_total * scale, ReduceType.mean, namespace="train")
+        if doc_ids is not None:
+            padding = (doc_ids < 0).float().mean()
+            self.record_metric("padding fraction", padding, ReduceType.mean, namespace="train")
 
     def _global_token_count(self, labels: torch.Tensor) -> torch.Tensor:
         count = (labels != self.config.label_ignore_index).sum()
@@ -298,7 +308,7 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         self.model.eval()
         try:
             with self._autocast:
-                logits = self.model(batch["input_ids"])
+                logits = self.model(batch["input_ids"], **_doc_kwargs(batch.get("doc_ids")))
         finally:
             self.model.train(was_training)
         if labels is None:
@@ -334,3 +344,9 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
     def num_flops_per_token(self, seq_len: int) -> int | None:
         own = getattr(self.model, "num_flops_per_token", None)
         return int(own(seq_len)) if callable(own) else None
+
+
+def _doc_kwargs(doc_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The model's ``doc_ids`` argument, only when there are documents to separate: a model
+    without that argument still trains on unpacked batches."""
+    return {} if doc_ids is None else {"doc_ids": doc_ids}

@@ -1,0 +1,404 @@
+"""``prepare-data --sft``: chat or prompt/completion JSONL -> fixed-length training sequences.
+
+Each JSONL line is one example, either
+
+* ``{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}``, or
+* ``{"prompt": "...", "completion": "..."}`` (a user turn and an assistant turn; both may also
+  be lists of messages, as in TRL's conversational prompt-completion format).
+
+The tokenizer's chat template renders the conversation; the tokens of the assistant's turns
+(see :meth:`~olmolike.data.chat_template.ChatTemplate.assistant_spans`) are the only ones
+trained on. Examples are then laid out in sequences of ``sequence_length`` tokens:
+
+* ``packed``: several examples per sequence (best-fit decreasing, which leaves little
+  padding); the model sees each one alone, through per-document attention and positions;
+* ``padded``: one example per sequence, padded at the end.
+
+Each split is three ``(sequences, sequence_length)`` arrays: ``input_ids``, ``label_mask``
+(1 where a token is trained on) and ``doc_ids`` (the example's index within its sequence, -1
+on padding). ``metadata.json``, written last, records counts and the padding fraction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import logging
+import shutil
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import StrEnum
+from ..exceptions import DataError
+from .chat_template import ChatTemplate, Message
+from .numpy_dataset import METADATA_FILE
+from .prepare import (
+    FORMAT_VERSION,
+    SPLITS,
+    WORK_DIR,
+    _claim_output,
+    _in_validation,
+    _write_atomically,
+)
+from .sources import Source, resolve_inputs
+from .tokenizer import Tokenizer, TokenizerConfig
+
+__all__ = ["OverlongPolicy", "PackingMode", "SFTExample", "prepare_sft_data", "tokenize_example"]
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant")
+SFT_KIND = "sft"
+
+
+class PackingMode(StrEnum):
+    packed = "packed"
+    """Several examples per sequence, attention kept within each: little padding."""
+    padded = "padded"
+    """One example per sequence: simple, but short examples leave most of it as padding."""
+
+
+class OverlongPolicy(StrEnum):
+    error = "error"
+    """An example longer than a sequence stops the run, naming its file and line."""
+    truncate = "truncate"
+    """Keep its first ``sequence_length`` tokens; dropped if none of them is trained on."""
+    drop = "drop"
+    """Leave it out. Truncated and dropped examples are counted in ``metadata.json``."""
+
+
+@dataclass
+class SFTExample:
+    """One tokenized example: its ids and which of them are trained on."""
+
+    ids: np.ndarray
+    trained: np.ndarray
+
+
+# -- reading -----------------------------------------------------------------------------------
+
+
+def _as_messages(value: Any, where: str, name: str) -> list[Message]:
+    if isinstance(value, str):
+        return [{"role": "assistant" if name == "completion" else "user", "content": value}]
+    if isinstance(value, list):
+        return list(value)
+    raise DataError(f"{where}: {name!r} must be a string or a list of messages")
+
+
+def _check_messages(messages: Any, where: str) -> list[Message]:
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of role/content objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise DataError(
+                f"{where}: message {i} must be an object with a string 'content', got "
+                f"{json.dumps(message)[:80]}"
+            )
+        if message.get("role") not in ROLES:
+            raise DataError(
+                f"{where}: message {i} has the unknown role {message.get('role')!r}; the roles "
+                f"are {', '.join(ROLES)}: rename it or remove the message"
+            )
+        if message["role"] == "assistant" and not message["content"].strip():
+            raise DataError(
+                f"{where}: message {i} is an empty assistant turn (empty completion): there "
+                "is nothing to train on; remove the example or fill in the completion"
+            )
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(
+            f"{where}: the conversation has no assistant turn, so nothing to train on; add the "
+            "assistant's answer or remove the example"
+        )
+    return messages
+
+
+def read_examples(source: Source) -> Iterator[tuple[int, list[Message]]]:
+    """``(line number, messages)`` of each non-blank line of a JSONL file, checked."""
+    with open(source.path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{source.name}, line {line_number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{where}: not valid JSON ({e}); each line must be one JSON object"
+                ) from None
+            if isinstance(record, dict) and "messages" in record:
+                messages = record["messages"]
+            elif isinstance(record, dict) and "prompt" in record and "completion" in record:
+                messages = _as_messages(record["prompt"], where, "prompt") + _as_messages(
+                    record["completion"], where, "completion"
+                )
+            else:
+                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise DataError(
+                    f"{where}: an SFT example needs 'messages' or 'prompt' and 'completion' "
+                    f"(found {keys})"
+                )
+            yield line_number, _check_messages(messages, where)
+
+
+def tokenize_example(
+    tokenizer: Tokenizer, template: ChatTemplate, messages: Sequence[Message], where: str = ""
+) -> SFTExample:
+    """Render ``messages``, tokenize the whole text once, and mark the tokens that start inside
+    an assistant span. The first token is never trained on: nothing comes before it."""
+    text, spans = template.assistant_spans(messages)
+    ids, starts = tokenizer.encode_with_offsets(text)
+    trained = np.zeros(len(ids), dtype=bool)
+    offsets = np.asarray(starts, dtype=np.int64)
+    for start, end in spans:
+        trained |= (offsets >= start) & (offsets < end)
+    if len(trained):
+        trained[0] = False
+    if not trained.any():
+        raise DataError(
+            f"{where}: the assistant's turns cover no token once rendered by the chat "
+            "template; check the template renders the assistant's content"
+        )
+    return SFTExample(np.asarray(ids, dtype=np.int64), trained)
+
+
+# -- layout ------------------------------------------------------------------------------------
+
+
+def _pack(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Best-fit decreasing: example indices per sequence, longest first, each into the fullest
+    sequence that still has room (ties broken by index, so the result is deterministic)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, bin), sorted
+    for i in order:
+        slot = bisect.bisect_left(free, (lengths[i], -1))
+        if slot == len(free):
+            bins.append([i])
+            room, number = capacity - lengths[i], len(bins) - 1
+        else:
+            room, number = free.pop(slot)
+            bins[number].append(i)
+            room -= lengths[i]
+        if room > 0:
+            bisect.insort(free, (room, number))
+    return bins
+
+
+@dataclass
+class _Split:
+    examples: list[SFTExample] = field(default_factory=list)
+    truncated: int = 0
+    dropped: int = 0
+
+
+def _layout(
+    split: _Split, sequence_length: int, packing: PackingMode, pad_id: int, dtype: np.dtype
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    lengths = [len(e.ids) for e in split.examples]
+    if packing == PackingMode.packed:
+        groups = _pack(lengths, sequence_length)
+    else:
+        groups = [[i] for i in range(len(lengths))]
+    shape = (len(groups), sequence_length)
+    ids = np.full(shape, pad_id, dtype=dtype)
+    mask = np.zeros(shape, dtype=np.uint8)
+    docs = np.full(shape, -1, dtype=np.int32)
+    for row, group in enumerate(groups):
+        start = 0
+        for doc, i in enumerate(group):
+            example, end = split.examples[i], start + lengths[i]
+            ids[row, start:end] = example.ids
+            mask[row, start:end] = example.trained
+            docs[row, start:end] = doc
+            start = end
+    padding = int((docs < 0).sum())
+    stats = {
+        "sequences": len(groups),
+        "examples": len(lengths),
+        "tokens": ids.size,
+        "padding_tokens": padding,
+        "padding_fraction": padding / ids.size if ids.size else 0.0,
+        "trained_tokens": int(mask.sum()),
+        "truncated": split.truncated,
+        "dropped": split.dropped,
+    }
+    return {"input_ids": ids, "label_mask": mask, "doc_ids": docs}, stats
+
+
+def _fit(
+    example: SFTExample, sequence_length: int, overlong: OverlongPolicy, split: _Split, where: str
+) -> None:
+    if len(example.ids) <= sequence_length:
+        split.examples.append(example)
+        return
+    if overlong == OverlongPolicy.error:
+        raise DataError(
+            f"{where}: the example has {len(example.ids)} tokens, more than sequence_length="
+            f"{sequence_length}; raise --sequence-length, or pass --overlong truncate (keep "
+            "the start) or --overlong drop (leave such examples out)"
+        )
+    kept = example.trained[:sequence_length]
+    if overlong == OverlongPolicy.drop or not kept.any():
+        split.dropped += 1
+        return
+    split.truncated += 1
+    split.examples.append(SFTExample(example.ids[:sequence_length], kept))
+
+
+def prepare_sft_data(
+    inputs: Sequence[str | Path],
+    output_dir: str | Path,
+    *,
+    sequence_length: int,
+    tokenizer: TokenizerConfig | None = None,
+    chat_template: str | None = None,
+    packing: PackingMode = PackingMode.packed,
+    overlong: OverlongPolicy = OverlongPolicy.error,
+    val_fraction: float = 0.0,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Prepare SFT sequences under ``output_dir`` (see the module docstring); returns the
+    metadata. ``chat_template`` (a Jinja file) replaces the tokenizer's template."""
+    if sequence_length < 2:
+        raise DataError(f"sequence_length must be at least 2, got {sequence_length}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    packing, overlong = PackingMode(packing), OverlongPolicy(overlong)
+    out = Path(output_dir)
+    resolved = (tokenizer or TokenizerConfig()).resolve()
+    built = resolved.build()
+    template = _template(built, chat_template)
+    assert resolved.vocab_size is not None
+    dtype = np.dtype(np.uint16 if resolved.vocab_size <= 1 << 16 else np.uint32)
+    sources = resolve_inputs(inputs, exclude=out)
+    arguments = {
+        "format_version": FORMAT_VERSION,
+        "kind": SFT_KIND,
+        "tokenizer": resolved.as_config_dict(),
+        "chat_template": template.source,
+        "sequence_length": sequence_length,
+        "packing": packing.value,
+        "overlong": overlong.value,
+        "val_fraction": val_fraction,
+        "seed": seed,
+        "sources": [{"path": s.name, "bytes": s.size} for s in sources],
+    }
+    finished = _claim_output(out, arguments, overwrite)
+    if finished is not None:
+        log.info("%s already holds this data; nothing to do", out)
+        return finished
+    (out / WORK_DIR).mkdir(parents=True, exist_ok=True)
+    _write_atomically(
+        out / WORK_DIR / "args.json",
+        lambda f: f.write(json.dumps({"arguments": arguments}).encode()),
+    )
+    splits = {name: _Split() for name in SPLITS}
+    for source in sources:
+        for line_number, messages in read_examples(source):
+            where = f"{source.name}, line {line_number}"
+            example = tokenize_example(built, template, messages, where)
+            split = splits[SPLITS[_in_validation(seed, source.name, line_number, val_fraction)]]
+            _fit(example, sequence_length, overlong, split, where)
+    if not splits["train"].examples:
+        raise DataError(f"no training example in {', '.join(map(str, inputs))}")
+    stats = {}
+    for name, split in splits.items():
+        arrays, stats[name] = _layout(split, sequence_length, packing, built.pad_token_id, dtype)
+        (out / name).mkdir(parents=True, exist_ok=True)
+        for key, array in arrays.items():
+            _write_atomically(out / name / f"{key}.npy", lambda f, a=array: np.save(f, a))
+    ids = ("vocab_size", "eos_token_id", "pad_token_id", "bos_token_id")
+    metadata = {
+        "format_version": FORMAT_VERSION,
+        "kind": SFT_KIND,
+        "tokenizer": resolved.identifier,
+        **{name: getattr(resolved, name) for name in ids},
+        "dtype": dtype.name,
+        "sequence_length": sequence_length,
+        "packing": packing.value,
+        "splits": stats,
+        "arguments": arguments,
+    }
+    _write_atomically(
+        out / "metadata.json", lambda f: f.write(json.dumps(metadata, indent=2).encode())
+    )
+    shutil.rmtree(out / WORK_DIR)
+    return metadata
+
+
+def _template(tokenizer: Tokenizer, path: str | None) -> ChatTemplate:
+    if path is not None:
+        own = tokenizer.chat_template
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+            return ChatTemplate(text, own.special_tokens if own is not None else None)
+        except FileNotFoundError:
+            raise DataError(f"no chat template file at {path!r}") from None
+    template = tokenizer.chat_template
+    if template is None:
+        raise DataError(
+            "the tokenizer has no chat template: put a tokenizer_config.json with a "
+            "'chat_template' beside its tokenizer.json, or pass --chat-template FILE.jinja"
+        )
+    return template
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def run_sft_command(args: argparse.Namespace, inputs: list[str | Path]) -> int:
+    """``olmolike prepare-data --sft``."""
+    if args.sequence_length is None:
+        raise DataError("--sft needs --sequence-length: the length of the training sequences")
+    metadata = prepare_sft_data(
+        inputs,
+        args.output,
+        sequence_length=args.sequence_length,
+        tokenizer=TokenizerConfig(identifier=args.tokenizer),
+        chat_template=args.chat_template,
+        packing=args.packing,
+        overlong=args.overlong,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        overwrite=args.overwrite,
+    )
+    for split, stats in metadata["splits"].items():
+        print(
+            f"{split}: {stats['examples']:,d} examples in {stats['sequences']:,d} sequences of "
+            f"{metadata['sequence_length']} tokens, {stats['trained_tokens']:,d} trained tokens, "
+            f"padding {stats['padding_fraction']:.1%}, {stats['truncated']} truncated, "
+            f"{stats['dropped']} dropped"
+        )
+    print(f"metadata: {Path(args.output) / METADATA_FILE}")
+    return 0
+
+
+def add_sft_arguments(cmd: argparse.ArgumentParser) -> None:
+    """The ``--sft`` options of ``olmolike prepare-data``."""
+    sft = cmd.add_argument_group("supervised fine-tuning (--sft)")
+    sft.add_argument(
+        "--sft",
+        action="store_true",
+        help="chat JSONL ('messages', or 'prompt'/'completion') -> sequences with label masks",
+    )
+    sft.add_argument("--sequence-length", type=int, help="tokens per training sequence")
+    sft.add_argument(
+        "--packing",
+        choices=[m.value for m in PackingMode],
+        default="packed",
+        help="several examples per sequence, or one padded (default: %(default)s)",
+    )
+    sft.add_argument(
+        "--overlong",
+        choices=[p.value for p in OverlongPolicy],
+        default="error",
+        help="what to do with an example longer than a sequence (default: %(default)s)",
+    )
+    sft.add_argument("--chat-template", help="a Jinja file replacing the tokenizer's template")
