@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from olmolike.nn import TransformerConfig
-from olmolike.nn.transformer import document_attention
+from olmolike.nn.rope import document_attention
 
 
 def _model(**overrides: object) -> torch.nn.Module:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from olmolike.exceptions import ConfigurationError
 from olmolike.nn import TransformerBlockType, export_hf, load_hf_model, transformer_config_from_hf
 from olmolike.nn.hf_import import convert_from_hf, read_hf_tensors
-from olmolike.nn.rope_scaling import RopeScalingConfig
+from olmolike.nn.rope import RopeScalingConfig
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from olmolike.exceptions import ConfigurationError
 from olmolike.nn import Transformer, TransformerConfig, TransformerPreset
-from olmolike.nn.transformer import apply_rotary
+from olmolike.nn.rope import apply_rotary
 
 VOCAB = 97
 

@@ -21,7 +21,7 @@ from olmolike.distributed.utils import broadcast_object, get_rank, get_world_siz
 from olmolike.exceptions import ConfigurationError
 from olmolike.nn import Transformer, TransformerConfig, load_hf_model
 from olmolike.nn.hf_import import read_hf_config, transformer_config_from_hf
-from olmolike.nn.rope_scaling import RopeScalingConfig
+from olmolike.nn.rope import RopeScalingConfig
 from olmolike.optim import AdamWConfig
 from olmolike.testing import random_token_instances
 from olmolike.train import Callback, Duration, Trainer, TrainerConfig

@@ -4,7 +4,7 @@ An item is ``{"input_ids", "labels", "doc_ids", "index"}`` (int64 tensors of
 ``sequence_length``). ``labels[t]`` is the token at ``t + 1`` where that token is trained on
 (an assistant token of the same example) and ``-100`` everywhere else: the prompt, the
 padding, and across the boundary between two packed examples. ``doc_ids`` tell the model
-where each packed example starts (see :func:`olmolike.nn.transformer.document_attention`).
+where each packed example starts (see :func:`olmolike.nn.rope.document_attention`).
 
 It serves :class:`~olmolike.data.numpy_data_loader.NumpyDataLoader` like a token dataset, so
 SFT runs get the same global batches, rank slices and exact resume as pretraining.

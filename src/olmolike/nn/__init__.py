@@ -5,12 +5,11 @@ from .generation import Generation, filter_logits, generate, sample
 from .hf_export import HFArchitecture, convert_to_hf, export_hf
 from .hf_import import load_hf_model, transformer_config_from_hf
 from .kv_cache import KVCache
-from .rope_scaling import RopeScalingConfig
+from .rope import RopeScalingConfig, RotaryEmbedding
 from .transformer import (
     Attention,
     FeedForward,
     RMSNorm,
-    RotaryEmbedding,
     Transformer,
     TransformerBlock,
     TransformerBlockType,

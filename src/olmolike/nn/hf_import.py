@@ -25,7 +25,7 @@ from torch import Tensor
 from .. import io
 from ..exceptions import ConfigurationError
 from .hf_export import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, HFArchitecture, hf_tensor_names
-from .rope_scaling import RopeScalingConfig
+from .rope import RopeScalingConfig
 from .transformer import Transformer, TransformerBlockType, TransformerConfig
 
 __all__ = [

@@ -29,19 +29,17 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..config import Config, StrEnum
 from ..exceptions import ConfigurationError
 from .kv_cache import KVCache, LayerKVCache
-from .rope_scaling import RopeScalingConfig
+from .rope import RopeScalingConfig, RotaryEmbedding, apply_rotary, document_attention
 
 __all__ = [
     "Attention",
     "FeedForward",
     "RMSNorm",
-    "RotaryEmbedding",
     "Transformer",
     "TransformerBlock",
     "TransformerBlockType",
     "TransformerConfig",
     "TransformerPreset",
-    "document_attention",
 ]
 
 log = logging.getLogger(__name__)
@@ -111,7 +109,7 @@ class TransformerConfig(Config):
     ``tie_weights`` shares the embedding matrix with the output head; ``block_type`` places
     the norms (:class:`TransformerBlockType`). The ``olmo2_*`` presets are OLMo-2 blocks
     (reordered norm and QK-norm), the others Llama blocks. ``rope_scaling`` stretches RoPE to
-    a longer context as Llama 3.1 does (:class:`~olmolike.nn.rope_scaling.RopeScalingConfig`).
+    a longer context as Llama 3.1 does (:class:`~olmolike.nn.rope.RopeScalingConfig`).
     """
 
     vocab_size: int
@@ -290,87 +288,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.weight.float()).to(x.dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """Caches the cos/sin tables of rotary position embeddings, in float32.
-
-    The tables are non-persistent buffers: they are a pure function of the config, so
-    checkpoints and exports never carry them, and they stay float32 when the model is cast to
-    a lower precision (angles at position 4000 need more than bf16's 8 bits of mantissa).
-    """
-
-    cos: Tensor
-    sin: Tensor
-
-    def __init__(
-        self,
-        head_dim: int,
-        max_sequence_length: int,
-        theta: float,
-        scaling: RopeScalingConfig | None = None,
-    ) -> None:
-        super().__init__()
-        self.head_dim = head_dim
-        self.max_sequence_length = max_sequence_length
-        self.theta = theta
-        self.scaling = scaling
-        self.register_buffer("cos", torch.empty(max_sequence_length, head_dim), persistent=False)
-        self.register_buffer("sin", torch.empty(max_sequence_length, head_dim), persistent=False)
-        self.reset_buffers()
-
-    def reset_buffers(self, device: torch.device | None = None) -> None:
-        device = self.cos.device if device is None else device
-        if device.type == "meta":
-            return
-        exponents = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32)
-        inv_freq = 1.0 / self.theta ** (exponents / self.head_dim)
-        if self.scaling is not None:
-            inv_freq = self.scaling.scale(inv_freq)
-        positions = torch.arange(self.max_sequence_length, device=device, dtype=torch.float32)
-        angles = torch.outer(positions, inv_freq)
-        angles = torch.cat((angles, angles), dim=-1)
-        self.cos = angles.cos()
-        self.sin = angles.sin()
-
-    def _apply(self, fn: Any, recurse: bool = True) -> RotaryEmbedding:
-        super()._apply(fn, recurse)
-        if self.cos.dtype != torch.float32:
-            # ``model.to(torch.bfloat16)`` casts buffers too: rebuild rather than lose precision.
-            self.cos = torch.empty_like(self.cos, dtype=torch.float32)
-            self.sin = torch.empty_like(self.sin, dtype=torch.float32)
-            self.reset_buffers()
-        return self
-
-    def forward(self, seq_len: int) -> tuple[Tensor, Tensor]:
-        return self.cos[:seq_len], self.sin[:seq_len]
-
-    def at(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """The tables at per-sequence ``positions`` (B, T), shaped (B, 1, T, head_dim)."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate feature pairs ``(i, i + head_dim/2)`` of ``x`` (..., T, head_dim) by position."""
-    xf = x.float()
-    first, second = xf.chunk(2, dim=-1)
-    rotated = torch.cat((-second, first), dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
-
-
-def document_attention(doc_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """Positions and attention mask for sequences that pack several documents.
-
-    ``doc_ids`` (B, T) labels each token's document; a document is a run of equal ids. Returns
-    positions (B, T) that restart at 0 with each document, and a boolean mask (B, 1, T, T)
-    that lets a token see the earlier tokens of its own document only: each document is
-    then computed exactly as if it were alone in the sequence.
-    """
-    index = torch.arange(doc_ids.shape[1], device=doc_ids.device)
-    starts = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=True)
-    doc_start = torch.where(starts, index, 0).cummax(dim=1).values
-    same_doc = doc_start[:, :, None] == doc_start[:, None, :]
-    return index - doc_start, (same_doc & (index[:, None] >= index[None, :])).unsqueeze(1)
 
 
 class Attention(nn.Module):

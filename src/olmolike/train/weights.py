@@ -37,7 +37,7 @@ from ..nn.hf_import import (
     read_hf_tensors,
     transformer_config_from_hf,
 )
-from ..nn.rope_scaling import RopeScalingConfig
+from ..nn.rope import RopeScalingConfig
 from ..nn.transformer import TransformerConfig
 from .callbacks.callback import Callback
 from .checkpoint import MODEL_AND_OPTIM, Checkpointer
