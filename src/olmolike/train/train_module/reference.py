@@ -123,10 +123,7 @@ class ReferenceModel:
         }
         config = getattr(policy, "config", None)
         build = getattr(config, "build", None)
-        if callable(build):
-            model = build(init_device="cpu")
-        else:
-            model = copy.deepcopy(policy)
+        model = build(init_device="cpu") if callable(build) else copy.deepcopy(policy)
         model.load_state_dict({k: v.detach().cpu().clone() for k, v in state.items()})
         return cls(model, source=source, device=device, dp_config=dp_config)
 
