@@ -79,7 +79,7 @@ def test_bad_pairs_name_the_record(tmp_path: Path) -> None:
         encode_preference_pairs([PreferencePair("p" * 9, "a", "b", "x:3")], TOK, 8)
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "a", "chosen": "b"}\n')
-    with pytest.raises(DataError, match="bad.jsonl:1: .*'rejected'"):
+    with pytest.raises(DataError, match=r"bad.jsonl:1: .*'rejected'"):
         read_preference_jsonl(path)
 
 
@@ -156,7 +156,7 @@ def test_one_forward_matches_the_loss_function() -> None:
     got = [p.grad.clone() for p in module.model.parameters()]
     module.zero_grads()
     ids, labels = batch["input_ids"], batch["labels"]
-    pol, n = sequence_log_probs(module.model(ids), labels)
+    pol, _ = sequence_log_probs(module.model(ids), labels)
     ref, _ = module.reference.sequence_log_probs(ids, labels)
     out = dpo_loss(*pol.chunk(2), *ref.chunk(2), beta=0.5, loss_type=DPOLossType.sigmoid)
     out.loss.backward()

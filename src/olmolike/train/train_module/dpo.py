@@ -55,7 +55,7 @@ class DPOTrainModuleConfig(TransformerTrainModuleConfig):
         if self.label_smoothing and self.loss_type != DPOLossType.sigmoid:
             raise self._invalid("label_smoothing", "applies to loss_type=sigmoid only")
 
-    def build(  # type: ignore[override]
+    def build(
         self,
         model: nn.Module,
         device: torch.device | None = None,
