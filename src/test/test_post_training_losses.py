@@ -64,7 +64,9 @@ def test_seed_approximation_is_a_rescaled_cross_entropy_and_differs_from_exact_k
     labels = torch.tensor([[1, 2, 3], [0, 4, 2]])
     (ce_grad,) = torch.autograd.grad(cross_entropy_loss(p, labels)[0], p)
     nll_ref, _ = cross_entropy_loss(q, labels)
-    seed_total = cross_entropy_loss(p, labels)[0] + beta * (cross_entropy_loss(p, labels)[0] - nll_ref.detach())
+    seed_total = cross_entropy_loss(p, labels)[0] + beta * (
+        cross_entropy_loss(p, labels)[0] - nll_ref.detach()
+    )
     (seed_grad,) = torch.autograd.grad(seed_total, p)
     assert torch.allclose(seed_grad, (1 + beta) * ce_grad, atol=1e-6)
     exact_total = cross_entropy_loss(p, labels)[0] + beta * token_kl_divergence(p, q, labels)
