@@ -197,4 +197,6 @@ class DPOTrainModule(TransformerTrainModule):
         ref, _ = self.reference.sequence_log_probs(ids, labels, ignore_index=ignore)
         pol_c, pol_r = pol.chunk(2)
         ref_c, ref_r = ref.chunk(2)
-        return (((pol_c - ref_c) - (pol_r - ref_r)) > 0).float().mean()
+        margin = (pol_c - ref_c) - (pol_r - ref_r)
+        # A tie (the policy is still the reference) counts half: chance level, not 0.
+        return ((margin > 0).float() + 0.5 * (margin == 0).float()).mean()
