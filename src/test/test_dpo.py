@@ -208,3 +208,19 @@ def test_two_ranks_match_one(tmp_path: Path, dp: str) -> None:
         torch.testing.assert_close(
             torch.tensor(got), torch.tensor(losses(one_log)), rtol=1e-5, atol=1e-6
         )
+
+
+@pytest.mark.timeout(300)
+def test_dpo_example_runs_and_reports_accuracy() -> None:
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[1] / "examples" / "dpo" / "train.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, str(script), "3", "1"], capture_output=True, text=True, timeout=280,
+        env=env, check=True,
+    )  # fmt: skip
+    assert "held-out preference accuracy" in out.stdout
+    assert "before DPO 0.500" in out.stdout
