@@ -75,7 +75,7 @@ def test_jsonl_strings_and_chat_messages(tmp_path: Path) -> None:
 def test_bad_pairs_name_the_record(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"x:7: 'chosen' and 'rejected' are identical"):
         encode_preference_pairs([PreferencePair("p", "same", "same", "x:7")], TOK, 8)
-    with pytest.raises(DataError, match=r"x:3: the prompt has 9 tokens.*sequence-length"):
+    with pytest.raises(DataError, match=r"x:3: the prompt has 9 tokens.*raise seq_len"):
         encode_preference_pairs([PreferencePair("p" * 9, "a", "b", "x:3")], TOK, 8)
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "a", "chosen": "b"}\n')

@@ -130,3 +130,18 @@ def test_two_ranks_match_one(tmp_path: Path, dp: str) -> None:
     for ce, kl in run_distributed_test(_two_rank_series, 2, args=(dp,), timeout=240):
         torch.testing.assert_close(torch.tensor(ce), torch.tensor(want_ce), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(torch.tensor(kl), torch.tensor(want_kl), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_two_stage_example_runs_and_reports_both_betas() -> None:
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[1] / "examples" / "two_stage_kl" / "train.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "3"], capture_output=True, text=True, timeout=280,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True,
+    )  # fmt: skip
+    assert "beta=0: held-out stage-1 loss" in out.stdout
+    assert "beta=1: held-out stage-1 loss" in out.stdout

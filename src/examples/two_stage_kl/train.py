@@ -61,7 +61,7 @@ def run(beta: float, stage_steps: int) -> dict[str, float]:
     )
     config = TwoStageKLTrainModuleConfig(
         rank_microbatch_size=BATCH // get_world_size() * SEQ, optim=AdamWConfig(lr=3e-3),
-        scheduler=CosWithWarmup(warmup=10), max_grad_norm=1.0, stage1_steps=stage_steps,
+        scheduler=CosWithWarmup(warmup=None, warmup_fraction=0.1), max_grad_norm=1.0, stage1_steps=stage_steps,
         beta=beta,
     )  # fmt: skip
     model = TransformerConfig(

@@ -139,7 +139,7 @@ def encode_preference_pairs(
         if len(prompt) >= seq_len:
             raise DataError(
                 f"{pair.where}: the prompt has {len(prompt)} tokens, leaving no room for a "
-                f"response in sequences of {seq_len}; raise --sequence-length or shorten it"
+                f"response in sequences of {seq_len}; raise seq_len or shorten the prompt"
             )
         parts = []
         for response in (pair.chosen, pair.rejected):
