@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 # torch first, pinned, so pip takes the local CPU wheel instead of resolving CUDA packages.
 TORCH_SPEC := torch==2.13.0
 
-.PHONY: install run lint format typecheck pytest test bench clean
+.PHONY: install run dpo two-stage-kl lint format typecheck pytest test bench clean
 
 install: $(STAMP)
 
@@ -41,6 +41,16 @@ SFT_ARGS ?=
 sft: install
 	test -d runs/$(RUN_NAME) || $(MAKE) run
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) src/examples/sft/train.py $(SFT_RUN) --base=runs/$(RUN_NAME) $(SFT_ARGS)
+
+# `make dpo`: DPO on stdlib preference pairs (true continuation vs shuffled), ~5 CPU minutes;
+# prints held-out preference accuracy before and after.
+dpo: install
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) src/examples/dpo/train.py
+
+# `make two-stage-kl`: stage 1 on stdlib code, stage 2 on reversed code, with beta 0 and 1;
+# prints how much the stage-1 held-out loss degrades in stage 2 (~3-4 CPU minutes).
+two-stage-kl: install
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) src/examples/two_stage_kl/train.py
 
 lint: install
 	$(VENV)/bin/ruff check src

@@ -8,13 +8,24 @@ here reads a tensor back to the host, so they are safe on the training hot path.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["cross_entropy_loss", "log_probs_of_labels"]
+from ..config import StrEnum
+
+__all__ = [
+    "DPOLossType",
+    "DPOOutput",
+    "cross_entropy_loss",
+    "dpo_loss",
+    "log_probs_of_labels",
+    "sequence_log_probs",
+    "token_kl_divergence",
+]
 
 log = logging.getLogger(__name__)
 
@@ -94,3 +105,120 @@ def log_probs_of_labels(logits: Tensor, labels: Tensor, *, ignore_index: int = -
     logits = logits.float()
     picked = logits.gather(-1, safe_labels.unsqueeze(-1)).squeeze(-1)
     return (picked - torch.logsumexp(logits, dim=-1)) * mask
+
+
+def sequence_log_probs(
+    logits: Tensor, labels: Tensor, *, ignore_index: int = -100
+) -> tuple[Tensor, Tensor]:
+    """Sum of ``log p(label)`` over each row's trained tokens, and the count of those tokens.
+
+    ``logits`` is (B, T, V) and ``labels`` (B, T), already shifted (label t is the token that
+    follows position t). Returns two (B,) float32 tensors: a response's log-likelihood under the
+    model, and its length in tokens (what length-normalised losses divide by).
+    """
+    per_token = log_probs_of_labels(logits, labels, ignore_index=ignore_index)
+    return per_token.sum(-1), (labels != ignore_index).sum(-1).float()
+
+
+def token_kl_divergence(
+    policy_logits: Tensor, reference_logits: Tensor, labels: Tensor, *, ignore_index: int = -100
+) -> Tensor:
+    """Exact ``KL(policy || reference)`` per token over the whole vocabulary, masked mean.
+
+    ``sum_v p(v) * (log p(v) - log q(v))`` at every position whose label is not
+    ``ignore_index``, averaged over those positions (0 when there are none). Gradients flow to
+    ``policy_logits`` only: the reference is a frozen model, so its logits are detached here.
+    Unlike the one-sample estimate ``log p(y) - log q(y)`` at the observed token (whose gradient
+    is just the cross-entropy's), this moves probability on every token of the vocabulary.
+    """
+    if policy_logits.shape != reference_logits.shape:
+        raise ValueError(
+            f"policy logits {tuple(policy_logits.shape)} and reference logits "
+            f"{tuple(reference_logits.shape)} differ: both models must share the vocabulary"
+        )
+    log_p = F.log_softmax(policy_logits.float(), dim=-1)
+    log_q = F.log_softmax(reference_logits.detach().float(), dim=-1)
+    per_token = (log_p.exp() * (log_p - log_q)).sum(-1)
+    mask = labels != ignore_index
+    return (per_token * mask).sum() / mask.sum().clamp(min=1)
+
+
+class DPOLossType(StrEnum):
+    """Which preference loss :func:`dpo_loss` computes from the four sequence log-probs.
+
+    With ``h = (log pi(c) - log pi(r)) - (log ref(c) - log ref(r))``:
+    """
+
+    sigmoid = "sigmoid"
+    """DPO (Rafailov et al. 2023): ``-log sigmoid(beta * h)``. With ``label_smoothing`` e > 0
+    it is conservative DPO (cDPO): ``-(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h)``,
+    for pairs whose labels are wrong with probability e."""
+    hinge = "hinge"
+    """SLiC-style hinge: ``relu(1 - beta * h)``; pairs past the margin give no gradient."""
+    ipo = "ipo"
+    """IPO (Azar et al. 2023): ``(h - 1 / (2 beta))**2`` on *length-averaged* log-probs (as in
+    the paper's token-level formulation and TRL): a regression to a fixed margin that does
+    not push the margin to infinity on deterministic preferences."""
+    length_normalized = "length_normalized"
+    """Length-normalised DPO (Tulu 3): the sigmoid loss on per-token *average* log-probs,
+    ``-log sigmoid(beta * h_avg)``, so a long response is not favoured for its length."""
+
+
+@dataclass
+class DPOOutput:
+    """The loss and the per-pair quantities logged as metrics (all (B,) except ``loss``)."""
+
+    loss: Tensor
+    """Mean of the per-pair losses."""
+    chosen_rewards: Tensor
+    """Implicit reward ``beta * (log pi(c) - log ref(c))`` (on averaged log-probs for
+    ``ipo`` / ``length_normalized``), detached."""
+    rejected_rewards: Tensor
+    """The same for the rejected response, detached."""
+
+
+def dpo_loss(
+    policy_chosen: Tensor,
+    policy_rejected: Tensor,
+    reference_chosen: Tensor,
+    reference_rejected: Tensor,
+    *,
+    beta: float,
+    loss_type: DPOLossType = DPOLossType.sigmoid,
+    label_smoothing: float = 0.0,
+    chosen_lengths: Tensor | None = None,
+    rejected_lengths: Tensor | None = None,
+) -> DPOOutput:
+    """Preference loss of a batch of pairs from summed response log-probs, each (B,).
+
+    ``ipo`` and ``length_normalized`` divide each summed log-prob by its response's token count
+    (``chosen_lengths`` / ``rejected_lengths``, required for them). Reference log-probs are
+    treated as constants.
+    """
+    if beta <= 0:
+        raise ValueError(f"beta must be positive, got {beta}")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    if label_smoothing and loss_type != DPOLossType.sigmoid:
+        raise ValueError(f"label_smoothing applies to the sigmoid loss only, not {loss_type}")
+    ref_c, ref_r = reference_chosen.detach(), reference_rejected.detach()
+    pol_c, pol_r = policy_chosen, policy_rejected
+    if loss_type in (DPOLossType.ipo, DPOLossType.length_normalized):
+        if chosen_lengths is None or rejected_lengths is None:
+            raise ValueError(f"loss_type {loss_type} needs chosen_lengths and rejected_lengths")
+        c_len, r_len = chosen_lengths.clamp(min=1), rejected_lengths.clamp(min=1)
+        pol_c, ref_c, pol_r, ref_r = pol_c / c_len, ref_c / c_len, pol_r / r_len, ref_r / r_len
+    h = (pol_c - pol_r) - (ref_c - ref_r)
+    if loss_type == DPOLossType.ipo:
+        losses = (h - 1.0 / (2.0 * beta)).pow(2)
+    elif loss_type == DPOLossType.hinge:
+        losses = torch.relu(1.0 - beta * h)
+    else:
+        losses = -(1.0 - label_smoothing) * F.logsigmoid(beta * h)
+        if label_smoothing:
+            losses = losses - label_smoothing * F.logsigmoid(-beta * h)
+    return DPOOutput(
+        loss=losses.mean(),
+        chosen_rewards=(beta * (pol_c - ref_c)).detach(),
+        rejected_rewards=(beta * (pol_r - ref_r)).detach(),
+    )

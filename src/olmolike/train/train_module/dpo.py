@@ -1,0 +1,202 @@
+"""Direct Preference Optimization: a transformer trained on pairs against a frozen reference.
+
+:class:`DPOTrainModule` is a :class:`TransformerTrainModule` whose step scores each pair's
+chosen and rejected responses in one forward (the batch from
+:class:`~olmolike.data.preference.PreferenceDataLoader` stacks them) and minimises
+:func:`~olmolike.nn.functional.dpo_loss`; sharding, the LR schedule, clipping and the optimizer
+step are the parent's. The reference's log-probs come from a :class:`ReferenceModel`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ...exceptions import ConfigurationError
+from ...nn.functional import DPOLossType, dpo_loss, sequence_log_probs
+from ...utils import get_default_device
+from ..common import ReduceType
+from .reference import ReferenceModel, check_same_architecture
+from .train_module import labels_from_batch, microbatch_rows
+from .transformer import TransformerTrainModule, TransformerTrainModuleConfig
+
+__all__ = ["DPOTrainModule", "DPOTrainModuleConfig"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DPOTrainModuleConfig(TransformerTrainModuleConfig):
+    """A :class:`TransformerTrainModuleConfig` plus the preference loss.
+
+    ``rank_microbatch_size`` counts the tokens of one side: a micro-batch of ``m`` pairs runs
+    ``2 m`` sequences (chosen and rejected) through the model in one forward.
+    """
+
+    beta: float = 0.1
+    """Strength of the implicit KL constraint to the reference: larger keeps the policy
+    closer to it. 0.1 is the usual DPO value; IPO's beta is its tau."""
+    loss_type: DPOLossType = DPOLossType.sigmoid
+    label_smoothing: float = 0.0
+    """Conservative DPO (sigmoid only): the assumed probability that a pair's labels are
+    flipped; 0 is plain DPO."""
+
+    def validate(self) -> None:
+        super().validate()
+        if self.beta <= 0:
+            raise self._invalid("beta", f"must be positive, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise self._invalid("label_smoothing", "must be in [0, 0.5) for DPO")
+        if self.label_smoothing and self.loss_type != DPOLossType.sigmoid:
+            raise self._invalid("label_smoothing", "applies to loss_type=sigmoid only")
+
+    def build(
+        self,
+        model: nn.Module,
+        device: torch.device | None = None,
+        dp_process_group: dist.ProcessGroup | None = None,
+        *,
+        reference: nn.Module | None = None,
+        reference_source: str | None = None,
+    ) -> DPOTrainModule:
+        """``reference`` is an unsharded model holding the reference weights (e.g. loaded from
+        an HF folder or a checkpoint); ``None`` snapshots ``model``'s initial weights."""
+        self.validate()
+        return DPOTrainModule(
+            self,
+            model,
+            device or get_default_device(),
+            dp_process_group,
+            reference=reference,
+            reference_source=reference_source,
+        )
+
+
+class DPOTrainModule(TransformerTrainModule):
+    config: DPOTrainModuleConfig
+
+    def __init__(
+        self,
+        config: DPOTrainModuleConfig,
+        model: nn.Module,
+        device: torch.device,
+        dp_process_group: dist.ProcessGroup | None = None,
+        *,
+        reference: nn.Module | None = None,
+        reference_source: str | None = None,
+    ) -> None:
+        if reference is not None:
+            check_same_architecture(model, reference)
+        super().__init__(config, model, device, dp_process_group)
+        dp = config.dp_config
+        if reference is None:
+            self.reference = ReferenceModel.snapshot_of(
+                self.model,
+                source=reference_source or "initial policy",
+                device=device,
+                dp_config=dp,
+            )
+        else:
+            self.reference = ReferenceModel(
+                reference, source=reference_source or "given model", device=device, dp_config=dp
+            )
+
+    # -- checkpoint: the reference is identified, never saved -------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "reference": self.reference.identity()}
+
+    def state_dict_to_load(self, optim: bool = True) -> dict[str, Any]:
+        return {**super().state_dict_to_load(optim), "reference": {"source": "", "fingerprint": ""}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.pop("reference", None)
+        if saved is not None:
+            self.reference.check_identity(saved)
+        super().load_state_dict(state_dict)
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def train_batch(self, batch: dict[str, Any], dry_run: bool = False) -> None:
+        if not self.model.training:
+            self.model.train()
+        ignore = self.config.label_ignore_index
+        ids, labels = batch["input_ids"], labels_from_batch(batch, ignore)
+        pairs = ids.shape[0] // 2
+        if ids.shape[0] % 2:
+            raise ConfigurationError(
+                "a DPO batch stacks chosen over rejected and needs an even number of rows; "
+                "use PreferenceDataLoader",
+                path="data_loader",
+            )
+        per_mb = microbatch_rows(ids, self.config.rank_microbatch_size, "rank_microbatch_size")
+        # Each rank holds the same number of pairs, so 1 / pairs per rank, with DDP / FSDP
+        # averaging over ranks, gives the mean over the global batch's pairs.
+        scale = 1.0 / pairs
+        stats = torch.zeros(7, device=ids.device)
+        starts = list(range(0, pairs, per_mb))
+        for i, start in enumerate(starts):
+            rows = torch.cat([torch.arange(start, min(start + per_mb, pairs))] * 2)
+            rows[len(rows) // 2 :] += pairs
+            mb_ids, mb_labels = ids[rows], labels[rows]
+            ref_c, ref_r, lengths = self._reference_log_probs(mb_ids, mb_labels)
+            with self._grad_sync(last=i == len(starts) - 1), self._autocast:
+                logits = self._forward_module(mb_ids)
+            pol, _ = sequence_log_probs(logits, mb_labels, ignore_index=ignore)
+            pol_c, pol_r = pol.chunk(2)
+            len_c, len_r = lengths.chunk(2)
+            out = dpo_loss(
+                pol_c, pol_r, ref_c, ref_r, beta=self.config.beta,
+                loss_type=self.config.loss_type, label_smoothing=self.config.label_smoothing,
+                chosen_lengths=len_c, rejected_lengths=len_r,
+            )  # fmt: skip
+            n = pol_c.shape[0]
+            (out.loss * n * scale).backward()
+            margin = out.chosen_rewards - out.rejected_rewards
+            stats += torch.stack([
+                out.loss.detach() * n, out.chosen_rewards.sum(), out.rejected_rewards.sum(),
+                (margin > 0).float().sum(), margin.sum(), pol_c.detach().sum(),
+                pol_r.detach().sum(),
+            ])  # fmt: skip
+        if not dry_run:
+            self._record(stats * scale)
+
+    def _reference_log_probs(
+        self, ids: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logps, lengths = self.reference.sequence_log_probs(
+            ids, labels, ignore_index=self.config.label_ignore_index
+        )
+        ref_c, ref_r = logps.chunk(2)
+        return ref_c, ref_r, lengths
+
+    def _record(self, means: torch.Tensor) -> None:
+        names = ("DPO loss", "rewards/chosen", "rewards/rejected", "rewards/accuracy",
+                 "rewards/margin", "logps/chosen", "logps/rejected")  # fmt: skip
+        self.record_ce_loss(means[0], ReduceType.mean)
+        for name, value in zip(names, means):
+            self.record_metric(name, value, ReduceType.mean, namespace="train")
+
+    @torch.no_grad()
+    def preference_accuracy(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Fraction of pairs whose chosen response the policy prefers *relative to the
+        reference* (positive implicit reward margin): the held-out DPO accuracy."""
+        ignore = self.config.label_ignore_index
+        ids, labels = batch["input_ids"], labels_from_batch(batch, ignore)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            pol, _ = sequence_log_probs(self.model(ids), labels, ignore_index=ignore)
+        finally:
+            self.model.train(was_training)
+        ref, _ = self.reference.sequence_log_probs(ids, labels, ignore_index=ignore)
+        pol_c, pol_r = pol.chunk(2)
+        ref_c, ref_r = ref.chunk(2)
+        margin = (pol_c - ref_c) - (pol_r - ref_r)
+        # A tie (the policy is still the reference) counts half: chance level, not 0.
+        return ((margin > 0).float() + 0.5 * (margin == 0).float()).mean()

@@ -1,0 +1,154 @@
+"""A frozen reference model: what DPO and two-stage KL training compare the policy against.
+
+The reference has the policy's architecture and is sharded like it (a plain replica under DDP
+or on one rank, ``fully_shard``-ed the same way under FSDP2), is never trained (its parameters
+have ``requires_grad=False`` and are in no optimizer), always runs in eval mode under
+``torch.no_grad``, and is *identified*, not stored, in the policy's checkpoint: its source and a
+content fingerprint go into the train module's state, and a resume that would use another
+reference is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import logging
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ...distributed.parallel import DataParallelConfig, DataParallelType, apply_fsdp
+from ...exceptions import CheckpointError, ConfigurationError
+from ...nn.functional import sequence_log_probs
+
+__all__ = ["ReferenceModel", "check_same_architecture", "model_fingerprint"]
+
+log = logging.getLogger(__name__)
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """SHA-256 of every parameter and buffer's name, shape, dtype and bytes (16 hex digits).
+
+    Under FSDP2 each shard is gathered (a collective: every rank must call this), so the
+    fingerprint is the same on every rank and for any sharding of the same weights.
+    """
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        data = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{tuple(data.shape)}:{data.dtype};".encode())
+        digest.update(data.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def check_same_architecture(policy: nn.Module, reference: nn.Module) -> None:
+    """Raise a :class:`ConfigurationError` naming every config field where the two differ."""
+    p_cfg, r_cfg = getattr(policy, "config", None), getattr(reference, "config", None)
+    if dataclasses.is_dataclass(p_cfg) and dataclasses.is_dataclass(r_cfg):
+        p_fields, r_fields = dataclasses.asdict(p_cfg), dataclasses.asdict(r_cfg)  # type: ignore[arg-type]
+        differing = [
+            f"{k}: policy {p_fields.get(k)!r} vs reference {r_fields.get(k)!r}"
+            for k in sorted(set(p_fields) | set(r_fields))
+            if p_fields.get(k) != r_fields.get(k) and k != "init_std"
+        ]
+        if differing:
+            raise ConfigurationError(
+                "the reference model's architecture differs from the policy's ("
+                + "; ".join(differing)
+                + "): load a reference of the policy's architecture",
+                path="reference",
+            )
+    p_shapes = {k: tuple(v.shape) for k, v in policy.state_dict().items()}
+    r_shapes = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    if p_shapes != r_shapes:
+        diff = sorted(
+            k for k in set(p_shapes) | set(r_shapes) if p_shapes.get(k) != r_shapes.get(k)
+        )
+        raise ConfigurationError(
+            f"the reference model's parameters differ from the policy's in {diff[:5]}: load a "
+            "reference of the policy's architecture",
+            path="reference",
+        )
+
+
+class ReferenceModel:
+    """A frozen model, sharded like the policy, that scores responses without gradients."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        source: str,
+        device: torch.device,
+        dp_config: DataParallelConfig | None = None,
+    ) -> None:
+        """Freeze ``model`` (unsharded, with the reference weights) and shard it per ``dp_config``.
+
+        ``source`` says where the weights came from (a path, or ``"policy@step N"`` for a
+        snapshot); it is saved with the fingerprint to identify the reference in checkpoints.
+        """
+        model.to(device)
+        model.requires_grad_(False)
+        model.eval()
+        self.fingerprint = model_fingerprint(model)
+        if dp_config is not None and dp_config.name != DataParallelType.ddp:
+            apply_fsdp(
+                model,
+                dp_config.build_mesh(device.type),
+                param_dtype=dp_config.param_dtype.as_pt() if dp_config.param_dtype else None,
+                reduce_dtype=dp_config.reduce_dtype.as_pt(),
+                reshard_after_forward=dp_config.reshard_after_forward,
+            )
+        self.model = model
+        self.source = source
+        log.info("reference model from %s, fingerprint %s", source, self.fingerprint)
+
+    @classmethod
+    def snapshot_of(
+        cls,
+        policy: nn.Module,
+        *,
+        source: str,
+        device: torch.device,
+        dp_config: DataParallelConfig | None = None,
+    ) -> ReferenceModel:
+        """A frozen copy of ``policy``'s current weights (an unsharded policy, or a full state)."""
+        state = {
+            k: v.full_tensor() if isinstance(v, DTensor) else v
+            for k, v in policy.state_dict().items()
+        }
+        config = getattr(policy, "config", None)
+        build = getattr(config, "build", None)
+        model = build(init_device="cpu") if callable(build) else copy.deepcopy(policy)
+        model.load_state_dict({k: v.detach().cpu().clone() for k, v in state.items()})
+        return cls(model, source=source, device=device, dp_config=dp_config)
+
+    @torch.no_grad()
+    def sequence_log_probs(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed response log-probs and token counts per row, in fp32, without autocast."""
+        with torch.autocast(input_ids.device.type, enabled=False):
+            logits = self.model(input_ids)
+        return sequence_log_probs(logits, labels, ignore_index=ignore_index)
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(input_ids.device.type, enabled=False):
+            return self.model(input_ids)
+
+    def identity(self) -> dict[str, Any]:
+        return {"source": self.source, "fingerprint": self.fingerprint}
+
+    def check_identity(self, saved: dict[str, Any]) -> None:
+        """Refuse to resume with a reference other than the one the checkpoint was trained with."""
+        if saved.get("fingerprint") != self.fingerprint:
+            raise CheckpointError(
+                f"the checkpoint was trained against reference {saved.get('source')!r} "
+                f"(fingerprint {saved.get('fingerprint')}), but this run loaded {self.source!r} "
+                f"(fingerprint {self.fingerprint}): point the reference at the same weights"
+            )

@@ -1,0 +1,154 @@
+"""Two-stage training: cross-entropy, then cross-entropy plus a true KL to a frozen snapshot.
+
+Steps ``1 .. stage1_steps`` train on cross-entropy alone. At the first step of stage 2 the
+policy's current weights are copied into a frozen :class:`ReferenceModel` (sharded like the
+policy), and from then on the loss is ``CE + beta * KL(policy || reference)`` with the exact
+per-token KL over the whole vocabulary (:func:`~olmolike.nn.functional.token_kl_divergence`).
+
+The snapshot is part of the run, not an external model: its weights are in the train module's
+state (saved in every checkpoint, with a flag saying whether it was taken), so a resume after
+the boundary gets the snapshot back instead of re-taking it from later weights. The LR
+schedule is the parent's and spans both stages (the trainer's ``max_duration``).
+
+Compared with the approximation ``CE + beta * (nll_policy - stopgrad(nll_reference))``, whose
+gradient is exactly ``(1 + beta)`` times the CE gradient (it only rescales the learning rate),
+the exact KL pulls the whole next-token distribution towards the snapshot's.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ...nn.functional import cross_entropy_loss, token_kl_divergence
+from ...utils import get_default_device
+from ..common import ReduceType
+from .reference import ReferenceModel
+from .train_module import labels_from_batch, microbatch_rows
+from .transformer import TransformerTrainModule, TransformerTrainModuleConfig
+
+__all__ = ["TwoStageKLTrainModule", "TwoStageKLTrainModuleConfig"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TwoStageKLTrainModuleConfig(TransformerTrainModuleConfig):
+    stage1_steps: int = 0
+    """Optimizer steps of stage 1 (CE only); the snapshot is taken before step
+    ``stage1_steps + 1``. The trainer's ``max_duration`` is the length of both stages."""
+    beta: float = 0.1
+    """Weight of ``KL(policy || snapshot)`` in stage 2; 0 makes stage 2 plain CE (and still
+    records the KL, which is how the example measures drift)."""
+
+    def validate(self) -> None:
+        super().validate()
+        if self.stage1_steps < 0:
+            raise self._invalid("stage1_steps", f"must be >= 0, got {self.stage1_steps}")
+        if self.beta < 0:
+            raise self._invalid("beta", f"must be >= 0, got {self.beta}")
+        if self.z_loss_multiplier is not None or self.label_smoothing:
+            raise self._invalid(
+                "z_loss_multiplier",
+                "two-stage KL training supports neither z-loss nor label smoothing; unset them",
+            )
+
+    def build(
+        self,
+        model: nn.Module,
+        device: torch.device | None = None,
+        dp_process_group: dist.ProcessGroup | None = None,
+    ) -> TwoStageKLTrainModule:
+        self.validate()
+        return TwoStageKLTrainModule(self, model, device or get_default_device(), dp_process_group)
+
+
+class TwoStageKLTrainModule(TransformerTrainModule):
+    config: TwoStageKLTrainModuleConfig
+
+    def __init__(
+        self,
+        config: TwoStageKLTrainModuleConfig,
+        model: nn.Module,
+        device: torch.device,
+        dp_process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(config, model, device, dp_process_group)
+        # Allocated up front, sharded like the policy, so a checkpoint always has the same
+        # layout; it holds meaningful weights only once `snapshot_taken` is set.
+        self.reference = ReferenceModel.snapshot_of(
+            self.model, source="policy snapshot", device=device, dp_config=config.dp_config
+        )
+        self.snapshot_taken = torch.zeros((), dtype=torch.int64)
+
+    @property
+    def in_stage2(self) -> bool:
+        return self.trainer.global_step > self.config.stage1_steps
+
+    @torch.no_grad()
+    def take_snapshot(self) -> None:
+        """Copy the policy's weights (shard by shard) into the frozen reference."""
+        for ref, pol in zip(self.reference.model.parameters(), self.model.parameters()):
+            ref.copy_(pol)
+        self.reference.source = f"policy@step {self.trainer.global_step - 1}"
+        self.snapshot_taken.fill_(1)
+        log.info("stage 2 begins: the reference is the policy after step %d",
+                 self.trainer.global_step - 1)  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "reference": {"model": self.reference.model.state_dict(), "taken": self.snapshot_taken},
+        }
+
+    def state_dict_to_load(self, optim: bool = True) -> dict[str, Any]:
+        return {
+            **super().state_dict_to_load(optim),
+            "reference": {"model": self.reference.model.state_dict(), "taken": self.snapshot_taken},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.pop("reference", None)
+        if saved is not None:
+            # DCP loaded the tensors in place; a torch.save-style dict is applied here.
+            self.reference.model.load_state_dict(saved["model"])
+            self.snapshot_taken.copy_(torch.as_tensor(saved["taken"]))
+        super().load_state_dict(state_dict)
+
+    def train_batch(self, batch: dict[str, Any], dry_run: bool = False) -> None:
+        if not self.in_stage2:
+            super().train_batch(batch, dry_run)
+            return
+        if not bool(self.snapshot_taken):  # a host value kept on CPU: no device sync
+            self.take_snapshot()
+        if not self.model.training:
+            self.model.train()
+        ignore = self.config.label_ignore_index
+        ids, labels = batch["input_ids"], labels_from_batch(batch, ignore)
+        split = microbatch_rows(ids, self.config.rank_microbatch_size, "rank_microbatch_size")
+        micro = list(zip(ids.split(split), labels.split(split)))
+        count = self._global_token_count(labels)
+        scale = count.reciprocal() * self.dp_world_size
+        ce_total = torch.zeros((), device=ids.device)
+        kl_total = torch.zeros((), device=ids.device)
+        for i, (mb_ids, mb_labels) in enumerate(micro):
+            ref_logits = self.reference.logits(mb_ids)
+            with self._grad_sync(last=i == len(micro) - 1), self._autocast:
+                logits = self._forward_module(mb_ids)
+            ce, _ = cross_entropy_loss(logits, mb_labels, ignore_index=ignore, reduction="sum")
+            mb_tokens = (mb_labels != ignore).sum()
+            kl = token_kl_divergence(logits, ref_logits, mb_labels, ignore_index=ignore)
+            kl_sum = kl * mb_tokens  # the masked mean back to a sum, normalised globally below
+            ((ce + self.config.beta * kl_sum) * scale).backward()
+            ce_total += ce.detach()
+            kl_total += kl_sum.detach()
+        if not dry_run:
+            self.record_ce_loss(ce_total * scale, ReduceType.mean)
+            self.record_metric("KL to snapshot", kl_total * scale, ReduceType.mean,
+                               namespace="train")  # fmt: skip
+            self.record_metric("stage", 2.0, namespace="train")
