@@ -18,8 +18,8 @@ __all__ = [
     "Progress",
     "duration_to_steps",
     "duration_to_tokens",
+    "nothing_to_train",
     "stop_step",
-    "warn_if_nothing_to_train",
 ]
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def stop_step(
     return stop
 
 
-def warn_if_nothing_to_train(trainer: Trainer) -> bool:
+def nothing_to_train(trainer: Trainer) -> bool:
     """Say loudly, with what to change, when a (resumed) run has no step left to train.
 
     Typically the save folder holds a finished run and the trainer resumed it, or ``hard_stop``
