@@ -192,7 +192,8 @@ def export_hf_llama(
     existing = [name for name in files if (out / name).exists()]
     if existing and not overwrite:
         raise FileExistsError(
-            f"{out} already holds {', '.join(existing)}; pass overwrite=True to replace them"
+            f"{out} already holds {', '.join(existing)}; pass overwrite=True (--overwrite) "
+            "to replace them"
         )
     tensors, hf_config = convert_to_hf_llama(state_dict, config)
     hf_config |= {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
