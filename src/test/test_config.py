@@ -943,3 +943,10 @@ def test_an_override_with_a_space_for_equals_is_named() -> None:
         TrainerConfig(save_folder="x").merge(["--metrics_collect_interval", "4"])
     with pytest.raises(ConfigurationError, match=r"'4' is not an override"):
         TrainerConfig(save_folder="x").merge(["4"])
+
+
+def test_max_duration_zero_is_a_config_error() -> None:
+    from olmolike.train import TrainerConfig
+
+    with pytest.raises(ConfigurationError, match=r"^max_duration\.value: must be >= 1"):
+        TrainerConfig(save_folder="x").merge(["--max_duration.value=0"])
