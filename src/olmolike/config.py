@@ -20,6 +20,7 @@ import enum
 import functools
 import json
 import logging
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -231,13 +232,15 @@ class Config:
 
         Each item is ``[--]dotted.key=value``; the value is parsed with ``yaml.safe_load`` (so
         ``true``, ``5``, ``[1, 2]`` and ``{value: 5, unit: steps}`` all work), and a bare
-        ``--dotted.key`` means ``true``. String fields receive the raw text, so ``--name=on``
+        ``--dotted.key`` means ``true``. Booleans are ``true``/``false`` only: ``yes``, ``on``
+        and the like are refused by a bool field, and ``--key value`` (no ``=``) is an error. String fields receive the raw text, so ``--name=on``
         stays the string ``"on"``.
         """
         if not dotlist:
             return self
         data = self.as_dict(include_class_name=True)
-        for item in dotlist:
+        for previous, item in zip([None, *dotlist], dotlist, strict=False):
+            _check_separated_value(previous, item)
             keys, value = _parse_override(item)
             _set_in(data, keys, value)
         return type(self).from_dict(data)
@@ -303,6 +306,18 @@ class _CliValue:
     parsed: Any
 
 
+def _check_separated_value(previous: str | None, item: str) -> None:
+    """``--model.n_layers 4`` (a space for ``=``) is named as such, not as an unknown key 4."""
+    if "=" in item or item.startswith("-") or re.fullmatch(r"[A-Za-z_][\w.]*", item):
+        return  # an override, or a bare key (``save_overwrite``: true)
+    if previous is not None and "=" not in previous:
+        key = previous.lstrip("-")
+        raise ConfigurationError(
+            f"got {previous!r} then {item!r}; overrides take '=': write --{key}={item}", path=key
+        )
+    raise ConfigurationError(f"{item!r} is not an override; expected --dotted.key=value")
+
+
 def _parse_override(item: str) -> tuple[list[str], Any]:
     text = item.lstrip("-")
     if not text:
@@ -315,6 +330,10 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     except yaml.YAMLError:
         # Not YAML (e.g. ``@run`` or ``a: b: c``) but still fine for a string field, which takes
         # the raw text; any other field rejects the text with its path when it is coerced.
+        parsed = raw
+    if isinstance(parsed, bool) and raw.strip().lower() not in ("true", "false"):
+        # YAML 1.1 reads yes/no/on/off/y/n as booleans; on a command line only true/false are,
+        # so ``--no_checkpoints=yes`` is refused by a bool field rather than silently taken.
         parsed = raw
     return key.split("."), _CliValue(raw, parsed)
 

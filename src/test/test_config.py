@@ -920,3 +920,33 @@ def test_yaml_config_can_be_read_through_fsspec() -> None:
         f.write("save_folder: s3://bucket/run\nmax_duration: {value: 7, unit: steps}\n")
     config = TrainerConfig.from_yaml("memory://configs/run.yaml")
     assert config.max_duration.value == 7
+
+
+@pytest.mark.parametrize("raw", ["yes", "no", "on", "off", "y", "1"])
+def test_a_bool_override_takes_only_true_or_false(raw: str) -> None:
+    from olmolike.train import TrainerConfig
+
+    with pytest.raises(
+        ConfigurationError, match=rf"^no_checkpoints: expected true or false.*{raw}"
+    ):
+        TrainerConfig(save_folder="x").merge([f"--no_checkpoints={raw}"])
+    merged = TrainerConfig(save_folder="x").merge(["--no_checkpoints=True", "--save_overwrite"])
+    assert merged.no_checkpoints is True and merged.save_overwrite is True
+
+
+def test_an_override_with_a_space_for_equals_is_named() -> None:
+    from olmolike.train import TrainerConfig
+
+    with pytest.raises(
+        ConfigurationError, match=r"^metrics_collect_interval: .*write --metrics_collect_interval=4"
+    ):
+        TrainerConfig(save_folder="x").merge(["--metrics_collect_interval", "4"])
+    with pytest.raises(ConfigurationError, match=r"'4' is not an override"):
+        TrainerConfig(save_folder="x").merge(["4"])
+
+
+def test_max_duration_zero_is_a_config_error() -> None:
+    from olmolike.train import TrainerConfig
+
+    with pytest.raises(ConfigurationError, match=r"^max_duration\.value: must be >= 1"):
+        TrainerConfig(save_folder="x").merge(["--max_duration.value=0"])

@@ -296,3 +296,27 @@ def test_two_ranks_with_uneven_batches_match_one(tmp_path: Path, dp: dict[str, A
         assert ce[0] == pytest.approx(initial, rel=1e-5)
     # Both ranks log the same, all-reduced value.
     assert results[0] == results[1]
+
+
+def _two_rank_max_batches_eval(data: str) -> dict[int, float]:
+    save = broadcast_object(tempfile.mkdtemp())
+    evaluator = lm_evaluator(Path(data), eval_batch_size=2, max_batches=2, eval_on_startup=True)
+    trainer, log = build(save, evaluator, steps=1)
+    trainer.fit()
+    return log.ce()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_max_batches_scores_the_same_subset_at_any_world_size(tmp_path: Path) -> None:
+    # 7 instances, max_batches=2 of 2: the first 4 instances, whether one rank runs 2 forwards
+    # or two ranks run 1 each (per-rank counting would score all 7 on two ranks).
+    data = write_eval_data(tmp_path / "eval", 7)
+    initial = model_config().build(seed=0)
+    want = direct_ce(initial, eval_instances(data)[:4])
+    single = _two_rank_max_batches_eval(str(data))
+    results = run_distributed_test(_two_rank_max_batches_eval, 2, args=(str(data),), timeout=120)
+    for ce in [single, *results]:
+        assert ce[0] == pytest.approx(want, rel=1e-5)
+    assert results[0][0] == pytest.approx(single[0], rel=1e-6)
+    assert want != pytest.approx(direct_ce(initial, eval_instances(data)), rel=1e-4)

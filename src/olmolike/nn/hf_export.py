@@ -275,7 +275,8 @@ def export_hf(
     )
     if existing and not overwrite:
         raise FileExistsError(
-            f"{out} already holds {', '.join(existing)}; pass overwrite=True to replace them"
+            f"{out} already holds {', '.join(existing)}; pass overwrite=True (--overwrite) "
+            "to replace them"
         )
     for name in set(earlier) - set(shards):
         (out / name).unlink()

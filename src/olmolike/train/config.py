@@ -73,6 +73,11 @@ class TrainerConfig(Config):
     def validate(self) -> None:
         if not self.save_folder:
             raise self._invalid("save_folder", "must be a local directory or a URL")
+        if self.max_duration.value == 0:
+            # Else a scheduler's ValueError about t_max, far from the setting that caused it.
+            raise self._invalid(
+                "max_duration.value", "must be >= 1: a run of length 0 trains nothing"
+            )
         for name in (
             "cancel_check_interval",
             "metrics_collect_interval",

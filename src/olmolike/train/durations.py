@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..exceptions import ConfigurationError
 from .common import Duration, DurationUnit
 
-__all__ = ["Progress", "duration_to_steps", "duration_to_tokens", "stop_step"]
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+__all__ = [
+    "Progress",
+    "duration_to_steps",
+    "duration_to_tokens",
+    "nothing_to_train",
+    "stop_step",
+]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,3 +85,29 @@ def stop_step(
     if hard_stop is not None:
         stop = min(stop, duration_to_steps(hard_stop, now, what="hard_stop"))
     return stop
+
+
+def nothing_to_train(trainer: Trainer) -> bool:
+    """Say loudly, with what to change, when a (resumed) run has no step left to train.
+
+    Typically the save folder holds a finished run and the trainer resumed it, or ``hard_stop``
+    is below the loaded step. Returns whether it warned.
+    """
+    step, stop = trainer.global_step, trainer._stop_step()
+    if step < stop:
+        return False
+    hard_stop = trainer.hard_stop
+    by_hard_stop = hard_stop is not None and trainer.convert_duration_to_steps(hard_stop) == stop
+    field = "hard_stop" if by_hard_stop else "max_duration"
+    log.warning(
+        "Nothing to train: the run is at step %d (loaded from %s) and %s ends it at step %d. "
+        "To train on, raise %s (--trainer.%s.value=...); to start afresh, use a new "
+        "save_folder or remove this one.",
+        step,
+        trainer.save_folder,
+        field,
+        stop,
+        field,
+        field,
+    )
+    return True

@@ -24,7 +24,7 @@ from .callbacks.callback import CALLBACK_HOOKS, Callback
 from .cancellation import CancelCoordinator
 from .checkpoint import Checkpointer
 from .common import Duration, LoadStrategy, MetricMergeStrategy, ReduceType, StepSkipRange
-from .durations import Progress, duration_to_steps, duration_to_tokens, stop_step
+from .durations import Progress, duration_to_steps, duration_to_tokens, nothing_to_train, stop_step
 from .metrics import MetricBuffer, MetricReducer, StepMetrics, metric_name
 from .train_module import TrainModule
 from .trainer_io import TrainerCheckpointing
@@ -376,6 +376,7 @@ class Trainer(TrainerCheckpointing):
             f"{self.global_batch_size:,d}",
             get_world_size(),
         )
+        nothing_to_train(self)  # warns, naming the field to change
         self._call("pre_train")
         while not self.training_complete:
             self._fit_epoch()

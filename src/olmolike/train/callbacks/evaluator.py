@@ -75,11 +75,14 @@ class LMEvaluator(Evaluator):
 
     def _rank_batches(self) -> tuple[list[list[int]], int]:
         world, rank = get_world_size(), get_rank()
-        mine = list(range(rank, len(self.dataset), world))
-        per_rank = math.ceil(len(self.dataset) / world)
-        count = math.ceil(per_rank / self.rank_batch_instances)
+        # max_batches counts batches as one process would run them, so the scored subset (the
+        # first max_batches * batch instances) is the same at every world size.
+        limit = len(self.dataset)
         if self.max_batches is not None:
-            count = min(count, self.max_batches)
+            limit = min(limit, self.max_batches * self.rank_batch_instances)
+        mine = list(range(rank, limit, world))
+        per_rank = math.ceil(limit / world)
+        count = math.ceil(per_rank / self.rank_batch_instances)
         size = self.rank_batch_instances
         return [mine[i * size : (i + 1) * size] for i in range(count)], count
 
@@ -185,7 +188,10 @@ class LMEvaluatorCallbackConfig(_PeriodicEvaluation, name="lm_evaluator"):
     eval_batch_size: int = 8
     """Instances per forward pass on each rank."""
     max_batches: int | None = None
-    """Evaluate on at most this many batches per rank (``None``: the whole dataset)."""
+    """Evaluate on the first ``max_batches * eval_batch_size`` instances (``None``: all of them).
+
+    Counted as one process would, not per rank, so a validation curve scores the same
+    instances, and means the same, at any world size."""
     label: str = "lm"
     """The metrics are named ``eval/{label}/CE loss`` and ``eval/{label}/PPL``."""
     _built: list[Evaluator] = field(default_factory=list, init=False, repr=False)
