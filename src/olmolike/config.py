@@ -34,6 +34,25 @@ import fsspec
 import torch
 import yaml
 
+from .config_dict import (
+    _BASES_NEEDING_CLASS,
+    _REGISTRY,
+    CLASS_KEY,
+    TYPE_KEY,
+    DictOptions,
+    _is_subclass,
+    apply_to_configs,
+    class_keys,
+    init_fields,
+    keep_field,
+    lookup_registered_class,
+    own_names,
+    register_config_class,
+    registered_name,
+    require_class_name,
+    to_plain,
+    with_prefix,
+)
 from .exceptions import ConfigurationError
 
 __all__ = [
@@ -43,13 +62,12 @@ __all__ = [
     "StrEnum",
     "lookup_registered_class",
     "register_config_class",
+    "registered_name",
+    "require_class_name",
 ]
 
 log = logging.getLogger(__name__)
 
-CLASS_KEY = "_CLASS_"
-_TYPE_KEY = "type"
-"""OLMo-core's key for a registered short name (``include_registered_name``)."""
 
 C = TypeVar("C", bound="Config")
 
@@ -83,70 +101,6 @@ class DType(StrEnum):
         }[self]
 
 
-_REGISTRY: dict[str, type] = {}
-_BASES_NEEDING_CLASS: set[type] = set()
-
-
-def register_config_class(cls: type, *aliases: str) -> None:
-    """Allow ``cls`` to be named by ``_CLASS_`` in a config file.
-
-    It is registered under its qualified name (``module.QualName``) and any ``aliases``.
-    It is also reachable as ``module.QualName`` when that differs (a class nested in another).
-    """
-    if not dataclasses.is_dataclass(cls):
-        raise TypeError(f"only dataclasses can be registered as config classes, not {cls!r}")
-    for name in _own_names(cls):
-        _REGISTRY[name] = cls
-    for alias in aliases:
-        existing = _REGISTRY.get(alias)
-        if existing is not None and registered_name(existing) != registered_name(cls):
-            raise ValueError(f"config class alias {alias!r} is already registered to {existing!r}")
-        _REGISTRY[alias] = cls
-
-
-def require_class_name(base: type) -> None:
-    """Values of a field typed ``base`` must name their class with ``_CLASS_``.
-
-    For a base class that does nothing by itself (e.g. ``Callback``): without this, a missing
-    ``_CLASS_`` would silently build the inert base instead of failing.
-    """
-    _BASES_NEEDING_CLASS.add(base)
-
-
-def lookup_registered_class(name: str, base: type, path: str = "") -> type:
-    """Resolve a ``_CLASS_`` name to a registered class that is a subclass of ``base``."""
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        known = sorted(k for k, v in _REGISTRY.items() if _is_subclass(v, base))
-        raise ConfigurationError(
-            f"unknown class {name!r}; registered {base.__name__} classes are: "
-            f"{', '.join(known) or '(none)'}. Import the module that defines it before loading "
-            "the config (config files cannot import code).",
-            path=path,
-        )
-    if not _is_subclass(cls, base):
-        raise ConfigurationError(f"class {name!r} is not a {base.__name__}", path=path)
-    return cls
-
-
-def registered_name(cls: type) -> str:
-    """The ``_CLASS_`` value written for ``cls``: ``module.ClassName``, as OLMo-core writes it."""
-    return f"{cls.__module__}.{cls.__name__}"
-
-
-def _own_names(cls: type) -> set[str]:
-    """Every name a config file may use for ``cls`` itself."""
-    names = {registered_name(cls), f"{cls.__module__}.{cls.__qualname__}"}
-    short = getattr(cls, "registered_name", None)
-    if isinstance(short, str):
-        names.add(short)
-    return names
-
-
-def _is_subclass(cls: Any, base: Any) -> bool:
-    return isinstance(cls, type) and isinstance(base, type) and issubclass(cls, base)
-
-
 @dataclasses.dataclass
 class Config:
     """Base class for configuration dataclasses.
@@ -166,7 +120,7 @@ class Config:
         super().__init_subclass__(**kwargs)
         # The class exists because the program defined or imported it, so naming it in a file
         # never runs new code. Re-definition (a reloaded module) replaces the old entry.
-        for name in _own_names(cls):
+        for name in own_names(cls):
             _REGISTRY[name] = cls
 
     def __post_init__(self) -> None:
@@ -201,7 +155,7 @@ class Config:
             and sets lists; anything else that is not plain data is an error.
         :param recurse: ``False`` leaves nested configs as objects.
         """
-        options = _DictOptions(
+        options = DictOptions(
             exclude_none=exclude_none,
             exclude_private_fields=exclude_private_fields,
             exclude=frozenset(exclude or ()),
@@ -210,12 +164,12 @@ class Config:
             json_safe=json_safe,
         )
         if not recurse:
-            return _class_keys(self, options) | {
+            return class_keys(self, options) | {
                 f.name: getattr(self, f.name)
-                for f in _init_fields(type(self))
-                if _keep_field(f, getattr(self, f.name), options)
+                for f in init_fields(type(self))
+                if keep_field(f, getattr(self, f.name), options)
             }
-        out = _to_plain(self, options, type(self).__name__)
+        out = to_plain(self, options, type(self).__name__)
         assert isinstance(out, dict)
         return out
 
@@ -225,14 +179,14 @@ class Config:
         Like OLMo-core it leaves out ``None`` values, but only where ``None`` is the field's
         default, so that the dict still rebuilds the same config.
         """
-        options = _DictOptions(
+        options = DictOptions(
             exclude_private_fields=True,
             include_class_name=True,
             include_registered_name=True,
             json_safe=True,
             exclude_default_none=True,
         )
-        out = _to_plain(self, options, type(self).__name__)
+        out = to_plain(self, options, type(self).__name__)
         assert isinstance(out, dict)
         return out
 
@@ -316,7 +270,7 @@ class Config:
     def apply(self, func: Callable[[Config], None]) -> None:
         """Call ``func`` on this config and on every config nested in it (in fields, lists,
         tuples, sets and dict values), parents before children."""
-        _apply(self, func)
+        apply_to_configs(self, func, Config)
 
     def merge(self: C, dotlist: Sequence[str], prefix: str | None = None, strict: bool = True) -> C:
         """Return a copy with dotted overrides applied.
@@ -333,9 +287,9 @@ class Config:
         """
         items = list(dotlist)
         if prefix is not None:
-            items = _with_prefix(items, prefix)
+            items = with_prefix(items, prefix)
         if not strict:
-            names = {f.name for f in _init_fields(type(self))}
+            names = {f.name for f in init_fields(type(self))}
             items = [i for i in items if _parse_override(i)[0][0] in names]
         if not items:
             return self
@@ -343,110 +297,11 @@ class Config:
         return type(self).from_dict(_apply_overrides(data, items))
 
 
-def _with_prefix(items: list[str], prefix: str) -> list[str]:
-    head = prefix.strip(".") + "."
-    out = []
-    for item in items:
-        dashes = item[: len(item) - len(item.lstrip("-"))]
-        text = item[len(dashes) :]
-        if text.startswith(head):
-            out.append(dashes + text[len(head) :])
-    return out
-
-
 def _apply_overrides(data: dict[str, Any], items: Sequence[str]) -> dict[str, Any]:
     for item in items:
         keys, value = _parse_override(item)
         _set_in(data, keys, value)
     return data
-
-
-def _apply(value: Any, func: Callable[[Config], None]) -> None:
-    if isinstance(value, Config):
-        func(value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            _apply(getattr(value, f.name), func)
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            _apply(item, func)
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        for item in value:
-            _apply(item, func)
-
-
-# -- conversion to plain data ------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _DictOptions:
-    exclude_none: bool = False
-    exclude_private_fields: bool = False
-    exclude: frozenset[str] = frozenset()
-    include_class_name: bool = False
-    include_registered_name: bool = False
-    json_safe: bool = False
-    exclude_default_none: bool = False
-    """Leave out ``None`` values only where ``None`` is the default (they rebuild the same)."""
-
-
-def _keep_field(f: dataclasses.Field, value: Any, options: _DictOptions) -> bool:
-    if f.name in options.exclude:
-        return False
-    if value is None and (
-        options.exclude_none or (options.exclude_default_none and f.default is None)
-    ):
-        return False
-    return not (options.exclude_private_fields and f.name.startswith("_"))
-
-
-def _class_keys(value: Any, options: _DictOptions) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if options.include_class_name:
-        out[CLASS_KEY] = registered_name(type(value))
-    short = getattr(type(value), "registered_name", None)
-    if options.include_registered_name and isinstance(short, str):
-        out[_TYPE_KEY] = short
-    return out
-
-
-def _to_plain(value: Any, options: _DictOptions, path: str) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        out = _class_keys(value, options)
-        for f in _init_fields(type(value)):
-            item = getattr(value, f.name)
-            if _keep_field(f, item, options):
-                out[f.name] = _to_plain(item, options, f"{path}.{f.name}")
-        return out
-    if isinstance(value, Mapping):
-        return {k: _to_plain(v, options, f"{path}.{k}") for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        items = [_to_plain(v, options, f"{path}[{i}]") for i, v in enumerate(value)]
-        return items if options.json_safe or isinstance(value, list) else tuple(items)
-    if isinstance(value, (set, frozenset)):
-        if not options.json_safe:
-            return type(value)(_to_plain(v, options, path) for v in value)
-        # A set has no order of its own: sort where possible, so files are reproducible.
-        members = [_to_plain(v, options, path) for v in value]
-        try:
-            return sorted(members)
-        except TypeError:
-            return members
-    if not options.json_safe:
-        return value
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, datetime.timedelta):
-        return value.total_seconds()
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise ConfigurationError(
-        f"a {type(value).__name__} cannot be written to a config file; give it a Config form "
-        "(a dataclass of plain values) that builds the object",
-        path=path,
-    )
 
 
 # -- conversion from plain data ----------------------------------------------------------------
@@ -502,10 +357,6 @@ def _set_in(data: dict[str, Any], keys: list[str], value: Any) -> None:
 @functools.cache
 def _type_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
-
-
-def _init_fields(cls: type) -> tuple[dataclasses.Field, ...]:
-    return tuple(f for f in dataclasses.fields(cls) if f.init)
 
 
 def _join(path: str, key: str | int) -> str:
@@ -665,20 +516,20 @@ def _coerce_dataclass(value: Any, tp: type, path: str) -> Any:
     if class_name is not None:
         # Coerced like a string field: the raw text of an override, and a list is an error.
         class_name = _coerce(class_name, str, _join(path, CLASS_KEY))
-    if class_name is None and data.get(_TYPE_KEY) is None and tp in _BASES_NEEDING_CLASS:
+    if class_name is None and data.get(TYPE_KEY) is None and tp in _BASES_NEEDING_CLASS:
         known = sorted(k for k, v in _REGISTRY.items() if _is_subclass(v, tp) and v is not tp)
         raise ConfigurationError(
             f"needs a {CLASS_KEY} key naming the {tp.__name__} to build, one of: {', '.join(known)}",
             path=path,
         )
-    type_name = data.get(_TYPE_KEY)
-    tp_fields = {f.name for f in _init_fields(tp)}
-    if class_name is None and isinstance(type_name, str) and _TYPE_KEY not in tp_fields:
+    type_name = data.get(TYPE_KEY)
+    tp_fields = {f.name for f in init_fields(tp)}
+    if class_name is None and isinstance(type_name, str) and TYPE_KEY not in tp_fields:
         class_name = type_name  # OLMo-core's registered short name, e.g. ``type: wandb``
     cls = tp if class_name is None else _resolve_class(class_name, tp, path)
-    fields = {f.name: f for f in _init_fields(cls)}
-    if _TYPE_KEY not in fields:
-        data.pop(_TYPE_KEY, None)
+    fields = {f.name: f for f in init_fields(cls)}
+    if TYPE_KEY not in fields:
+        data.pop(TYPE_KEY, None)
     for name in getattr(cls, "_IGNORE_FIELDS", ()):
         data.pop(name, None)
     unknown = sorted(set(data) - set(fields))
@@ -717,6 +568,6 @@ def _resolve_class(name: str, tp: type, path: str) -> type:
     The declared class itself needs no registration (so a plain nested dataclass rebuilds);
     any other class must be registered and a subclass of ``tp``.
     """
-    if name in _own_names(tp):
+    if name in own_names(tp):
         return tp
     return lookup_registered_class(name, tp, path)
