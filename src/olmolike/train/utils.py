@@ -117,17 +117,17 @@ def reduce_metrics(
     for step in sorted(present):
         for name in sorted(present[step]):
             kind = kinds[name]
-            value = metrics.get(step, {}).get(name)
+            mine = metrics.get(step, {}).get(name)
             if kind == ReduceType.max:
                 max_keys.append((step, name))
-                maxes.append(zero - math.inf if value is None else value.double().reshape(()))
+                maxes.append(zero - math.inf if mine is None else mine.double().reshape(()))
             else:
                 sum_keys.append((step, name))
-                term = zero if value is None else value.double().reshape(())
+                term = zero if mine is None else mine.double().reshape(())
                 sums.append(term * term if kind == ReduceType.l2_norm else term)
-        for name, value in metrics.get(step, {}).items():
+        for name, local in metrics.get(step, {}).items():
             if kinds.get(name) is None:
-                out[step][name] = value.item()
+                out[step][name] = local.item()
 
     world_size = get_world_size(process_group)
     for keys, values, op in (
