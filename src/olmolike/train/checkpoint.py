@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import fsspec
 import torch
@@ -52,7 +52,7 @@ from .bookkeeping import DaemonThreadPool
 if TYPE_CHECKING:
     from .train_module import TrainModule
 
-__all__ = ["Checkpointer", "CheckpointerConfig"]
+__all__ = ["CheckpointMetadata", "Checkpointer", "CheckpointerConfig"]
 
 log = logging.getLogger(__name__)
 
@@ -393,6 +393,16 @@ class Checkpointer:
         """Write ``contents`` to ``dir/fname`` (local or remote); returns its path or URL."""
         return io.write_file(dir, fname, contents, overwrite=self.save_overwrite)
 
+    CHECKPOINT_DIR: ClassVar[str] = "step{step}"
+    """The name of a step's folder under the save folder (OLMo-core's name for the pattern)."""
+    METADATA_FNAME: ClassVar[str] = MARKER
+    """The metadata file of a checkpoint; in olmolike it is also the completion marker."""
+
+    @classmethod
+    def checkpoint_dirname(cls, step: int) -> str:
+        """``step{N}``: the folder name of the checkpoint of ``step``."""
+        return cls.CHECKPOINT_DIR.format(step=step)
+
     @classmethod
     def dir_is_checkpoint(cls, dir: str | Path) -> bool:
         """Whether ``dir`` is a complete checkpoint (its marker exists)."""
@@ -480,3 +490,34 @@ def _serialize(state: dict[str, Any]) -> bytes:
 def _step_of(path: str) -> int | None:
     match = _STEP_DIR.match(path.rsplit("/", 1)[-1])
     return int(match.group(1)) if match else None
+
+
+@dataclass
+class CheckpointMetadata(Config):
+    """What a checkpoint's marker file records about it (OLMo-core's ``CheckpointMetadata``).
+
+    Read it with :meth:`read`; olmolike writes it when the checkpoint is complete.
+    """
+
+    ephemeral: bool | None = None
+    """Whether the checkpoint is ephemeral (removed when the next one is saved)."""
+    version: str = str(FORMAT_VERSION)
+    """The version of the checkpoint format."""
+    step: int | None = None
+    """The step the checkpoint was saved at."""
+    world_size: int | None = None
+    """How many ranks saved it."""
+    saved_at: float | None = None
+    """When it was completed (seconds since the epoch)."""
+
+    @classmethod
+    def read(cls, dir: str | Path) -> CheckpointMetadata:
+        """The metadata of the complete checkpoint ``dir``."""
+        data = Checkpointer.checkpoint_metadata(dir)
+        return cls(
+            ephemeral=data.get("ephemeral"),
+            version=str(data.get("format_version", FORMAT_VERSION)),
+            step=data.get("step"),
+            world_size=data.get("world_size"),
+            saved_at=data.get("saved_at"),
+        )

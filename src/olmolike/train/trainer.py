@@ -19,14 +19,14 @@ from ..distributed.utils import backend_supports_cpu, get_rank, get_world_size, 
 from ..exceptions import ConfigurationError, DataError
 from ..utils import get_rng_state, move_to_device, set_rng_state
 from .bookkeeping import BookkeepingRunner
-from .callbacks.callback import CALLBACK_HOOKS, Callback
+from .callbacks.callback import Callback
 from .cancellation import CancelCoordinator
 from .checkpoint import Checkpointer
 from .common import Duration, LoadStrategy, MetricMergeStrategy, ReduceType, StepSkipRange
 from .durations import Progress, duration_to_steps, duration_to_tokens, stop_step
 from .metrics import MetricBuffer, StepMetrics, metric_name, reduce_collected
 from .train_module import TrainModule
-from .trainer_io import TrainerCheckpointing
+from .trainer_hooks import TrainerHooks
 
 __all__ = ["Trainer", "TrainerStateDict"]
 
@@ -37,7 +37,7 @@ TrainerStateDict = dict[str, Any]
 
 
 @dataclass
-class Trainer(TrainerCheckpointing):
+class Trainer(TrainerHooks):
     """Language model trainer. Build it with :class:`~olmolike.train.TrainerConfig`."""
 
     work_dir: Path
@@ -142,16 +142,7 @@ class Trainer(TrainerCheckpointing):
     def _attach_callbacks(self, callbacks: dict[str, Callback]) -> None:
         for callback in callbacks.values():
             callback.trainer = self
-        ordered = sorted(self.callbacks.values(), key=lambda cb: -cb.priority)
-        # Only hooks a callback overrides are called: an empty hook costs nothing per step.
-        self._hooks = {
-            hook: [
-                getattr(cb, hook)
-                for cb in ordered
-                if getattr(type(cb), hook) is not getattr(Callback, hook)
-            ]
-            for hook in CALLBACK_HOOKS
-        }
+        self._hooks = self._hook_table()  # checks hook names; only overridden hooks are called
         for callback in callbacks.values():
             callback.post_attach()
 
@@ -332,6 +323,7 @@ class Trainer(TrainerCheckpointing):
 
     def _log_metrics(self, metrics: StepMetrics) -> None:
         for step in sorted(metrics):
+            self._call("pre_log_metrics", step, metrics[step])
             self._call("log_metrics", step, metrics[step])
         self._call("post_log_metrics")
 
@@ -470,6 +462,7 @@ class Trainer(TrainerCheckpointing):
         if step % self.cancel_check_interval == 0:
             self.check_if_canceled()
         self._bookkeeping.poll()
+        self._deliver_checkpoint_events()
 
     def _call(self, hook: str, *args: Any) -> None:
         for method in self._hooks[hook]:
@@ -487,6 +480,8 @@ class Trainer(TrainerCheckpointing):
         self._bookkeeping.shutdown(wait=False)
 
     def _close(self) -> None:
+        if self._error is None:
+            self._deliver_checkpoint_events()
         for method in self._hooks["close"]:
             try:
                 method()
