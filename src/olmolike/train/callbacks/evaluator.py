@@ -15,6 +15,7 @@ from ...data.numpy_dataset import NumpyDatasetConfig, NumpyFSLDataset
 from ...distributed.utils import get_rank, get_world_size, is_distributed
 from ...exceptions import ConfigurationError, DataError
 from ...nn.functional import cross_entropy_loss
+from ..common import Duration, DurationUnit
 from .callback import Callback
 
 if TYPE_CHECKING:
@@ -26,7 +27,15 @@ log = logging.getLogger(__name__)
 
 
 class Evaluator(ABC):
-    """Computes named metrics over some data with the train module's model."""
+    """Computes named metrics over some data with the train module's model.
+
+    The callback sets ``eval_duration`` (how much of the data to use) and ``log_interval``
+    (batches between progress lines) before each evaluation; an evaluator honours them where
+    it can (:class:`LMEvaluator` does).
+    """
+
+    eval_duration: Duration | None = None
+    log_interval: int | None = None
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -68,8 +77,21 @@ class LMEvaluator(Evaluator):
         count = math.ceil(per_rank / self.rank_batch_instances)
         if self.max_batches is not None:
             count = min(count, self.max_batches)
+        if (limit := self._duration_batches()) is not None:
+            count = min(count, limit)
         size = self.rank_batch_instances
         return [mine[i * size : (i + 1) * size] for i in range(count)], count
+
+    def _duration_batches(self) -> int | None:
+        """Batches per rank that ``eval_duration`` allows (``None``: the whole dataset)."""
+        duration = self.eval_duration
+        if duration is None or duration.unit == DurationUnit.epochs:
+            return None  # one pass; an evaluation never repeats data
+        if duration.unit == DurationUnit.steps:
+            return duration.value
+        seq_len = len(self.dataset[0]["input_ids"])
+        global_batch_tokens = self.rank_batch_instances * seq_len * get_world_size()
+        return max(1, math.ceil(duration.value / global_batch_tokens))
 
     def _batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         if not indices:  # this rank ran out: a placeholder whose labels are all ignored
@@ -81,8 +103,10 @@ class LMEvaluator(Evaluator):
 
     def evaluate(self, train_module: TrainModule) -> dict[str, torch.Tensor]:
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # loss sum, tokens
-        batches, _ = self._rank_batches()
-        for indices in batches:
+        batches, count = self._rank_batches()
+        for i, indices in enumerate(batches, start=1):
+            if self.log_interval and (i % self.log_interval == 0 or i == count):
+                log.info("[eval=%s,step=%d/%d]", self.name, i, count)
             ids, labels = self._batch(indices)
             logits = train_module.eval_batch({"input_ids": ids})
             loss_sum, _ = cross_entropy_loss(
@@ -98,19 +122,43 @@ class LMEvaluator(Evaluator):
 
 @dataclass
 class _PeriodicEvaluation(Callback):
-    eval_interval: int = 1000
-    """Evaluate every this many steps."""
+    eval_interval: int | None = 1000
+    """Evaluate every this many steps; ``None`` evaluates only at ``fixed_steps`` (and on
+    startup or finish if set)."""
+    fixed_steps: list[int] | None = None
+    """Also evaluate at exactly these steps."""
     eval_on_startup: bool = False
     """Also evaluate before the first step (step 0 metrics are logged with step 1's)."""
-    eval_on_finish: bool = True
-    """Also evaluate after the last step, if that step is not a multiple of the interval."""
+    eval_on_finish: bool = False
+    """Also evaluate after the last step, if it is not already an evaluation step (off by
+    default, as in OLMo-core)."""
+    cancel_after_first_eval: bool = False
+    """Stop the run after the first evaluation; with ``eval_on_startup`` this evaluates a
+    loaded checkpoint without training."""
+    eval_duration: Duration = field(default_factory=lambda: Duration.epochs(1))
+    """How much of each evaluation set to use: ``epochs`` for all of it, or a number of
+    batches (``steps``) or tokens from its start."""
+    log_interval: int = 5
+    """Batches between progress lines while an evaluation runs."""
 
     priority = 10  # before loggers, so the metrics of an eval step are in that step's log
 
     def validate(self) -> None:
-        if self.eval_interval < 1:
+        if self.eval_interval is not None and self.eval_interval < 1:
             raise ConfigurationError(
-                f"must be >= 1, got {self.eval_interval}", path="eval_interval"
+                f"must be >= 1 or null (only fixed_steps), got {self.eval_interval}",
+                path="eval_interval",
+            )
+        if self.fixed_steps is not None and any(step < 0 for step in self.fixed_steps):
+            raise ConfigurationError(
+                f"steps must be >= 0, got {self.fixed_steps}", path="fixed_steps"
+            )
+        if self.log_interval < 1:
+            raise ConfigurationError(f"must be >= 1, got {self.log_interval}", path="log_interval")
+        if self.eval_duration.value < 1:
+            raise ConfigurationError(
+                f"must be at least 1 {self.eval_duration.unit}, got {self.eval_duration.value}",
+                path="eval_duration",
             )
 
     @abstractmethod
@@ -123,13 +171,17 @@ class _PeriodicEvaluation(Callback):
     def post_step(self) -> None:
         if self.trainer.no_evals:
             return
-        due = self.step % self.eval_interval == 0
+        interval = self.eval_interval
+        due = interval is not None and self.step % interval == 0
+        due = due or self.step in (self.fixed_steps or ())
         if due or (self.eval_on_finish and self.trainer.training_complete):
             self._run()
 
     def _run(self) -> None:
         train_module = self.trainer.train_module
         for evaluator in self._evaluators():
+            evaluator.eval_duration = self.eval_duration
+            evaluator.log_interval = self.log_interval
             metrics = evaluator.evaluate(train_module)
             for metric, value in metrics.items():
                 self.trainer.record_metric(
@@ -141,6 +193,9 @@ class _PeriodicEvaluation(Callback):
                 self.step,
                 ", ".join(f"{k}={v.item():.4f}" for k, v in metrics.items()),
             )
+        if self.cancel_after_first_eval:
+            # Every rank evaluates at the same step, so no agreement round is needed.
+            self.trainer.cancel_run("cancel_after_first_eval is set", no_sync=True)
 
 
 @dataclass
