@@ -11,6 +11,11 @@ from .evaluator import Evaluator, EvaluatorCallback, LMEvaluator, LMEvaluatorCal
 from .garbage_collector import GarbageCollectorCallback
 from .gpu_memory_monitor import GPUMemoryMonitorCallback
 from .metric_saver import MetricSaverCallback
+from .model_merge import (
+    ModelMergeCallback,
+    compute_merge_steps_from_decay_schedule,
+    compute_merge_window_starts,
+)
 from .profiler import ProfilerCallback
 from .progress import ProgressCallback
 from .reproducibility_check import ReproducibilityCheckCallback
@@ -38,6 +43,7 @@ __all__ = [
     "LMEvaluator",
     "LMEvaluatorCallbackConfig",
     "MetricSaverCallback",
+    "ModelMergeCallback",
     "ProfilerCallback",
     "ProgressCallback",
     "ReproducibilityCheckCallback",
@@ -47,4 +53,6 @@ __all__ = [
     "TensorBoardCallback",
     "WandBCallback",
     "callback_registry",
+    "compute_merge_steps_from_decay_schedule",
+    "compute_merge_window_starts",
 ]

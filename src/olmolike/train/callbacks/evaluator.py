@@ -166,7 +166,7 @@ class _PeriodicEvaluation(Callback):
 
     def pre_train(self) -> None:
         if self.eval_on_startup and not self.trainer.no_evals:
-            self._run()
+            self.perform_eval()
 
     def post_step(self) -> None:
         if self.trainer.no_evals:
@@ -175,9 +175,11 @@ class _PeriodicEvaluation(Callback):
         due = interval is not None and self.step % interval == 0
         due = due or self.step in (self.fixed_steps or ())
         if due or (self.eval_on_finish and self.trainer.training_complete):
-            self._run()
+            self.perform_eval()
 
-    def _run(self) -> None:
+    def perform_eval(self, prefix: str = "eval") -> None:
+        """Run every evaluator now (all ranks together); metrics are named
+        ``{prefix}/{evaluator}/{metric}`` (e.g. ``eval/merged`` for averaged weights)."""
         train_module = self.trainer.train_module
         for evaluator in self._evaluators():
             evaluator.eval_duration = self.eval_duration
@@ -185,15 +187,16 @@ class _PeriodicEvaluation(Callback):
             metrics = evaluator.evaluate(train_module)
             for metric, value in metrics.items():
                 self.trainer.record_metric(
-                    f"{evaluator.name}/{metric}", value, None, namespace="eval"
+                    f"{evaluator.name}/{metric}", value, None, namespace=prefix
                 )
             log.info(
-                "eval %s at step %d: %s",
+                "%s %s at step %d: %s",
+                prefix,
                 evaluator.name,
                 self.step,
                 ", ".join(f"{k}={v.item():.4f}" for k, v in metrics.items()),
             )
-        if self.cancel_after_first_eval:
+        if self.cancel_after_first_eval and prefix == "eval":
             # Every rank evaluates at the same step, so no agreement round is needed.
             self.trainer.cancel_run("cancel_after_first_eval is set", no_sync=True)
 
