@@ -74,19 +74,19 @@ class SlackNotifierCallback(Callback, name="slack_notifier"):
 
     def pre_train(self) -> None:
         if self._wants():
-            self.post_message("started")
+            self.notify("started")
 
     def post_checkpoint_saved(self, path: str) -> None:
         if self._wants():
-            self.post_message(f"saved a checkpoint to {path}")
+            self.notify(f"saved a checkpoint to {path}")
 
     def post_epoch(self) -> None:
         if self._wants():
-            self.post_message("completed an epoch")
+            self.notify("completed an epoch")
 
     def post_train(self) -> None:
         if self._wants(SlackNotificationSetting.end_only):
-            self.post_message("canceled" if self.trainer.is_canceled else "completed successfully")
+            self.notify("canceled" if self.trainer.is_canceled else "completed successfully")
 
     def on_error(self, exc: BaseException) -> None:
         if not self._wants(
@@ -97,9 +97,9 @@ class SlackNotifierCallback(Callback, name="slack_notifier"):
         if len(lines) > EXC_LINE_LIMIT:
             lines = [*lines[:EXC_LINE_LIMIT], "..."]
         text = "\n".join(lines)
-        self.post_message(f"failed with {type(exc).__name__}:\n```\n{text}\n```")
+        self.notify(f"failed with {type(exc).__name__}:\n```\n{text}\n```")
 
-    def post_message(self, event: str) -> None:
+    def notify(self, event: str) -> None:
         """Post ``Run <name> <event>`` with the run's progress."""
         trainer = self.trainer
         who = f"Run `{self.name}`" if self.name else "Run"
