@@ -31,6 +31,7 @@ from olmolike.train.callbacks import (
     GarbageCollectorCallback,
     LMEvaluatorCallbackConfig,
     ProfilerCallback,
+    StabilityMonitorCallback,
     WandBCallback,
 )
 
@@ -264,3 +265,65 @@ def test_wandb_name_and_cancel_tags(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert WandBCallback(name="a", run_name="a").name == "a"
     with pytest.raises(ConfigurationError, match="name"):
         WandBCallback(name="a", run_name="b")
+
+
+# -- stability monitor: OLMo-core's SpikeScore ------------------------------------------------
+
+
+def _feed(monitor: StabilityMonitorCallback, losses: list[float]) -> list[dict[str, float]]:
+    out = []
+    for step, loss in enumerate(losses, start=1):
+        metrics = {"train/CE loss": loss}
+        monitor.pre_log_metrics(step, metrics)
+        out.append(metrics)
+    return out
+
+
+def test_spike_score_is_the_rate_of_spikes() -> None:
+    monitor = StabilityMonitorCallback(window_size=4, rolling_window=5, threshold_std=3.0)
+    logged = _feed(monitor, [1.0, 1.1, 0.9, 1.0, 1.0, 9.0, 1.0, 1.05])
+    assert "spike/SpikeScore (total)" not in logged[2]  # fewer than window_size steps
+    assert logged[3]["spike/SpikeScore (total)"] == 0.0
+    assert "spike/SpikeScore" not in logged[3]  # the rolling window is not full yet
+    assert logged[4]["spike/SpikeScore"] == 0.0
+    assert logged[5]["spike/SpikeScore"] == pytest.approx(1 / 5)  # step 6 spiked
+    assert logged[7]["spike/SpikeScore (total)"] == pytest.approx(1 / 8)
+    # A flat history never spikes; the state survives a checkpoint.
+    restored = StabilityMonitorCallback(window_size=4, rolling_window=5, threshold_std=3.0)
+    restored.load_state_dict(monitor.state_dict())
+    assert _feed(restored, [1.0]) == _feed(monitor, [1.0])
+
+
+def test_spike_score_in_training_and_disabled_monitor(tmp_path: Path) -> None:
+    log = _MetricLog()
+    monitor = StabilityMonitorCallback(
+        window_size=2, rolling_window=3, loss_metric_name="train/CE loss"
+    )
+    build_trainer(
+        tmp_path, max_duration=Duration.steps(4), no_checkpoints=True, metrics_collect_interval=2,
+        callbacks={"stability": monitor, "log": log},
+    ).fit()  # fmt: skip
+    assert "spike/SpikeScore" not in log.metrics[2] and "spike/SpikeScore" in log.metrics[3]
+    assert log.metrics[4]["spike/SpikeScore (total)"] == 0.0
+
+    off = _MetricLog()
+    disabled = StabilityMonitorCallback(window_size=1, rolling_window=1, enabled=False)
+    build_trainer(
+        tmp_path / "off", max_duration=Duration.steps(2), no_checkpoints=True,
+        metrics_collect_interval=1, callbacks={"stability": disabled, "log": off},
+    ).fit()  # fmt: skip
+    assert not any(k.startswith("spike/") for m in off.metrics.values() for k in m)
+    for settings, path in [
+        ({"window_size": 0}, "window_size"),
+        ({"threshold_std": 0}, "threshold_std"),
+    ]:
+        with pytest.raises(ConfigurationError, match=path):
+            StabilityMonitorCallback(**settings)
+
+
+@dataclass
+class _MetricLog(Callback):
+    metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self.metrics[step] = dict(metrics)
