@@ -73,6 +73,8 @@ class Trainer(TrainerHooks):
     no_checkpoints: bool = False
     no_evals: bool = False
     steps_to_skip: list[StepSkipRange] | None = None
+    checkpoints_to_eval: list[str] | None = None
+    """Checkpoints :meth:`eval_checkpoints` evaluates (OLMo-core 3.0)."""
 
     _metrics: MetricBuffer = field(default_factory=MetricBuffer, init=False, repr=False)
     _bookkeeping: BookkeepingRunner = field(init=False, repr=False)

@@ -19,7 +19,7 @@ from .callbacks.callback import CALLBACK_HOOKS, Callback
 from .callbacks.hooks import EXTRA_HOOKS, check_hook_names, hook_table
 from .checkpoint import Checkpointer
 from .common import TrainingProgress
-from .trainer_io import TrainerCheckpointing
+from .trainer_eval import TrainerEval
 
 __all__ = ["ALL_HOOKS", "TrainerHooks"]
 
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 ALL_HOOKS = CALLBACK_HOOKS + EXTRA_HOOKS
 
 
-class TrainerHooks(TrainerCheckpointing):
+class TrainerHooks(TrainerEval):
     """Hook dispatch for checkpoints, ephemeral blocking, progress and callback names."""
 
     callbacks: dict[str, Callback]
