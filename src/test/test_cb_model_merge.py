@@ -30,12 +30,13 @@ def test_merge_steps_from_a_decay_schedule() -> None:
         90,
         280,
     ]
-    with pytest.raises(ValueError, match="decay"):
+    with pytest.raises(ValueError, match="Either decay or decay_fraction"):
         compute_merge_steps_from_decay_schedule([1000], 10)
 
 
 def test_merge_window_starts_group_overlapping_windows() -> None:
     assert compute_merge_window_starts([400, 100, 150], 100) == [1, 301]
+    assert compute_merge_window_starts([500, 550, 1000], 100) == [401, 901]
     assert compute_merge_window_starts([50], 100) == [0]
     assert compute_merge_window_starts([], 10) == []
 
@@ -175,3 +176,39 @@ def test_disabled_by_default_and_settings_checked(tmp_path: Path) -> None:
             max_duration=Duration.steps(4),
             callbacks={"m": ModelMergeCallback(enabled=True, merge_step=2, merge_last_n_steps=3)},
         ).fit()
+
+
+def _at_step(step: int, **settings: Any) -> ModelMergeCallback:
+    """A callback whose ``step`` is ``step`` (no trainer)."""
+    cb = ModelMergeCallback(enabled=True, **settings)
+    cb.__class__ = type("_AtStep", (ModelMergeCallback,), {"step": property(lambda self: step)})
+    return cb
+
+
+def test_windows_and_their_boundaries() -> None:
+    assert _at_step(0, merge_step=100, merge_last_n_steps=10)._window_start(100) == 91
+    assert _at_step(0, merge_step=5, merge_last_n_steps=100)._window_start(5) == 0
+    assert _at_step(90, merge_step=100, merge_last_n_steps=10)._active_windows() == []
+    assert _at_step(91, merge_step=100, merge_last_n_steps=10)._active_windows() == [100]
+    assert _at_step(100, merge_step=100, merge_last_n_steps=10)._active_windows() == [100]
+    assert _at_step(101, merge_step=100, merge_last_n_steps=10)._active_windows() == []
+    both = _at_step(98, merge_step=[105, 100], merge_last_n_steps=10)
+    assert both._active_windows() == [100, 105]
+    both._completed_merges.add(100)
+    assert both._active_windows() == [105]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"merge_step": 100, "merge_last_n_steps": 0}, "must be positive"),
+        ({"merge_step": [100, -5]}, "must be positive"),
+        ({"merge_step": []}, "merge_step or merge_interval must be set"),
+        ({"merge_interval": 0}, "merge_interval must be positive"),
+        ({"merge_step": 100, "merge_interval": 500}, "Cannot set both"),
+    ],
+)
+def test_messages_as_olmo_core(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        ModelMergeCallback(enabled=True, **settings)
+    assert ModelMergeCallback(enabled=True, merge_interval=500)._merge_steps == []

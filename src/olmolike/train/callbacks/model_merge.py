@@ -63,36 +63,48 @@ class ModelMergeCallback(Callback, name="model_merger"):
     _merge_steps: list[int] = field(default_factory=list, init=False, repr=False)
     _sums: dict[int, list[torch.Tensor]] = field(default_factory=dict, init=False, repr=False)
     _counts: dict[int, int] = field(default_factory=dict, init=False, repr=False)
-    _skipped: set[int] = field(default_factory=set, init=False, repr=False)
+    _completed_merges: set[int] = field(default_factory=set, init=False, repr=False)
+    """Merge steps saved, or skipped because the run resumed inside their window."""
 
     def validate(self) -> None:
+        # Messages phrased as OLMo-core's, so tests and scripts matching them keep working.
         if not self.enabled:
             return
         if self.merge_last_n_steps < 1:
             raise ConfigurationError(
-                f"must be >= 1, got {self.merge_last_n_steps}", path="merge_last_n_steps"
+                f"merge_last_n_steps must be positive, got {self.merge_last_n_steps}"
             )
         steps = [self.merge_step] if isinstance(self.merge_step, int) else list(self.merge_step)
         if self.merge_interval is not None:
             if self.merge_interval < 1:
                 raise ConfigurationError(
-                    f"must be >= 1, got {self.merge_interval}", path="merge_interval"
+                    f"merge_interval must be positive, got {self.merge_interval}"
                 )
             if any(s > 0 for s in steps):
                 raise ConfigurationError(
-                    "give merge_step or merge_interval, not both (list every step in "
-                    "merge_step to combine them)",
+                    "Cannot set both merge_step and merge_interval; list every step in "
+                    "merge_step to combine them",
                     path="merge_interval",
                 )
             return
         if not steps:
-            raise ConfigurationError("needs merge_step or merge_interval", path="merge_step")
+            raise ConfigurationError("merge_step or merge_interval must be set", path="merge_step")
         if any(s < 1 for s in steps):
-            raise ConfigurationError(f"steps must be >= 1, got {steps}", path="merge_step")
+            raise ConfigurationError(f"merge_step values must be positive, got {steps}")
         self._merge_steps = sorted(set(steps))
 
     def _window_start(self, merge_step: int) -> int:
-        return max(1, merge_step - self.merge_last_n_steps + 1)
+        """The first step whose weights enter the average of ``merge_step``."""
+        return max(0, merge_step - self.merge_last_n_steps + 1)
+
+    def _active_windows(self) -> list[int]:
+        """The pending merge steps whose window holds the current step."""
+        step = self.step
+        return [
+            ms
+            for ms in self._merge_steps
+            if ms not in self._completed_merges and self._window_start(ms) <= step <= ms
+        ]
 
     def pre_train(self) -> None:
         if not self.enabled:
@@ -108,16 +120,19 @@ class ModelMergeCallback(Callback, name="model_merger"):
         now = self.step
         for ms in self._merge_steps:
             start = self._window_start(ms)
-            if ms - start + 1 < self.merge_last_n_steps and now < ms:
+            if ms <= now:  # merged (or skipped) before the checkpoint this run resumed from
+                self._completed_merges.add(ms)
+                continue
+            if ms < self.merge_last_n_steps:
                 raise ConfigurationError(
                     f"merge step {ms} comes before {self.merge_last_n_steps} steps have been "
                     "trained; lower merge_last_n_steps or merge later",
                     path="merge_last_n_steps",
                 )
-            if now == start and ms > now:
+            if now == start:
                 # Resumed at the window's first step: the loaded weights are that step's.
                 self._accumulate(ms, self._local_weights())
-            elif start < now < ms:
+            elif start < now:
                 log.warning(
                     "Resumed at step %d inside the window [%d, %d] of merge step %d: that "
                     "merge is skipped (its running average was not checkpointed)",
@@ -126,18 +141,14 @@ class ModelMergeCallback(Callback, name="model_merger"):
                     ms,
                     ms,
                 )
-                self._skipped.add(ms)
+                self._completed_merges.add(ms)
         log.info("Model merges at steps %s", [s for s in self._merge_steps if s > now])
 
     def post_train_batch(self) -> None:
         if not self.enabled:
             return
         step = self.step
-        open_windows = [
-            ms
-            for ms in self._merge_steps
-            if ms not in self._skipped and self._window_start(ms) <= step <= ms
-        ]
+        open_windows = self._active_windows()
         if open_windows:
             weights = self._local_weights()
             for ms in open_windows:
@@ -175,6 +186,7 @@ class ModelMergeCallback(Callback, name="model_merger"):
     @torch.no_grad()
     def _save_merged(self, merge_step: int) -> None:
         sums, count = self._sums.pop(merge_step), self._counts.pop(merge_step)
+        self._completed_merges.add(merge_step)
         trainer = self.trainer
         path = f"{trainer.save_folder.rstrip('/')}/step{merge_step}-{self.output_suffix}"
         log.info("Saving the average of %d steps' weights to %s", count, path)
@@ -223,7 +235,7 @@ def compute_merge_steps_from_decay_schedule(
     :param decay_fraction: the decay phase as a fraction of each period.
     """
     if decay is None and decay_fraction is None:
-        raise ValueError("give decay (tokens) or decay_fraction")
+        raise ValueError("Either decay or decay_fraction must be set (decay in tokens)")
     steps, end = [], 0
     for length in period_lengths:
         end += length
