@@ -9,11 +9,14 @@ silently ignored.
 
 Polymorphic fields (e.g. a dict of callbacks) carry a ``_CLASS_`` key. It is resolved through an
 explicit registry of classes that were imported and registered by the program itself: a config
-file can name a registered class, but never import one.
+file can name a registered class, but never import one. (OLMo-core's ``Config.from_dict``
+imports whatever module a ``_CLASS_`` names; olmolike keeps the same key and the same
+``module.ClassName`` spelling but only resolves names the program has registered.)
 """
 
 from __future__ import annotations
 
+import copy as copy_module
 import dataclasses
 import datetime
 import enum
@@ -23,14 +26,34 @@ import logging
 import re
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import fsspec
 import torch
 import yaml
 
+from .config_dict import (
+    _BASES_NEEDING_CLASS,
+    _REGISTRY,
+    CLASS_KEY,
+    TYPE_KEY,
+    DictOptions,
+    _is_subclass,
+    apply_to_configs,
+    class_keys,
+    init_fields,
+    keep_field,
+    lookup_registered_class,
+    own_names,
+    register_config_class,
+    registered_name,
+    require_class_name,
+    to_plain,
+    with_prefix,
+)
 from .exceptions import ConfigurationError
 
 __all__ = [
@@ -40,11 +63,12 @@ __all__ = [
     "StrEnum",
     "lookup_registered_class",
     "register_config_class",
+    "registered_name",
+    "require_class_name",
 ]
 
 log = logging.getLogger(__name__)
 
-CLASS_KEY = "_CLASS_"
 
 C = TypeVar("C", bound="Config")
 
@@ -58,6 +82,9 @@ class StrEnum(str, enum.Enum):
 
     def __str__(self) -> str:
         return str(self.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
 
 class DType(StrEnum):
@@ -75,58 +102,6 @@ class DType(StrEnum):
         }[self]
 
 
-_REGISTRY: dict[str, type] = {}
-_BASES_NEEDING_CLASS: set[type] = set()
-
-
-def register_config_class(cls: type, *aliases: str) -> None:
-    """Allow ``cls`` to be named by ``_CLASS_`` in a config file.
-
-    It is registered under its qualified name (``module.QualName``) and any ``aliases``.
-    """
-    if not dataclasses.is_dataclass(cls):
-        raise TypeError(f"only dataclasses can be registered as config classes, not {cls!r}")
-    _REGISTRY[registered_name(cls)] = cls
-    for alias in aliases:
-        existing = _REGISTRY.get(alias)
-        if existing is not None and registered_name(existing) != registered_name(cls):
-            raise ValueError(f"config class alias {alias!r} is already registered to {existing!r}")
-        _REGISTRY[alias] = cls
-
-
-def require_class_name(base: type) -> None:
-    """Values of a field typed ``base`` must name their class with ``_CLASS_``.
-
-    For a base class that does nothing by itself (e.g. ``Callback``): without this, a missing
-    ``_CLASS_`` would silently build the inert base instead of failing.
-    """
-    _BASES_NEEDING_CLASS.add(base)
-
-
-def lookup_registered_class(name: str, base: type, path: str = "") -> type:
-    """Resolve a ``_CLASS_`` name to a registered class that is a subclass of ``base``."""
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        known = sorted(k for k, v in _REGISTRY.items() if _is_subclass(v, base))
-        raise ConfigurationError(
-            f"unknown class {name!r}; registered {base.__name__} classes are: "
-            f"{', '.join(known) or '(none)'}. Import the module that defines it before loading "
-            "the config (config files cannot import code).",
-            path=path,
-        )
-    if not _is_subclass(cls, base):
-        raise ConfigurationError(f"class {name!r} is not a {base.__name__}", path=path)
-    return cls
-
-
-def registered_name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _is_subclass(cls: Any, base: Any) -> bool:
-    return isinstance(cls, type) and isinstance(base, type) and issubclass(cls, base)
-
-
 @dataclasses.dataclass
 class Config:
     """Base class for configuration dataclasses.
@@ -135,11 +110,19 @@ class Config:
     and again whenever a config is rebuilt (``from_dict``, ``merge``) or built into an object.
     """
 
+    CLASS_NAME_FIELD: ClassVar[str] = CLASS_KEY
+    """The key that names a value's class in dicts and files (``"_CLASS_"``)."""
+
+    _IGNORE_FIELDS: ClassVar[tuple[str, ...]] = ()
+    """Keys that :meth:`from_dict` drops for this class instead of rejecting them: fields that
+    were removed, so that files written by older versions still load."""
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         # The class exists because the program defined or imported it, so naming it in a file
         # never runs new code. Re-definition (a reloaded module) replaces the old entry.
-        _REGISTRY[registered_name(cls)] = cls
+        for name in own_names(cls):
+            _REGISTRY[name] = cls
 
     def __post_init__(self) -> None:
         self.validate()
@@ -157,26 +140,56 @@ class Config:
         *,
         exclude_none: bool = False,
         exclude_private_fields: bool = False,
+        exclude: Collection[str] | None = None,
         include_class_name: bool = False,
+        include_registered_name: bool = False,
         json_safe: bool = False,
         recurse: bool = True,
     ) -> dict[str, Any]:
-        """Convert to a dict. ``recurse=False`` leaves nested configs as objects."""
-        options = _DictOptions(exclude_none, exclude_private_fields, include_class_name, json_safe)
+        """Convert to a dict.
+
+        :param exclude: field names left out, at every level of nesting.
+        :param include_class_name: add ``_CLASS_: module.ClassName`` to every dataclass.
+        :param include_registered_name: add ``type: short_name`` to every value whose class is
+            registered under a short name (e.g. ``type: console_logger`` for a callback).
+        :param json_safe: enums become their values, paths strings, durations seconds, tuples
+            and sets lists; anything else that is not plain data is an error.
+        :param recurse: ``False`` leaves nested configs as objects.
+        """
+        options = DictOptions(
+            exclude_none=exclude_none,
+            exclude_private_fields=exclude_private_fields,
+            exclude=frozenset(exclude or ()),
+            include_class_name=include_class_name,
+            include_registered_name=include_registered_name,
+            json_safe=json_safe,
+        )
         if not recurse:
-            top = {CLASS_KEY: registered_name(type(self))} if include_class_name else {}
-            return top | {
+            return class_keys(self, options) | {
                 f.name: getattr(self, f.name)
-                for f in _init_fields(type(self))
-                if _keep_field(f.name, getattr(self, f.name), options)
+                for f in init_fields(type(self))
+                if keep_field(f, getattr(self, f.name), options)
             }
-        out = _to_plain(self, options, type(self).__name__)
+        out = to_plain(self, options, type(self).__name__)
         assert isinstance(out, dict)
         return out
 
     def as_config_dict(self) -> dict[str, Any]:
-        """A JSON/YAML-safe dict with ``_CLASS_`` names, which :meth:`from_dict` rebuilds exactly."""
-        return self.as_dict(exclude_private_fields=True, include_class_name=True, json_safe=True)
+        """A JSON/YAML-safe dict with ``_CLASS_`` names, which :meth:`from_dict` rebuilds exactly.
+
+        Like OLMo-core it leaves out ``None`` values, but only where ``None`` is the field's
+        default, so that the dict still rebuilds the same config.
+        """
+        options = DictOptions(
+            exclude_private_fields=True,
+            include_class_name=True,
+            include_registered_name=True,
+            json_safe=True,
+            exclude_default_none=True,
+        )
+        out = to_plain(self, options, type(self).__name__)
+        assert isinstance(out, dict)
+        return out
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.as_config_dict(), sort_keys=False)
@@ -185,21 +198,45 @@ class Config:
         return json.dumps(self.as_config_dict(), indent=2)
 
     @classmethod
-    def from_dict(cls: type[C], data: Mapping[str, Any], *, path: str = "") -> C:
-        """Build from a (possibly nested) mapping, checking keys and types on the way."""
+    def from_dict(
+        cls: type[C],
+        data: Mapping[str, Any],
+        overrides: Sequence[str] | None = None,
+        *,
+        path: str = "",
+    ) -> C:
+        """Build from a (possibly nested) mapping, checking keys and types on the way.
+
+        :param overrides: dotted overrides applied to ``data`` first (see :meth:`merge`);
+            ``data`` itself is not modified.
+        """
+        if overrides:
+            data = _apply_overrides(copy_module.deepcopy(dict(data)), overrides)
         built = _coerce(data, cls, path)
         assert isinstance(built, cls)
         return built
 
     @classmethod
-    def from_yaml(cls: type[C], path: str | Path, overrides: Sequence[str] = ()) -> C:
-        """Load a YAML file (local or any fsspec URL), then apply dotted ``overrides``."""
-        return cls._from_file(path, overrides, yaml.safe_load, yaml.YAMLError, "YAML")
+    def from_file(cls: type[C], path: str | Path, overrides: Sequence[str] | None = None) -> C:
+        """Load a ``.yaml``/``.yml`` or ``.json`` file, chosen by its extension."""
+        name = str(path)
+        if name.endswith((".yaml", ".yml")):
+            return cls.from_yaml(path, overrides)
+        if name.endswith(".json"):
+            return cls.from_json(path, overrides)
+        raise ConfigurationError(
+            f"cannot tell the format of {name!r}: config files end in .yaml, .yml or .json"
+        )
 
     @classmethod
-    def from_json(cls: type[C], path: str | Path, overrides: Sequence[str] = ()) -> C:
+    def from_yaml(cls: type[C], path: str | Path, overrides: Sequence[str] | None = None) -> C:
+        """Load a YAML file (local or any fsspec URL), then apply dotted ``overrides``."""
+        return cls._from_file(path, overrides or (), yaml.safe_load, yaml.YAMLError, "YAML")
+
+    @classmethod
+    def from_json(cls: type[C], path: str | Path, overrides: Sequence[str] | None = None) -> C:
         """Load a JSON file (local or any fsspec URL), then apply dotted ``overrides``."""
-        return cls._from_file(path, overrides, json.load, json.JSONDecodeError, "JSON")
+        return cls._from_file(path, overrides or (), json.load, json.JSONDecodeError, "JSON")
 
     @classmethod
     def _from_file(
@@ -227,72 +264,48 @@ class Config:
         """A copy with some fields changed (validated like any construction)."""
         return dataclasses.replace(self, **changes)
 
-    def merge(self: C, dotlist: Sequence[str]) -> C:
+    def copy(self: C, deep: bool = True) -> C:
+        """A copy of this config; ``deep=False`` shares nested values with the original."""
+        return copy_module.deepcopy(self) if deep else copy_module.copy(self)
+
+    def apply(self, func: Callable[[Config], None]) -> None:
+        """Call ``func`` on this config and on every config nested in it (in fields, lists,
+        tuples, sets and dict values), parents before children."""
+        apply_to_configs(self, func, Config)
+
+    def merge(self: C, dotlist: Sequence[str], prefix: str | None = None, strict: bool = True) -> C:
         """Return a copy with dotted overrides applied.
 
         Each item is ``[--]dotted.key=value``; the value is parsed with ``yaml.safe_load`` (so
         ``true``, ``5``, ``[1, 2]`` and ``{value: 5, unit: steps}`` all work), and a bare
         ``--dotted.key`` means ``true``. Booleans are ``true``/``false`` only: ``yes``, ``on``
-        and the like are refused by a bool field, and ``--key value`` (no ``=``) is an error. String fields receive the raw text, so ``--name=on``
-        stays the string ``"on"``.
+        and the like are refused by a bool field, and ``--key value`` (no ``=``) is an error.
+        String fields receive the raw text, so ``--name=on`` stays the string ``"on"``.
+
+        :param prefix: use only the items whose key starts with ``prefix.``, without it (one
+            command line can then hold overrides for several configs).
+        :param strict: ``False`` skips items whose first key is not a field of this config
+            instead of rejecting them; keys below a field are still checked.
         """
-        if not dotlist:
+        items = list(dotlist)
+        for previous, item in zip([None, *items], items, strict=False):
+            _check_separated_value(previous, item)
+        if prefix is not None:
+            items = with_prefix(items, prefix)
+        if not strict:
+            names = {f.name for f in init_fields(type(self))}
+            items = [i for i in items if _parse_override(i)[0][0] in names]
+        if not items:
             return self
         data = self.as_dict(include_class_name=True)
-        for previous, item in zip([None, *dotlist], dotlist, strict=False):
-            _check_separated_value(previous, item)
-            keys, value = _parse_override(item)
-            _set_in(data, keys, value)
-        return type(self).from_dict(data)
+        return type(self).from_dict(_apply_overrides(data, items))
 
 
-# -- conversion to plain data ------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _DictOptions:
-    exclude_none: bool
-    exclude_private_fields: bool
-    include_class_name: bool
-    json_safe: bool
-
-
-def _keep_field(name: str, value: Any, options: _DictOptions) -> bool:
-    if options.exclude_none and value is None:
-        return False
-    return not (options.exclude_private_fields and name.startswith("_"))
-
-
-def _to_plain(value: Any, options: _DictOptions, path: str) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        out: dict[str, Any] = {}
-        if options.include_class_name:
-            out[CLASS_KEY] = registered_name(type(value))
-        for f in _init_fields(type(value)):
-            item = getattr(value, f.name)
-            if _keep_field(f.name, item, options):
-                out[f.name] = _to_plain(item, options, f"{path}.{f.name}")
-        return out
-    if isinstance(value, Mapping):
-        return {k: _to_plain(v, options, f"{path}.{k}") for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        items = [_to_plain(v, options, f"{path}[{i}]") for i, v in enumerate(value)]
-        return items if options.json_safe or isinstance(value, list) else tuple(items)
-    if not options.json_safe:
-        return value
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, datetime.timedelta):
-        return value.total_seconds()
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise ConfigurationError(
-        f"a {type(value).__name__} cannot be written to a config file; give it a Config form "
-        "(a dataclass of plain values) that builds the object",
-        path=path,
-    )
+def _apply_overrides(data: dict[str, Any], items: Sequence[str]) -> dict[str, Any]:
+    for item in items:
+        keys, value = _parse_override(item)
+        _set_in(data, keys, value)
+    return data
 
 
 # -- conversion from plain data ----------------------------------------------------------------
@@ -366,10 +379,6 @@ def _type_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _init_fields(cls: type) -> tuple[dataclasses.Field, ...]:
-    return tuple(f for f in dataclasses.fields(cls) if f.init)
-
-
 def _join(path: str, key: str | int) -> str:
     if isinstance(key, int):
         return f"{path}[{key}]"
@@ -393,7 +402,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if value in typing.get_args(tp):
             return value
         raise ConfigurationError(f"must be one of {typing.get_args(tp)}, got {value!r}", path=path)
-    if origin in (list, Sequence, tuple, dict, Mapping):
+    if origin in (list, Sequence, tuple, dict, Mapping, set, frozenset, AbstractSet):
         return _coerce_container(value, tp, origin, path)
     if tp is type(None):
         if value is None:
@@ -441,8 +450,12 @@ def _coerce_container(value: Any, tp: Any, origin: Any, path: str) -> Any:
             _coerce(k, key_tp, path): _coerce(v, val_tp, _join(path, str(k)))
             for k, v in value.items()
         }
-    if not isinstance(value, (list, tuple)):
+    if not isinstance(value, (list, tuple, set, frozenset)):
         raise ConfigurationError(f"expected a list, got {value!r}", path=path)
+    if origin in (set, frozenset, AbstractSet):
+        item_tp = args[0] if args else Any
+        members = {_coerce(v, item_tp, path) for v in value}
+        return frozenset(members) if origin is frozenset else members
     if origin is tuple and args and args[-1] is not Ellipsis:
         if len(args) != len(value):
             raise ConfigurationError(f"expected {len(args)} items, got {len(value)}", path=path)
@@ -523,14 +536,22 @@ def _coerce_dataclass(value: Any, tp: type, path: str) -> Any:
     if class_name is not None:
         # Coerced like a string field: the raw text of an override, and a list is an error.
         class_name = _coerce(class_name, str, _join(path, CLASS_KEY))
-    if class_name is None and tp in _BASES_NEEDING_CLASS:
+    if class_name is None and data.get(TYPE_KEY) is None and tp in _BASES_NEEDING_CLASS:
         known = sorted(k for k, v in _REGISTRY.items() if _is_subclass(v, tp) and v is not tp)
         raise ConfigurationError(
             f"needs a {CLASS_KEY} key naming the {tp.__name__} to build, one of: {', '.join(known)}",
             path=path,
         )
-    cls = tp if class_name is None else lookup_registered_class(class_name, tp, path)
-    fields = {f.name: f for f in _init_fields(cls)}
+    type_name = data.get(TYPE_KEY)
+    tp_fields = {f.name for f in init_fields(tp)}
+    if class_name is None and isinstance(type_name, str) and TYPE_KEY not in tp_fields:
+        class_name = type_name  # OLMo-core's registered short name, e.g. ``type: wandb``
+    cls = tp if class_name is None else _resolve_class(class_name, tp, path)
+    fields = {f.name: f for f in init_fields(cls)}
+    if TYPE_KEY not in fields:
+        data.pop(TYPE_KEY, None)
+    for name in getattr(cls, "_IGNORE_FIELDS", ()):
+        data.pop(name, None)
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigurationError(
@@ -559,3 +580,14 @@ def _coerce_dataclass(value: Any, tp: type, path: str) -> Any:
         raise e.under(path) from None
     except TypeError as e:
         raise ConfigurationError(f"cannot build {cls.__name__}: {e}", path=path) from None
+
+
+def _resolve_class(name: str, tp: type, path: str) -> type:
+    """The class a ``_CLASS_`` name picks for a field declared as ``tp``.
+
+    The declared class itself needs no registration (so a plain nested dataclass rebuilds);
+    any other class must be registered and a subclass of ``tp``.
+    """
+    if name in own_names(tp):
+        return tp
+    return lookup_registered_class(name, tp, path)

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn as nn
 
-__all__ = ["TinyCausalLM", "random_token_instances"]
+__all__ = ["TinyCausalLM", "random_token_instances", "run_distributed_test"]  # and BACKENDS
 
 
 class TinyCausalLM(nn.Module):
@@ -59,3 +65,114 @@ def random_token_instances(
     noise = torch.rand(num_instances, seq_len, generator=generator) < 0.1
     random_tokens = torch.randint(0, vocab_size, (num_instances, seq_len), generator=generator)
     return torch.where(noise, random_tokens, tokens)
+
+
+def run_distributed_test(
+    func: Callable[..., Any],
+    world_size: int = 2,
+    log_from_all_ranks: bool = False,
+    backend: str = "gloo",
+    start_method: str | None = None,
+    func_args: tuple[Any, ...] | None = None,
+    func_kwargs: dict[str, Any] | None = None,
+    primary_addr: str = "127.0.0.1",
+    primary_port: int | None = None,
+    timeout: float = 300.0,
+) -> None:
+    """Run ``func(*func_args, **func_kwargs)`` on ``world_size`` local processes joined in a
+    process group (OLMo-core's ``olmo_core.testing.run_distributed_test``).
+
+    Raises if any rank fails. Never hangs: ranks still running after ``timeout`` seconds are
+    killed and the call raises ``TimeoutError``. ``start_method`` defaults to ``fork`` for
+    gloo (``func`` may then be a local function) and ``spawn`` otherwise.
+    """
+    import torch.multiprocessing as mp
+
+    method = start_method or ("fork" if backend == "gloo" else "spawn")
+    port = primary_port or _free_port(primary_addr)
+    context = mp.start_processes(
+        _run_rank,
+        args=(
+            world_size,
+            backend,
+            log_from_all_ranks,
+            func,
+            func_args,
+            func_kwargs,
+            primary_addr,
+            port,
+        ),
+        nprocs=world_size,
+        start_method=method,
+        join=False,
+    )
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"distributed test did not finish within {timeout:.0f}s (hung)")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _run_rank(
+    rank: int,
+    world_size: int,
+    backend: str,
+    log_from_all_ranks: bool,
+    func: Callable[..., Any],
+    func_args: tuple[Any, ...] | None,
+    func_kwargs: dict[str, Any] | None,
+    addr: str,
+    port: int,
+) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from .utils import LogFilterType, setup_logging
+
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR=addr,
+        MASTER_PORT=str(port),
+    )
+    if "nccl" in backend and torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend=backend,
+        timeout=datetime.timedelta(seconds=120),
+        rank=rank,
+        world_size=world_size,
+    )
+    setup_logging(LogFilterType.all_ranks if log_from_all_ranks else LogFilterType.rank0_only)
+    try:
+        func(*(func_args or ()), **(func_kwargs or {}))
+    finally:
+        dist.destroy_process_group()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BACKENDS":
+        # Built on first use: pytest is needed only by code that runs under pytest.
+        import pytest
+
+        two_gpus = torch.cuda.device_count() >= 2
+        return [
+            pytest.param("gloo", id="backend=GLOO"),
+            pytest.param(
+                "cuda:nccl,cpu:gloo",
+                id="backend=NCCL",
+                marks=pytest.mark.skipif(not two_gpus, reason="needs 2 GPUs"),
+            ),
+        ]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

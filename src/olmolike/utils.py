@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
+import math
 import os
 import random
 import sys
@@ -17,6 +19,9 @@ from .distributed.utils import get_local_rank, get_rank, get_world_size
 
 __all__ = [
     "LogFilterType",
+    "format_float",
+    "format_int",
+    "format_timedelta",
     "get_default_device",
     "get_rng_state",
     "move_to_device",
@@ -161,3 +166,54 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def _python_rng_state() -> list[Any]:
     version, internal, gauss = random.getstate()
     return [version, list(internal), gauss]
+
+
+# -- human-readable numbers ----------------------------------------------------------------
+
+
+def format_int(count: int) -> str:
+    """``1234567`` -> ``1.2M``: a count with a K/M/B/T suffix and at most one decimal."""
+    for suffix, factor in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if count >= factor:
+            return f"{count / factor:.1f}".removesuffix(".0") + suffix
+    return str(count)
+
+
+def format_float(value: float) -> str:
+    """A float in a width that suits its size: ``1.2346``, ``12.35``, ``123.5``, ``1,235``,
+    ``1.235B`` (B/T/P/E from a billion up), ``1.00E-05`` (tiny values)."""
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    size = abs(value)
+    if size == 0.0:
+        return "0.0"
+    if size >= 1e9:
+        for suffix, factor in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("B", 1e9)):
+            if size >= factor:
+                return f"{value / factor:,.{_decimals(size / factor)}f}{suffix}"
+    if size < 1e-4:
+        return f"{value:.2E}"
+    if size >= 1000:
+        return f"{int(value):,d}"
+    return f"{value:.{_decimals(size)}f}"
+
+
+def _decimals(size: float) -> int:
+    return 1 if size > 100 else 2 if size > 10 else 3 if size > 1 else 4
+
+
+def format_timedelta(td: datetime.timedelta) -> str:
+    """``1d, 2h, 3m, 4s`` (zero parts left out; ``0s`` for nothing)."""
+    parts = [
+        f"{amount}{unit}"
+        for amount, unit in (
+            (td.days, "d"),
+            (td.seconds // 3600, "h"),
+            (td.seconds % 3600 // 60, "m"),
+            (td.seconds % 60, "s"),
+        )
+        if amount > 0
+    ]
+    return ", ".join(parts) or "0s"

@@ -127,14 +127,19 @@ def test_duration_constructors() -> None:
     assert Duration.steps(5) == Duration(value=5, unit=DurationUnit.steps)
     assert Duration.epochs(2) == Duration(value=2, unit=DurationUnit.epochs)
     assert Duration.tokens(7) == Duration(value=7, unit=DurationUnit.tokens)
-    assert str(Duration.tokens(1_000_000)) == "1,000,000 tokens"
+    assert Duration.tokens(1_000_000).describe() == "1,000,000 tokens"
+    # str() is OLMo-core's (the dataclass repr with the unit's value quoted)
+    assert str(Duration.tokens(1_000_000)) == "Duration(value=1000000, unit='tokens')"
+    assert repr(Duration.steps(5)) == "Duration(value=5, unit='steps')"
 
 
-def test_chinchilla_tokens_is_20_per_param_rounded_up() -> None:
+def test_chinchilla_tokens_is_20_per_param_rounded_down() -> None:
     assert Duration.chinchilla_tokens(1.0, model_params=1_000) == Duration.tokens(20_000)
     assert Duration.chinchilla_tokens(2.5, model_params=10) == Duration.tokens(500)
-    # 0.01 * 20 * 3 = 0.6 tokens: rounded up, not down
-    assert Duration.chinchilla_tokens(0.01, model_params=3) == Duration.tokens(1)
+    # 0.03 * 20 * 3 = 1.8 tokens: rounded down to 1, as OLMo-core does
+    assert Duration.chinchilla_tokens(0.03, model_params=3) == Duration.tokens(1)
+    assert Duration.chinchilla_tokens(0.01, model_params=3) == Duration.tokens(0)
+    assert Duration.chinchilla_tokens(0.29, model_params=100) == Duration.tokens(580)
     assert Duration.chinchilla_tokens(0.5, model_params=3) == Duration.tokens(30)
     with pytest.raises(ValueError):
         Duration.chinchilla_tokens(0, model_params=10)

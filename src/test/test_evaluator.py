@@ -117,6 +117,7 @@ def build(
 
 def lm_evaluator(data: Path, **kwargs: Any) -> LMEvaluatorCallbackConfig:
     dataset = NumpyDatasetConfig(paths=[str(data)], sequence_length=SEQ_LEN)
+    kwargs.setdefault("eval_on_finish", True)  # these tests read the final step's metrics
     return LMEvaluatorCallbackConfig(eval_dataset=dataset, **kwargs)
 
 
@@ -191,9 +192,9 @@ class StepRecorder(Evaluator):
 @pytest.mark.parametrize(
     ("settings", "steps", "want"),
     [
-        ({"eval_interval": 2}, 5, [2, 4, 5]),
-        ({"eval_interval": 2}, 4, [2, 4]),  # the last step is due anyway: only once
-        ({"eval_interval": 2, "eval_on_finish": False}, 3, [2]),
+        ({"eval_interval": 2, "eval_on_finish": True}, 5, [2, 4, 5]),
+        ({"eval_interval": 2, "eval_on_finish": True}, 4, [2, 4]),  # due anyway: only once
+        ({"eval_interval": 2}, 3, [2]),  # eval_on_finish is off by default, as in OLMo-core
         ({"eval_interval": 2, "eval_on_startup": True}, 2, [0, 2]),
         ({"eval_interval": 1}, 2, [1, 2]),
     ],

@@ -27,7 +27,7 @@ from ..distributed.utils import (
 )
 from ..utils import LogFilterType, seed_all, setup_logging
 from .callbacks import Callback
-from .checkpoint import CheckpointerConfig
+from .checkpoint import Checkpointer, CheckpointerConfig
 from .common import (
     Duration,
     DurationUnit,
@@ -43,6 +43,7 @@ from .trainer import Trainer, TrainerStateDict
 __all__ = [
     "BasicTrainModule",
     "Callback",
+    "Checkpointer",
     "CheckpointerConfig",
     "Duration",
     "DurationUnit",

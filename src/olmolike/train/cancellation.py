@@ -43,7 +43,7 @@ class CancelCoordinator:
         self.reason: str | None = None
         self.canceling_rank: int | None = None
         self._requested: str | None = None
-        self._check: tuple[int, Future[_Verdict]] | None = None
+        self._check: tuple[int, Future[tuple[_Verdict, int]]] | None = None
 
     def request(self, reason: str, *, no_sync: bool = False) -> None:
         """Ask for the run to stop. ``no_sync`` means every rank asks at the same step."""
@@ -60,24 +60,41 @@ class CancelCoordinator:
         runner: BookkeepingRunner,
         group: dist.ProcessGroup | None,
         device: torch.device,
+        *,
+        saves_done: int = 0,
     ) -> None:
-        """Start a check (every rank, same step); it is resolved at the end of ``step + 1``."""
+        """Start a check (every rank, same step); it is resolved at the end of ``step + 1``.
+
+        The same all-reduce agrees on how many background saves every rank has seen finish
+        (``saves_done`` is this rank's count), so their ``post_checkpoint_saved`` hooks run at
+        an agreed step too.
+        """
         if self.world_size == 1 or self.canceled or self._check is not None:
             return
         future = runner.submit(
-            _agree_on_cancel, self._requested, self.rank, group, device, op_name="check_if_canceled"
+            _agree_on_cancel,
+            self._requested,
+            self.rank,
+            saves_done,
+            group,
+            device,
+            op_name="check_if_canceled",
         )
         self._check = (step, future)
 
-    def resolve(self, step: int) -> None:
-        """Apply a check submitted before ``step``, waiting for it if it is still running."""
+    def resolve(self, step: int) -> int | None:
+        """Apply a check submitted before ``step``, waiting for it if it is still running.
+
+        Returns the number of background saves finished on every rank, if a check resolved.
+        """
         if self._check is None or self._check[0] >= step:
-            return
+            return None
         _, future = self._check
         self._check = None
-        verdict = future.result()
+        verdict, saves_done = future.result()
         if verdict is not None:
             self._apply(verdict)
+        return saves_done
 
     def _apply(self, verdict: tuple[int, str]) -> None:
         self.canceled = True
@@ -110,12 +127,18 @@ class CancelCoordinator:
 
 
 def _agree_on_cancel(
-    requested: str | None, rank: int, group: dist.ProcessGroup | None, device: torch.device
-) -> _Verdict:
-    flag = torch.tensor([0 if requested is None else rank + 1], dtype=torch.int64, device=device)
+    requested: str | None,
+    rank: int,
+    saves_done: int,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> tuple[_Verdict, int]:
+    # One MAX all-reduce: the highest canceling rank, and the lowest count of finished saves.
+    flags = [0 if requested is None else rank + 1, -saves_done]
+    flag = torch.tensor(flags, dtype=torch.int64, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    canceling_rank = int(flag.item()) - 1
+    canceling_rank, agreed_saves = int(flag[0].item()) - 1, -int(flag[1].item())
     if canceling_rank < 0:
-        return None
+        return None, agreed_saves
     reason = broadcast_object(requested, src=canceling_rank, group=group)
-    return canceling_rank, str(reason)
+    return (canceling_rank, str(reason)), agreed_saves

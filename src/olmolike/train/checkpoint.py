@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -62,10 +62,12 @@ from ..exceptions import CheckpointError
 from .bookkeeping import DaemonThreadPool
 from .checkpoint_download import local_copy
 from .checkpoint_format import (
+    FORMAT_VERSION,
     MARKER,
     MODEL_AND_OPTIM,
     STEP_DIR,
     TRAIN_STATE,
+    CheckpointMetadata,
     DamagedCheckpointError,
     contains_checkpoint,
     describe_error,
@@ -86,11 +88,9 @@ from .lease import DEFAULT_TIMEOUT, SaveFolderLease, acquire_lease
 if TYPE_CHECKING:
     from .train_module import TrainModule
 
-__all__ = ["Checkpointer", "CheckpointerConfig"]
+__all__ = ["CheckpointMetadata", "Checkpointer", "CheckpointerConfig"]
 
 log = logging.getLogger(__name__)
-
-FORMAT_VERSION = 1
 
 
 @dataclass
@@ -523,6 +523,16 @@ class Checkpointer:
     def write_file(self, dir: str, fname: str, contents: str | bytes) -> str:
         """Write ``contents`` to ``dir/fname`` (local or remote); returns its path or URL."""
         return io.write_file(dir, fname, contents, overwrite=self.save_overwrite)
+
+    CHECKPOINT_DIR: ClassVar[str] = "step{step}"
+    """The name of a step's folder under the save folder (OLMo-core's name for the pattern)."""
+    METADATA_FNAME: ClassVar[str] = MARKER
+    """The metadata file of a checkpoint; in olmolike it is also the completion marker."""
+
+    @classmethod
+    def checkpoint_dirname(cls, step: int) -> str:
+        """``step{N}``: the folder name of the checkpoint of ``step``."""
+        return cls.CHECKPOINT_DIR.format(step=step)
 
     # The on-disk format's functions, also reachable from here (as in OLMo-core).
     dir_is_checkpoint = staticmethod(dir_is_checkpoint)

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 from collections.abc import Collection, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .. import io
+from ..config import Config
 from ..distributed.checkpoint import read_metadata
 from ..exceptions import CheckpointError
 
 __all__ = [
+    "FORMAT_VERSION",
+    "CheckpointMetadata",
     "DamagedCheckpointError",
     "contains_checkpoint",
     "describe_error",
@@ -50,6 +54,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+FORMAT_VERSION = 1
+"""The version of the checkpoint layout written in every marker."""
 MARKER = ".olmolike-checkpoint.json"
 MODEL_AND_OPTIM = "model_and_optim"
 TRAIN_STATE = "train"
@@ -355,3 +361,34 @@ def describe_error(error: BaseException | None) -> str:
         return "unknown error"
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[-1][:300] if lines else ''}"
+
+
+@dataclass
+class CheckpointMetadata(Config):
+    """What a checkpoint's marker file records about it (OLMo-core's ``CheckpointMetadata``).
+
+    Read it with :meth:`read`; olmolike writes it when the checkpoint is complete.
+    """
+
+    ephemeral: bool | None = None
+    """Whether the checkpoint is ephemeral (removed when the next one is saved)."""
+    version: str = str(FORMAT_VERSION)
+    """The version of the checkpoint format."""
+    step: int | None = None
+    """The step the checkpoint was saved at."""
+    world_size: int | None = None
+    """How many ranks saved it."""
+    saved_at: float | None = None
+    """When it was completed (seconds since the epoch)."""
+
+    @classmethod
+    def read(cls, dir: str | Path) -> CheckpointMetadata:
+        """The metadata of the complete checkpoint ``dir``."""
+        data = read_marker(dir)
+        return cls(
+            ephemeral=data.get("ephemeral"),
+            version=str(data.get("format_version", FORMAT_VERSION)),
+            step=data.get("step"),
+            world_size=data.get("world_size"),
+            saved_at=data.get("saved_at"),
+        )

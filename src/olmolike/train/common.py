@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.nn.functional as F
 
 from ..config import Config, StrEnum
+from ..utils import format_float, format_int, format_timedelta
 
 __all__ = [
     "Duration",
@@ -14,6 +19,10 @@ __all__ = [
     "MetricMergeStrategy",
     "ReduceType",
     "StepSkipRange",
+    "TrainingProgress",
+    "get_inputs_for_loss",
+    "get_labels",
+    "reshape_inputs_for_loss",
 ]
 
 
@@ -32,7 +41,11 @@ class DurationUnit(StrEnum):
 
 @dataclass
 class Duration(Config):
-    """A length of training in steps, epochs or tokens."""
+    """A length of training in steps, epochs or tokens.
+
+    ``str()`` and ``repr()`` give ``Duration(value=5, unit='steps')``, as in OLMo-core;
+    :meth:`describe` gives the short form for messages (``5 steps``).
+    """
 
     value: int
     """The value of the duration."""
@@ -68,10 +81,13 @@ class Duration(Config):
         :param multiple: 1.0 is compute-optimal for training; larger values over-train, which
             is common when inference cost matters.
         :param model_params: the number of active, non-embedding parameters.
+
+        The count is rounded down to a whole token, as OLMo-core does, so the same arguments
+        give the same duration in both.
         """
         if multiple <= 0 or model_params <= 0:
             raise ValueError("multiple and model_params must both be positive")
-        return cls.tokens(math.ceil(multiple * _tok_per_param * model_params))
+        return cls.tokens(int(_tok_per_param * model_params * multiple))
 
     def due(self, *, step: int, tokens: int, epoch: int) -> bool:
         """Whether training that has reached ``step``, ``tokens`` and (1-based) ``epoch`` is done."""
@@ -81,7 +97,8 @@ class Duration(Config):
             return tokens >= self.value
         return epoch > self.value
 
-    def __str__(self) -> str:
+    def describe(self) -> str:
+        """``1,000 tokens``: the duration in words, for messages."""
         return f"{self.value:,d} {self.unit}"
 
 
@@ -169,3 +186,82 @@ class StepSkipRange(Config):
         return (
             isinstance(step, int) and not isinstance(step, bool) and self.start <= step < self.stop
         )
+
+
+# -- loss inputs ---------------------------------------------------------------------------
+
+
+def get_labels(batch: dict[str, Any], label_ignore_index: int = -100) -> torch.Tensor:
+    """Next-token labels for a batch: ``input_ids`` shifted left by one.
+
+    Positions excluded by the batch's masks get ``label_ignore_index``: ``label_mask`` (False
+    = no loss), ``attention_mask`` (0 = padding) and ``instance_mask`` (False = the whole
+    instance). The last position has no next token and is always ignored.
+    """
+    labels = batch["input_ids"].clone()
+    if (label_mask := batch.get("label_mask")) is not None:
+        labels.masked_fill_(~label_mask.bool(), label_ignore_index)
+    if (attention_mask := batch.get("attention_mask")) is not None:
+        labels.masked_fill_(attention_mask == 0, label_ignore_index)
+    if (instance_mask := batch.get("instance_mask")) is not None:
+        labels.masked_fill_(~instance_mask.bool().unsqueeze(-1), label_ignore_index)
+    return F.pad(labels[..., 1:], (0, 1), value=label_ignore_index)
+
+
+def reshape_inputs_for_loss(
+    logits: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten ``(B, S, V)`` logits and ``(B, S)`` labels to ``(B * S, V)`` and ``(B * S,)``."""
+    return logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
+
+
+def get_inputs_for_loss(
+    batch: dict[str, Any], logits: torch.Tensor, label_ignore_index: int = -100
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and labels ready for a cross-entropy loss: the batch's ``labels`` if it has
+    them, else those of :func:`get_labels`, flattened by :func:`reshape_inputs_for_loss`."""
+    labels = batch.get("labels")
+    if labels is None:
+        labels = get_labels(batch, label_ignore_index)
+    return reshape_inputs_for_loss(logits, labels)
+
+
+# -- progress ------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainingProgress:
+    """Where a run stands, from :attr:`Trainer.training_progress <olmolike.train.Trainer>`."""
+
+    current_step: int
+    """The last step taken."""
+    current_tokens: int | None = None
+    """Tokens trained on so far (over all ranks)."""
+    total_steps: int | None = None
+    """The step training will stop at (``hard_stop`` if earlier), if it can be known."""
+    time_remaining: timedelta | None = None
+    """An estimate from the average speed, rounded up to the minute."""
+    bps: float | None = None
+    """Average steps (batches) per second so far."""
+    tps: float | None = None
+    """Average tokens per second per device so far."""
+    mfu: float | None = None
+    """Average model FLOPs utilization, in percent."""
+
+    def __str__(self) -> str:
+        if self.total_steps is not None:
+            done = min(100, int(100 * self.current_step / max(self.total_steps, 1)))
+            parts = [f"{done}% complete, step {self.current_step:,d}/{self.total_steps:,d}"]
+        else:
+            parts = [f"step {self.current_step:,d}/???"]
+        if self.current_tokens is not None:
+            parts.append(f"{format_int(self.current_tokens)} tokens")
+        if self.time_remaining is not None:
+            parts.append(f"eta {format_timedelta(self.time_remaining)}")
+        if self.tps is not None:
+            parts.append(f"{format_float(self.tps)} TPS")
+        elif self.bps is not None:
+            parts.append(f"{format_float(self.bps)} BPS")
+        if self.mfu is not None:
+            parts.append(f"{format_float(self.mfu)}% MFU")
+        return ", ".join(parts)

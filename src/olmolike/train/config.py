@@ -69,6 +69,9 @@ class TrainerConfig(Config):
     no_checkpoints: bool = False
     no_evals: bool = False
     steps_to_skip: list[StepSkipRange] | None = None
+    checkpoints_to_eval: list[str] | None = None
+    """Checkpoints (or folders of them: their latest) that ``Trainer.eval_checkpoints()``
+    evaluates; see ``build(eval_only=True)``."""
 
     def validate(self) -> None:
         if not self.save_folder:
@@ -116,6 +119,47 @@ class TrainerConfig(Config):
         new.add_callbacks(callbacks)
         return new
 
+    def with_recommended_evals(
+        self,
+        tokenizer: object = None,
+        sequence_length: int | None = None,
+        cluster: str | None = None,
+        task_set: str | None = None,
+        eval_interval: int = 10_000,
+        lazy_load: bool = False,
+        *,
+        eval_data: list[str] | None = None,
+    ) -> TrainerConfig:
+        """A new config that also evaluates held-out LM loss every ``eval_interval`` steps and
+        at the end (OLMo-core 3.0's method, as far as olmolike can follow it).
+
+        OLMo-core adds its cluster's validation mixes and downstream tasks; olmolike has
+        neither, so name the held-out token files (``.npy``) with ``eval_data``. ``tokenizer``
+        and ``lazy_load`` are accepted for compatibility and not needed.
+        """
+        del tokenizer, lazy_load
+        from ..data.numpy_dataset import NumpyDatasetConfig
+        from .callbacks.evaluator import LMEvaluatorCallbackConfig
+
+        if cluster is not None or task_set is not None:
+            raise self._invalid(
+                "callbacks",
+                "olmolike has no cluster data mixes or downstream task sets; pass held-out "
+                "token files as eval_data=[...] (and no cluster or task_set)",
+            )
+        if not eval_data or sequence_length is None:
+            raise self._invalid(
+                "callbacks",
+                "with_recommended_evals needs eval_data (held-out .npy token files) and "
+                "sequence_length",
+            )
+        evaluator = LMEvaluatorCallbackConfig(
+            eval_dataset=NumpyDatasetConfig(paths=list(eval_data), sequence_length=sequence_length),
+            eval_interval=eval_interval,
+            eval_on_finish=True,
+        )
+        return self.with_callback("lm_evaluator", evaluator)
+
     def build(
         self,
         train_module: TrainModule,
@@ -123,14 +167,24 @@ class TrainerConfig(Config):
         *,
         dp_process_group: dist.ProcessGroup | None = None,
         checkpointer_pg: dist.ProcessGroup | None = None,
+        eval_only: bool = False,
     ) -> Trainer:
         """Build the trainer. Also re-validates, since fields may have changed since construction.
 
         :param dp_process_group: the data-parallel group (default: all ranks).
         :param checkpointer_pg: the group checkpoint I/O will use (default: all ranks).
+        :param eval_only: for ``Trainer.eval_checkpoints()`` rather than ``fit()``: no
+            checkpoint is saved and none is resumed from the save folder.
         """
         from .trainer import Trainer
 
+        if eval_only:
+            return replace(self, no_checkpoints=True, load_strategy=LoadStrategy.never).build(
+                train_module,
+                data_loader,
+                dp_process_group=dp_process_group,
+                checkpointer_pg=checkpointer_pg,
+            )
         self.validate()
         self._check_save_folder()
         self._check_same_on_every_rank()
@@ -174,6 +228,7 @@ class TrainerConfig(Config):
             no_checkpoints=self.no_checkpoints,
             no_evals=self.no_evals,
             steps_to_skip=list(self.steps_to_skip) if self.steps_to_skip else None,
+            checkpoints_to_eval=list(self.checkpoints_to_eval or ()) or None,
         )
 
     def _check_same_on_every_rank(self) -> None:

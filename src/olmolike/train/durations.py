@@ -52,7 +52,7 @@ def duration_to_steps(duration: Duration, progress: Progress, *, what: str = "du
         return progress.step + math.ceil(remaining / progress.global_batch_size)
     if progress.steps_per_epoch is None:
         raise ConfigurationError(
-            f"is {duration}, but the data loader cannot tell how many batches an epoch has "
+            f"is {duration.describe()}, but the data loader cannot tell how many batches an epoch has "
             "(total_batches is None), so the number of steps is unknown. The LR schedule needs "
             "it ahead of time: give the duration in steps or tokens instead.",
             path=what,

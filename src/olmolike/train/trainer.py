@@ -20,14 +20,14 @@ from ..distributed.utils import get_rank, get_world_size, is_distributed, set_gr
 from ..exceptions import ConfigurationError, DataError
 from ..utils import get_rng_state, move_to_device, set_rng_state
 from .bookkeeping import BookkeepingRunner, build_bookkeeping
-from .callbacks.callback import CALLBACK_HOOKS, Callback
+from .callbacks.callback import Callback
 from .cancellation import CancelCoordinator
 from .checkpoint import Checkpointer
 from .common import Duration, LoadStrategy, MetricMergeStrategy, ReduceType, StepSkipRange
 from .durations import Progress, duration_to_steps, duration_to_tokens, nothing_to_train, stop_step
 from .metrics import MetricBuffer, MetricReducer, StepMetrics, metric_name
 from .train_module import TrainModule
-from .trainer_io import TrainerCheckpointing
+from .trainer_hooks import TrainerHooks
 
 __all__ = ["Trainer", "TrainerStateDict"]
 
@@ -38,7 +38,7 @@ TrainerStateDict = dict[str, Any]
 
 
 @dataclass
-class Trainer(TrainerCheckpointing):
+class Trainer(TrainerHooks):
     """Language model trainer. Build it with :class:`~olmolike.train.TrainerConfig`."""
 
     work_dir: Path
@@ -77,6 +77,8 @@ class Trainer(TrainerCheckpointing):
     no_checkpoints: bool = False
     no_evals: bool = False
     steps_to_skip: list[StepSkipRange] | None = None
+    checkpoints_to_eval: list[str] | None = None
+    """Checkpoints :meth:`eval_checkpoints` evaluates (OLMo-core 3.0)."""
 
     _metrics: MetricBuffer = field(default_factory=MetricBuffer, init=False, repr=False)
     _reducer: MetricReducer = field(default_factory=MetricReducer, init=False, repr=False)
@@ -132,16 +134,7 @@ class Trainer(TrainerCheckpointing):
     def _attach_callbacks(self, callbacks: dict[str, Callback]) -> None:
         for callback in callbacks.values():
             callback.trainer = self
-        ordered = sorted(self.callbacks.values(), key=lambda cb: -cb.priority)
-        # Only hooks a callback overrides are called: an empty hook costs nothing per step.
-        self._hooks = {
-            hook: [
-                getattr(cb, hook)
-                for cb in ordered
-                if getattr(type(cb), hook) is not getattr(Callback, hook)
-            ]
-            for hook in CALLBACK_HOOKS
-        }
+        self._hooks = self._hook_table()  # checks hook names; only overridden hooks are called
         for callback in callbacks.values():
             callback.post_attach()
 
@@ -275,7 +268,11 @@ class Trainer(TrainerCheckpointing):
     def check_if_canceled(self) -> None:
         """Start a check whether any rank canceled; all ranks must call it at the same step."""
         self._cancel.submit_check(
-            self.global_step, self._bookkeeping, self.bookkeeping_pg, self.bookkeeping_device
+            self.global_step,
+            self._bookkeeping,
+            self.bookkeeping_pg,
+            self.bookkeeping_device,
+            saves_done=self._saves_done(),
         )
 
     # -- metrics -----------------------------------------------------------------------------
@@ -318,6 +315,7 @@ class Trainer(TrainerCheckpointing):
 
     def _log_metrics(self, metrics: StepMetrics) -> None:
         for step in sorted(metrics):
+            self._call("pre_log_metrics", step, metrics[step])
             self._call("log_metrics", step, metrics[step])
         self._call("post_log_metrics")
 
@@ -459,10 +457,12 @@ class Trainer(TrainerCheckpointing):
         step = self.global_step
         if step % self.metrics_collect_interval == 0:
             self._collect_metrics()
-        self._cancel.resolve(step)
+        saves_done_everywhere = self._cancel.resolve(step)
         if step % self.cancel_check_interval == 0:
             self.check_if_canceled()
         self._bookkeeping.poll(step)
+        if saves_done_everywhere is not None or not is_distributed():
+            self._deliver_checkpoint_events(saves_done_everywhere)
         if not self._timeouts_shortened and self.train_timeout_seconds is not None:
             # The first step (compiling, allocating, loading) may legitimately take long.
             self._timeouts_shortened = True
@@ -484,6 +484,8 @@ class Trainer(TrainerCheckpointing):
         self._bookkeeping.shutdown(wait=False)
 
     def _close(self) -> None:
+        if self._error is None:
+            self._deliver_checkpoint_events(wait=True)  # every rank is here: nothing to agree
         for method in self._hooks["close"]:
             try:
                 method()

@@ -20,6 +20,8 @@ the loop. Hooks fire in this order::
     close                            always, last
 
 Callbacks run in descending ``priority``; ties keep the order in which they were added.
+OLMo-core's later hooks (``pre_log_metrics``, ``post_checkpoint_saved``,
+``post_checkpoint_loaded``) are described in :mod:`.hooks`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ...config import register_config_class, require_class_name
+from .hooks import CallbackHooks
 
 if TYPE_CHECKING:
     from ..trainer import Trainer
@@ -56,7 +59,7 @@ callback_registry: dict[str, type[Callback]] = {}
 
 
 @dataclass
-class Callback:
+class Callback(CallbackHooks):
     """Base class for trainer callbacks. Subclasses are dataclasses of their settings.
 
     Register a subclass under a short name with ``class MyCallback(Callback, name="my_cb")``:

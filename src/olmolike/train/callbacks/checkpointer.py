@@ -97,7 +97,11 @@ class CheckpointerCallback(Callback, name="checkpointer"):
             return  # post_train saves the final checkpoint, and as a permanent one
         if step % self.save_interval == 0:
             self._save(ephemeral=False)
-        elif self.ephemeral_save_interval and step % self.ephemeral_save_interval == 0:
+        elif (
+            self.ephemeral_save_interval
+            and step % self.ephemeral_save_interval == 0
+            and not self.trainer.block_ephemeral_checkpoints
+        ):
             self._save(ephemeral=True)
 
     def post_train(self) -> None:

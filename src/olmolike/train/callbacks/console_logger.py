@@ -16,9 +16,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ConsoleLoggerCallback(Callback, name="console_logger"):
-    """Logs the metrics of every ``log_interval``-th step whose names match ``metrics``."""
+    """Logs the metrics of every ``metrics_log_interval``-th step whose names match ``metrics``,
+    and a progress line on the other ``log_interval``-th steps."""
 
     log_interval: int = 1
+    """Steps between log lines (progress, or metrics when the step has them logged)."""
+    metrics_log_interval: int | None = None
+    """Steps between metric logs; defaults to ``log_interval``. A larger value keeps the log
+    short while ``log_interval`` still shows that training moves."""
     metrics: list[str] = field(default_factory=lambda: ["train/*", "optim/*"])
     """Glob patterns of metric names to show."""
 
@@ -30,13 +35,29 @@ class ConsoleLoggerCallback(Callback, name="console_logger"):
     def validate(self) -> None:
         if self.log_interval < 1:
             raise ConfigurationError(f"must be >= 1, got {self.log_interval}", path="log_interval")
+        if self.metrics_log_interval is not None and self.metrics_log_interval < 1:
+            raise ConfigurationError(
+                f"must be >= 1 if set, got {self.metrics_log_interval}",
+                path="metrics_log_interval",
+            )
+
+    def _metrics_step(self, step: int) -> bool:
+        return step % (self.metrics_log_interval or self.log_interval) == 0
+
+    def post_step(self) -> None:
+        step = self.step
+        if step % self.log_interval == 0 and not self._metrics_step(step):
+            log.info("[step=%d/%s,epoch=%d]", step, self._max_steps(), self.trainer.epoch)
+
+    def _max_steps(self) -> str:
+        max_steps = self.trainer.max_steps
+        return "?" if max_steps is None else str(max_steps)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        if step % self.log_interval or not log.isEnabledFor(logging.INFO):
+        if not self._metrics_step(step) or not log.isEnabledFor(logging.INFO):
             return
         shown = {name: value for name, value in sorted(metrics.items()) if self._is_shown(name)}
-        max_steps = self.trainer.max_steps
-        lines = [f"[step={step}/{max_steps if max_steps is not None else '?'}]"]
+        lines = [f"[step={step}/{self._max_steps()}]"]
         lines += [f"    {name}={value:.4f}" for name, value in shown.items()]
         log.info("\n".join(lines))
 

@@ -21,6 +21,7 @@ from ...data.sft_dataset import SFTDataset, SFTDatasetConfig
 from ...distributed.utils import get_rank, get_world_size, is_distributed
 from ...exceptions import ConfigurationError, DataError
 from ...nn.functional import cross_entropy_loss
+from ..common import Duration, DurationUnit
 from .callback import Callback
 
 if TYPE_CHECKING:
@@ -38,7 +39,15 @@ log = logging.getLogger(__name__)
 
 
 class Evaluator(ABC):
-    """Computes named metrics over some data with the train module's model."""
+    """Computes named metrics over some data with the train module's model.
+
+    The callback sets ``eval_duration`` (how much of the data to use) and ``log_interval``
+    (batches between progress lines) before each evaluation; an evaluator honours them where
+    it can (:class:`LMEvaluator` does).
+    """
+
+    eval_duration: Duration | None = None
+    log_interval: int | None = None
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -75,16 +84,30 @@ class LMEvaluator(Evaluator):
 
     def _rank_batches(self) -> tuple[list[list[int]], int]:
         world, rank = get_world_size(), get_rank()
-        # max_batches counts batches as one process would run them, so the scored subset (the
-        # first max_batches * batch instances) is the same at every world size.
-        limit = len(self.dataset)
-        if self.max_batches is not None:
-            limit = min(limit, self.max_batches * self.rank_batch_instances)
+        limit = self._instance_limit()
         mine = list(range(rank, limit, world))
         per_rank = math.ceil(limit / world)
         count = math.ceil(per_rank / self.rank_batch_instances)
         size = self.rank_batch_instances
         return [mine[i * size : (i + 1) * size] for i in range(count)], count
+
+    def _instance_limit(self) -> int:
+        """How many instances (the first ones) an evaluation scores.
+
+        ``max_batches`` counts batches as one process would run them, so the scored subset is
+        the same at every world size; ``eval_duration`` in steps counts global batches (all
+        ranks' together), in tokens rounds up to whole global batches, in epochs is one pass.
+        """
+        limit = len(self.dataset)
+        if self.max_batches is not None:
+            limit = min(limit, self.max_batches * self.rank_batch_instances)
+        duration, global_batch = self.eval_duration, self.rank_batch_instances * get_world_size()
+        if duration is not None and duration.unit == DurationUnit.steps:
+            limit = min(limit, duration.value * global_batch)
+        elif duration is not None and duration.unit == DurationUnit.tokens:
+            batch_tokens = global_batch * len(self.dataset[0]["input_ids"])
+            limit = min(limit, math.ceil(duration.value / batch_tokens) * global_batch)
+        return limit
 
     def _batch(self, indices: list[int]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The model's inputs (``input_ids``, and ``doc_ids`` if the data has them) and labels:
@@ -108,8 +131,10 @@ class LMEvaluator(Evaluator):
 
     def evaluate(self, train_module: TrainModule) -> dict[str, torch.Tensor]:
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # loss sum, tokens
-        batches, _ = self._rank_batches()
-        for indices in batches:
+        batches, count = self._rank_batches()
+        for i, indices in enumerate(batches, start=1):
+            if self.log_interval and (i % self.log_interval == 0 or i == count):
+                log.info("[eval=%s,step=%d/%d]", self.name, i, count)
             inputs, labels = self._batch(indices)
             logits = train_module.eval_batch(inputs)
             loss_sum, _ = cross_entropy_loss(
@@ -125,19 +150,43 @@ class LMEvaluator(Evaluator):
 
 @dataclass
 class _PeriodicEvaluation(Callback):
-    eval_interval: int = 1000
-    """Evaluate every this many steps."""
+    eval_interval: int | None = 1000
+    """Evaluate every this many steps; ``None`` evaluates only at ``fixed_steps`` (and on
+    startup or finish if set)."""
+    fixed_steps: list[int] | None = None
+    """Also evaluate at exactly these steps."""
     eval_on_startup: bool = False
     """Also evaluate before the first step (step 0 metrics are logged with step 1's)."""
-    eval_on_finish: bool = True
-    """Also evaluate after the last step, if that step is not a multiple of the interval."""
+    eval_on_finish: bool = False
+    """Also evaluate after the last step, if it is not already an evaluation step (off by
+    default, as in OLMo-core)."""
+    cancel_after_first_eval: bool = False
+    """Stop the run after the first evaluation; with ``eval_on_startup`` this evaluates a
+    loaded checkpoint without training."""
+    eval_duration: Duration = field(default_factory=lambda: Duration.epochs(1))
+    """How much of each evaluation set to use: ``epochs`` for all of it, or a number of
+    batches (``steps``) or tokens from its start."""
+    log_interval: int = 5
+    """Batches between progress lines while an evaluation runs."""
 
     priority = 10  # before loggers, so the metrics of an eval step are in that step's log
 
     def validate(self) -> None:
-        if self.eval_interval < 1:
+        if self.eval_interval is not None and self.eval_interval < 1:
             raise ConfigurationError(
-                f"must be >= 1, got {self.eval_interval}", path="eval_interval"
+                f"must be >= 1 or null (only fixed_steps), got {self.eval_interval}",
+                path="eval_interval",
+            )
+        if self.fixed_steps is not None and any(step < 0 for step in self.fixed_steps):
+            raise ConfigurationError(
+                f"steps must be >= 0, got {self.fixed_steps}", path="fixed_steps"
+            )
+        if self.log_interval < 1:
+            raise ConfigurationError(f"must be >= 1, got {self.log_interval}", path="log_interval")
+        if self.eval_duration.value < 1:
+            raise ConfigurationError(
+                f"must be at least 1 {self.eval_duration.unit}, got {self.eval_duration.value}",
+                path="eval_duration",
             )
 
     @abstractmethod
@@ -145,29 +194,39 @@ class _PeriodicEvaluation(Callback):
 
     def pre_train(self) -> None:
         if self.eval_on_startup and not self.trainer.no_evals:
-            self._run()
+            self.perform_eval()
 
     def post_step(self) -> None:
         if self.trainer.no_evals:
             return
-        due = self.step % self.eval_interval == 0
+        interval = self.eval_interval
+        due = interval is not None and self.step % interval == 0
+        due = due or self.step in (self.fixed_steps or ())
         if due or (self.eval_on_finish and self.trainer.training_complete):
-            self._run()
+            self.perform_eval()
 
-    def _run(self) -> None:
+    def perform_eval(self, prefix: str = "eval") -> None:
+        """Run every evaluator now (all ranks together); metrics are named
+        ``{prefix}/{evaluator}/{metric}`` (e.g. ``eval/merged`` for averaged weights)."""
         train_module = self.trainer.train_module
         for evaluator in self._evaluators():
+            evaluator.eval_duration = self.eval_duration
+            evaluator.log_interval = self.log_interval
             metrics = evaluator.evaluate(train_module)
             for metric, value in metrics.items():
                 self.trainer.record_metric(
-                    f"{evaluator.name}/{metric}", value, None, namespace="eval"
+                    f"{evaluator.name}/{metric}", value, None, namespace=prefix
                 )
             log.info(
-                "eval %s at step %d: %s",
+                "%s %s at step %d: %s",
+                prefix,
                 evaluator.name,
                 self.step,
                 ", ".join(f"{k}={v.item():.4f}" for k, v in metrics.items()),
             )
+        if self.cancel_after_first_eval and prefix == "eval":
+            # Every rank evaluates at the same step, so no agreement round is needed.
+            self.trainer.cancel_run("cancel_after_first_eval is set", no_sync=True)
 
 
 @dataclass

@@ -23,13 +23,16 @@ class GarbageCollectorCallback(Callback, name="garbage_collector"):
     to stall the step. With several ranks, a stall on one rank holds every other rank at
     the next collective. Collecting on the same steps everywhere puts all ranks' pauses in
     the same place. Automatic collection is restored when training ends (in ``close``,
-    which runs after an error too), unless it was already off before.
+    which runs after an error too), unless it was already off before. A collection also runs
+    after each completed checkpoint save, which leaves much garbage behind.
     """
 
     gc_interval: int = 1000
     """Steps between collections."""
     generation: int = 1
     """The oldest generation to collect (0-2): 2 is a full pass, slower but thorough."""
+    enabled: bool = True
+    """``False`` leaves garbage collection alone (e.g. to switch the default one off)."""
 
     _restore: bool = field(default=False, init=False, repr=False)
 
@@ -43,6 +46,8 @@ class GarbageCollectorCallback(Callback, name="garbage_collector"):
             )
 
     def pre_train(self) -> None:
+        if not self.enabled:
+            return
         self._restore = gc.isenabled()
         gc.disable()
         log.info(
@@ -52,7 +57,11 @@ class GarbageCollectorCallback(Callback, name="garbage_collector"):
         )
 
     def post_step(self) -> None:
-        if self.step % self.gc_interval == 0:
+        if self.enabled and self.step % self.gc_interval == 0:
+            gc.collect(self.generation)
+
+    def post_checkpoint_saved(self, path: str) -> None:
+        if self.enabled:
             gc.collect(self.generation)
 
     def close(self) -> None:

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torch.profiler import ProfilerActivity, profile, schedule
+from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile, schedule
 
 from ...distributed.utils import get_rank
 from ...exceptions import ConfigurationError
@@ -15,6 +15,8 @@ from .callback import Callback
 __all__ = ["ProfilerCallback"]
 
 log = logging.getLogger(__name__)
+
+_RANK_SHORTCUTS = frozenset({"all", "dp", "tp", "cp", "pp", "ep"})
 
 
 @dataclass
@@ -41,14 +43,18 @@ class ProfilerCallback(Callback, name="profiler"):
     """Steps recorded in each cycle."""
     repeat: int = 1
     """Cycles to record; ``0`` records cycles until training ends."""
-    ranks: list[int] = field(default_factory=lambda: [0])
-    """The global ranks that profile."""
+    ranks: list[int] | str | None = None
+    """The global ranks that profile: a list, ``None`` (rank 0), ``"all"``, or one of
+    OLMo-core's group shortcuts ``"dp"``, ``"tp"``, ``"cp"``, ``"pp"``, ``"ep"`` (one rank per
+    group). olmolike parallelizes over data only, so the shortcuts mean rank 0."""
     profile_memory: bool = False
     """Track tensor allocations and frees (bigger traces, slower steps)."""
     with_stack: bool = False
     """Record Python stacks for each op (much bigger traces)."""
     record_shapes: bool = False
     """Record the input shapes of each op."""
+    enable_cuda_sync_events: bool = False
+    """Record CUDA synchronization events, for critical-path analysis of the trace."""
     enabled: bool = True
 
     _profiler: profile | None = field(default=None, init=False, repr=False)
@@ -62,10 +68,24 @@ class ProfilerCallback(Callback, name="profiler"):
             raise ConfigurationError(
                 f"must be >= 1 (steps recorded per cycle), got {self.active}", path="active"
             )
-        if not self.ranks or any(rank < 0 for rank in self.ranks):
+        if isinstance(self.ranks, str):
+            if self.ranks not in _RANK_SHORTCUTS:
+                raise ConfigurationError(
+                    f"must be a list of ranks, null, or one of {sorted(_RANK_SHORTCUTS)}, got "
+                    f"{self.ranks!r}",
+                    path="ranks",
+                )
+        elif self.ranks is not None and (not self.ranks or any(r < 0 for r in self.ranks)):
             raise ConfigurationError(
                 f"must list at least one rank, each >= 0, got {self.ranks}", path="ranks"
             )
+
+    def _profiles_this_rank(self) -> bool:
+        if self.ranks == "all":
+            return True
+        if isinstance(self.ranks, list):
+            return get_rank() in self.ranks
+        return get_rank() == 0
 
     @property
     def traces(self) -> list[str]:
@@ -77,7 +97,7 @@ class ProfilerCallback(Callback, name="profiler"):
         return f"profiler/rank{get_rank()}"
 
     def pre_train(self) -> None:
-        if not self.enabled or get_rank() not in self.ranks:
+        if not self.enabled or not self._profiles_this_rank():
             return
         activities = [ProfilerActivity.CPU]
         if self.trainer.device.type == "cuda":
@@ -96,6 +116,9 @@ class ProfilerCallback(Callback, name="profiler"):
             profile_memory=self.profile_memory,
             with_stack=self.with_stack,
             record_shapes=self.record_shapes,
+            experimental_config=_ExperimentalConfig(enable_cuda_sync_events=True)
+            if self.enable_cuda_sync_events
+            else None,
         )
         self._profiler.start()
         log.info("Profiling steps on rank %d; traces go to %s", get_rank(), self._trace_dir)

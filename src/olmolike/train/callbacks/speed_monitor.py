@@ -65,6 +65,8 @@ class SpeedMonitorCallback(Callback, name="speed_monitor"):
     _flops_per_token: dict[int, int | None] = field(default_factory=dict, init=False, repr=False)
     _timed_tokens: int = field(default=0, init=False, repr=False)
     _timed_seconds: float = field(default=0.0, init=False, repr=False)
+    _timed_steps: int = field(default=0, init=False, repr=False)
+    _timed_flops: float = field(default=0.0, init=False, repr=False)
 
     def validate(self) -> None:
         if self.device_peak_flops is not None and not self.device_peak_flops > 0:
@@ -82,6 +84,8 @@ class SpeedMonitorCallback(Callback, name="speed_monitor"):
         self._last_end = None
         self._timed_tokens = 0
         self._timed_seconds = 0.0
+        self._timed_steps = 0
+        self._timed_flops = 0.0
         self._peak = self.device_peak_flops
         if self._peak is None:
             self._peak = peak_flops(self.trainer.device, _DTYPES[self.dtype])
@@ -115,6 +119,7 @@ class SpeedMonitorCallback(Callback, name="speed_monitor"):
         trainer = self.trainer
         self._timed_tokens += self._rank_tokens
         self._timed_seconds += seconds
+        self._timed_steps += 1
         tps = self._rank_tokens / seconds
         trainer.record_metric("device/TPS", tps, ReduceType.mean, namespace="throughput")
         trainer.record_metric(
@@ -132,10 +137,28 @@ class SpeedMonitorCallback(Callback, name="speed_monitor"):
         if per_token is None:
             return
         flops = per_token * tps
+        self._timed_flops += per_token * self._rank_tokens
         trainer.record_metric("device/FLOPS", flops, ReduceType.mean, namespace="throughput")
         if self._peak is not None:
             mfu = 100.0 * flops / self._peak
             trainer.record_metric("device/MFU", mfu, ReduceType.mean, namespace="throughput")
+
+    @property
+    def bps_avg(self) -> float | None:
+        """Steps per second averaged over the timed steps of this ``fit()`` (this rank)."""
+        return self._timed_steps / self._timed_seconds if self._timed_steps else None
+
+    @property
+    def tps_avg(self) -> float | None:
+        """Tokens per second on this device, averaged over the timed steps."""
+        return self._timed_tokens / self._timed_seconds if self._timed_steps else None
+
+    @property
+    def mfu_avg(self) -> float | None:
+        """Model FLOPs utilization in percent over the timed steps, if the peak is known."""
+        if not self._timed_flops or self._peak is None:
+            return None
+        return 100.0 * self._timed_flops / self._timed_seconds / self._peak
 
     def _flops_per_token_at(self, seq_len: int) -> int | None:
         # Counting may walk the model's parameters; once per sequence length is enough.

@@ -25,6 +25,7 @@ from ...exceptions import ConfigurationError
 from ..common import ReduceType
 from .callback import Callback
 from .checkpointer import CheckpointerCallback
+from .spike_score import SpikeScore
 
 __all__ = ["StabilityMonitorCallback", "StabilityPolicy"]
 
@@ -113,7 +114,7 @@ class _DeviceRunningStats:
 
 
 @dataclass
-class StabilityMonitorCallback(Callback, name="stability_monitor"):
+class StabilityMonitorCallback(SpikeScore, Callback, name="stability_monitor"):
     """Detects loss spikes, gradient-norm spikes and non-finite values; reacts by ``policy``.
 
     A spike is a value more than ``*_spike_threshold`` standard deviations above its running
@@ -133,6 +134,10 @@ class StabilityMonitorCallback(Callback, name="stability_monitor"):
     checkpoint stays the newest. With ``guard_checkpoints``, the loss is also checked right
     before each checkpoint (one host sync per checkpoint, not per step): metrics arrive up to a
     collect interval late, and a checkpoint of a corrupt state must not be written meanwhile.
+
+    OLMo-core's fields (``window_size``, ``rolling_window``, ``threshold_std``,
+    ``loss_metric_name``, ``grad_norm_metric_name``, ``enabled``) and its SpikeScore metrics
+    come from :class:`~.spike_score.SpikeScore`.
     """
 
     policy: StabilityPolicy = StabilityPolicy.warn
@@ -174,9 +179,11 @@ class StabilityMonitorCallback(Callback, name="stability_monitor"):
                 )
         self._loss_stats = _RunningStats(self.window)
         self._grad_stats = _RunningStats(self.window)
+        for name, problem in self._check_score_settings():
+            raise ConfigurationError(problem, path=name)
 
     def post_attach(self) -> None:
-        if self.policy != StabilityPolicy.skip_step:
+        if self.policy != StabilityPolicy.skip_step or not self.enabled:
             return
         model = getattr(self.trainer.train_module, "model", None)
         if not isinstance(model, torch.nn.Module):
@@ -212,6 +219,8 @@ class StabilityMonitorCallback(Callback, name="stability_monitor"):
     # -- warn / stop: on the host, as metrics arrive ----------------------------------------
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
         problems: list[str] = []
         nonfinite = False
         loss = metrics.get(self.loss_metric)
@@ -288,7 +297,7 @@ class StabilityMonitorCallback(Callback, name="stability_monitor"):
         ]
 
     def post_step(self) -> None:
-        if not self.guard_checkpoints:
+        if not self.guard_checkpoints or not self.enabled:
             return
         # A reference, not a value: reading it would sync. The final checkpoint (post_train)
         # comes after the metrics are collected, so it is kept here for that check.
@@ -297,7 +306,7 @@ class StabilityMonitorCallback(Callback, name="stability_monitor"):
             self._guard("before the checkpoint of step")
 
     def post_train(self) -> None:
-        if self.guard_checkpoints and self._active_checkpointers():
+        if self.enabled and self.guard_checkpoints and self._active_checkpointers():
             self._guard("before the final checkpoint at step")
 
     def _active_checkpointers(self) -> list[CheckpointerCallback]:
@@ -338,13 +347,14 @@ class StabilityMonitorCallback(Callback, name="stability_monitor"):
         }
         if self._device_grad_stats is not None:
             state["device_grad_norm"] = self._device_grad_stats.state_dict()
-        return state
+        return state | {"spike_score": self._score_state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loss_stats.load_state_dict(state_dict["loss"])
         self._grad_stats.load_state_dict(state_dict["grad_norm"])
         if self._device_grad_stats is not None and "device_grad_norm" in state_dict:
             self._device_grad_stats.load_state_dict(state_dict["device_grad_norm"])
+        self._load_score_state(state_dict.get("spike_score", {}))
 
 
 def _all_true(flag: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:

@@ -73,7 +73,12 @@ class WandBCallback(Callback, name="wandb"):
     dir: str | None = None
     """Local folder for W&B's files; default: the trainer's ``work_dir``."""
     cancel_tag: str | None = "cancel"
-    """Tag that stops the run; ``None`` turns the check off."""
+    """Tag that stops the run; ``None`` turns the check off (unless ``cancel_tags`` is set)."""
+    name: str | None = None
+    """OLMo-core's name for ``run_name``; give one of the two."""
+    cancel_tags: list[str] | None = None
+    """OLMo-core's form: any of these tags stops the run (case-insensitive); when set it
+    replaces ``cancel_tag``, and an empty list turns the check off."""
     cancel_check_interval: int = 10
     """Steps between tag lookups (each is a request to the W&B API)."""
 
@@ -99,6 +104,18 @@ class WandBCallback(Callback, name="wandb"):
             raise ConfigurationError(
                 "must be a tag name, or None to turn tag-based canceling off", path="cancel_tag"
             )
+        if self.name is not None and self.run_name is not None and self.name != self.run_name:
+            raise ConfigurationError(
+                f"and run_name name the run differently ({self.name!r}, {self.run_name!r}); "
+                "give only one of them",
+                path="name",
+            )
+
+    @property
+    def _cancel_tags(self) -> set[str]:
+        if self.cancel_tags is not None:
+            return {tag.lower() for tag in self.cancel_tags}
+        return set() if self.cancel_tag is None else {self.cancel_tag.lower()}
 
     @property
     def _active(self) -> bool:
@@ -116,7 +133,7 @@ class WandBCallback(Callback, name="wandb"):
         init_kwargs = {
             "project": self.project,
             "entity": self.entity,
-            "name": self.run_name,
+            "name": self.name or self.run_name,
             "group": self.group,
             "tags": list(self.tags),
             "notes": self.notes,
@@ -141,16 +158,17 @@ class WandBCallback(Callback, name="wandb"):
             self._sink.flush()
 
     def post_step(self) -> None:
-        if self._sink is None or self.cancel_tag is None:
+        if self._sink is None or not self._cancel_tags:
             return
         if self.step % self.cancel_check_interval != 0:
             return
         lookup = self._tag_lookup
         if lookup is not None and not lookup.done():
             return  # the API is slow: one lookup at a time
-        if lookup is not None and self.cancel_tag in lookup.result():
+        found = sorted(self._cancel_tags & {t.lower() for t in lookup.result()}) if lookup else []
+        if found:
             self._tag_lookup = None
-            self.trainer.cancel_run(f"the W&B run has the tag {self.cancel_tag!r}")
+            self.trainer.cancel_run(f"the W&B run has the tag {found[0]!r}")
             return
         if self._tag_thread is None:
             self._tag_thread = DaemonThreadPool(1, "wandb-tags")
