@@ -45,6 +45,12 @@ class DPOTrainModuleConfig(TransformerTrainModuleConfig):
     label_smoothing: float = 0.0
     """Conservative DPO (sigmoid only): the assumed probability that a pair's labels are
     flipped; 0 is plain DPO."""
+    reference: str | None = None
+    """The frozen reference's weights: a Hugging Face model folder or an olmolike checkpoint
+    or save folder (its newest checkpoint), local or remote. It must have the policy's
+    architecture. ``None`` uses the policy's initial weights: those of ``init_weights`` when
+    set, else the policy as built. Only its source and fingerprint go into checkpoints, so a
+    resume must be able to load the same weights again (a different reference is refused)."""
 
     def validate(self) -> None:
         super().validate()
@@ -64,8 +70,9 @@ class DPOTrainModuleConfig(TransformerTrainModuleConfig):
         reference: nn.Module | None = None,
         reference_source: str | None = None,
     ) -> DPOTrainModule:
-        """``reference`` is an unsharded model holding the reference weights (e.g. loaded from
-        an HF folder or a checkpoint); ``None`` snapshots ``model``'s initial weights."""
+        """``reference`` is an unsharded model holding the reference weights, which takes
+        precedence over the ``reference`` field; ``reference_source`` names it in logs and
+        checkpoints."""
         self.validate()
         return DPOTrainModule(
             self,
@@ -94,16 +101,21 @@ class DPOTrainModule(TransformerTrainModule):
             check_same_architecture(model, reference)
         super().__init__(config, model, device, dp_process_group)
         dp = config.dp_config
-        if reference is None:
+        weights = config.reference or config.init_weights
+        if reference is not None:
+            self.reference = ReferenceModel(
+                reference, source=reference_source or "given model", device=device, dp_config=dp
+            )
+        elif weights is not None:
+            # The policy gets `init_weights` only when fit() starts: the reference loads them
+            # now rather than snapshotting the policy's not yet loaded weights.
+            self.reference = ReferenceModel.load(self.model, weights, device=device, dp_config=dp)
+        else:
             self.reference = ReferenceModel.snapshot_of(
                 self.model,
                 source=reference_source or "initial policy",
                 device=device,
                 dp_config=dp,
-            )
-        else:
-            self.reference = ReferenceModel(
-                reference, source=reference_source or "given model", device=device, dp_config=dp
             )
 
     # -- checkpoint: the reference is identified, never saved -------------------------------

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from ...distributed.parallel import DataParallelConfig, DataParallelType, apply_fsdp
 from ...exceptions import CheckpointError, ConfigurationError
 from ...nn.functional import sequence_log_probs
+from ..weights import load_pretrained_weights
 
 __all__ = ["ReferenceModel", "check_same_architecture", "model_fingerprint"]
 
@@ -75,6 +76,14 @@ def check_same_architecture(policy: nn.Module, reference: nn.Module) -> None:
         )
 
 
+def _empty_like(policy: nn.Module) -> nn.Module:
+    """A new unsharded model of ``policy``'s architecture on the CPU (its weights are to be
+    overwritten): built from its config when it has one, else a deep copy."""
+    config = getattr(policy, "config", None)
+    build = getattr(config, "build", None)
+    return build(init_device="cpu") if callable(build) else copy.deepcopy(policy)
+
+
 class ReferenceModel:
     """A frozen model, sharded like the policy, that scores responses without gradients."""
 
@@ -108,6 +117,34 @@ class ReferenceModel:
         log.info("reference model from %s, fingerprint %s", source, self.fingerprint)
 
     @classmethod
+    def load(
+        cls,
+        policy: nn.Module,
+        source: str,
+        *,
+        device: torch.device,
+        dp_config: DataParallelConfig | None = None,
+    ) -> ReferenceModel:
+        """A frozen model of ``policy``'s architecture with the weights of ``source``: a
+        Hugging Face model folder or an olmolike checkpoint / save folder, local or remote.
+
+        Every rank must call this (loading runs collectives when distributed).
+
+        :raises ConfigurationError: if the weights are not of the policy's architecture.
+        """
+        model = _empty_like(policy)
+        try:
+            load_pretrained_weights(model, source)
+        except ConfigurationError as e:
+            raise ConfigurationError(
+                f"the reference model must have the policy's architecture, and {source} does "
+                f"not fit it ({e.reason}); or point the reference at weights of the policy's "
+                "architecture, or unset it to use the policy's initial weights",
+                path="reference",
+            ) from None
+        return cls(model, source=source, device=device, dp_config=dp_config)
+
+    @classmethod
     def snapshot_of(
         cls,
         policy: nn.Module,
@@ -121,9 +158,7 @@ class ReferenceModel:
             k: v.full_tensor() if isinstance(v, DTensor) else v
             for k, v in policy.state_dict().items()
         }
-        config = getattr(policy, "config", None)
-        build = getattr(config, "build", None)
-        model = build(init_device="cpu") if callable(build) else copy.deepcopy(policy)
+        model = _empty_like(policy)
         model.load_state_dict({k: v.detach().cpu().clone() for k, v in state.items()})
         return cls(model, source=source, device=device, dp_config=dp_config)
 
