@@ -99,7 +99,7 @@ def model_config() -> TransformerConfig:
 
 def build(
     folder: str | Path, *, dp: str | None = None, micro_pairs: int | None = None,
-    reference_seed: int | None = None, **trainer_kwargs: Any,
+    reference_seed: int | None = None, precompute: bool = False, **trainer_kwargs: Any,
 ) -> tuple[Trainer, Log]:  # fmt: skip
     rank_pairs = PAIRS_PER_STEP // get_world_size()
     config = DPOTrainModuleConfig(
@@ -108,6 +108,7 @@ def build(
         max_grad_norm=1.0,
         beta=0.5,
         dp_config=DataParallelConfig(name=DataParallelType(dp)) if dp else None,
+        precompute_reference_logps=precompute,
     )
     reference = None
     if reference_seed is not None:
@@ -185,6 +186,48 @@ def test_resume_is_exact_and_checks_the_reference(tmp_path: Path) -> None:
     other, _ = build(tmp_path / "resumed", reference_seed=9, max_duration=Duration.steps(STEPS + 1))
     with pytest.raises(CheckpointError, match="fingerprint"):
         other.fit()
+
+
+def test_precomputed_reference_logps_give_the_same_losses_with_one_forward_less(
+    tmp_path: Path,
+) -> None:
+    plain, plain_log = build(tmp_path / "plain", no_checkpoints=True, reference_seed=5)
+    plain.fit()
+    cached, cached_log = build(tmp_path / "cached", precompute=True, reference_seed=5)
+    forwards = []
+    reference = cached.train_module.reference.model
+    reference.register_forward_hook(lambda *_: forwards.append(cached.global_step))
+    cached.fit()
+    # All reference forwards ran in step 1 (32 pairs, 4 per forward), none in later steps.
+    assert forwards == [1] * 8
+    assert len(list(cached.work_dir.glob("dpo-reference-logps-*.pt"))) == 1
+    for name in ("train/DPO loss", "train/rewards/chosen", "train/rewards/margin"):
+        got = [cached_log.metrics[s][name] for s in sorted(cached_log.metrics)]
+        want = [plain_log.metrics[s][name] for s in sorted(plain_log.metrics)]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=1e-7)
+    # A resumed run reads the cache back instead of scoring the pairs again.
+    resumed, resumed_log = build(
+        tmp_path / "cached", precompute=True, reference_seed=5, max_duration=Duration.steps(6)
+    )
+    resumed.train_module.reference.model.register_forward_hook(
+        lambda *_: pytest.fail("the reference ran")
+    )
+    resumed.fit()
+    assert list(resumed_log.metrics) == [6]
+
+
+def test_precomputed_logps_need_a_preference_loader(tmp_path: Path) -> None:
+    from olmolike.data import TokenTensorDataLoader
+
+    trainer, _ = build(tmp_path, precompute=True, no_checkpoints=True)
+    loader = TokenTensorDataLoader(
+        encode_preference_pairs(_pairs(), TOK, SEQ), global_batch_size=PAIRS_PER_STEP * 4 * SEQ
+    )
+    trainer.data_loader = loader
+    with pytest.raises(ConfigurationError, match="needs a PreferenceDataLoader"):
+        trainer.train_module.train_batch(
+            {"input_ids": torch.zeros(8, SEQ, dtype=torch.long)}, dry_run=True
+        )
 
 
 def test_reference_of_another_shape_is_refused() -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ __all__ = [
     "PreferencePair",
     "encode_preference_pairs",
     "read_preference_jsonl",
+    "split_pair_rows",
 ]
 
 log = logging.getLogger(__name__)
@@ -161,21 +161,18 @@ class PreferenceDataLoader(TokenTensorDataLoader):
 
     ``global_batch_size`` counts the stored rows' tokens: ``pairs per step * 4 * seq_len``.
     Each batch holds ``input_ids`` and ``labels`` of shape ``(2 * P, seq_len)``: the ``P``
-    chosen responses of this rank, then their ``P`` rejected ones, in the same order.
+    chosen responses of this rank, then their ``P`` rejected ones, in the same order; and
+    ``index``, the ``P`` pairs' rows in ``instances`` (what precomputed reference log-probs
+    are looked up by).
     """
 
-    def _iter_batches(self) -> Iterator[Batch]:
-        for batch in super()._iter_batches():
-            yield self._split(batch["input_ids"])
+    def _make_batch(self, rows: torch.Tensor, indices: torch.Tensor) -> Batch:
+        return {**split_pair_rows(rows), "index": indices}
 
-    def get_mock_batch(self) -> Batch:
-        return self._split(super().get_mock_batch()["input_ids"])
 
-    def _split(self, rows: torch.Tensor) -> Batch:
-        if rows.shape[1] % 4:
-            raise DataError(f"preference rows must be 4 * seq_len wide, got {rows.shape[1]}")
-        c_ids, c_labels, r_ids, r_labels = rows.chunk(4, dim=1)
-        return {
-            "input_ids": torch.cat([c_ids, r_ids]),
-            "labels": torch.cat([c_labels, r_labels]),
-        }
+def split_pair_rows(rows: torch.Tensor) -> Batch:
+    """``input_ids`` and ``labels`` (int64) of pair rows, chosen stacked over rejected."""
+    if rows.shape[1] % 4:
+        raise DataError(f"preference rows must be 4 * seq_len wide, got {rows.shape[1]}")
+    c_ids, c_labels, r_ids, r_labels = rows.long().chunk(4, dim=1)
+    return {"input_ids": torch.cat([c_ids, r_ids]), "labels": torch.cat([c_labels, r_labels])}
