@@ -68,8 +68,11 @@ def test_jsonl_strings_and_chat_messages(tmp_path: Path) -> None:
     ]
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
     pairs = read_preference_jsonl(path)
-    assert [(p.chosen, p.rejected) for p in pairs] == [("yes", "no"), ("good", "bad")]
-    assert pairs[1].prompt == "user: hi\n" and pairs[1].where.endswith(":2")
+    assert [(p.chosen, p.rejected) for p in pairs] == [
+        ("yes", "no"),
+        ([{"role": "assistant", "content": "good"}], [{"role": "assistant", "content": "bad"}]),
+    ]
+    assert not pairs[0].is_chat and pairs[1].is_chat and pairs[1].where.endswith(":2")
 
 
 def test_bad_pairs_name_the_record(tmp_path: Path) -> None:
