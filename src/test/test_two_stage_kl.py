@@ -11,9 +11,10 @@ import pytest
 import torch
 from testutils import run_distributed_test
 
-from olmolike.data import TokenTensorDataLoader
+from olmolike.data import StagedDataLoader, TokenTensorDataLoader
 from olmolike.distributed.parallel import DataParallelConfig, DataParallelType
 from olmolike.distributed.utils import broadcast_object, get_world_size
+from olmolike.exceptions import ConfigurationError
 from olmolike.nn import TransformerConfig
 from olmolike.optim import AdamWConfig, CosWithWarmup
 from olmolike.testing import random_token_instances
@@ -32,9 +33,22 @@ class Log(Callback):
         self.metrics[step] = dict(metrics)
 
 
+def staged_loader(stage2_steps: int | None = None) -> StagedDataLoader:
+    """Stage 1 and stage 2 read different data (their own mixtures), each shuffled."""
+    stages = [
+        TokenTensorDataLoader(
+            random_token_instances(count, SEQ, VOCAB, seed=seed),
+            global_batch_size=BATCH * SEQ,
+            seed=seed,
+        )
+        for count, seed in ((16, 1), (64, 2))
+    ]
+    return StagedDataLoader([(stages[0], STAGE1), (stages[1], stage2_steps)])
+
+
 def build(
     folder: str | Path, *, beta: float = 1.0, plain: bool = False, dp: str | None = None,
-    **trainer_kwargs: Any,
+    stage2_steps: int | None = None, **trainer_kwargs: Any,
 ) -> tuple[Trainer, Log]:  # fmt: skip
     common: dict[str, Any] = dict(
         rank_microbatch_size=BATCH // get_world_size() * SEQ,
@@ -51,9 +65,7 @@ def build(
     model = TransformerConfig(
         vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, max_sequence_length=SEQ
     ).build(seed=0)
-    loader = TokenTensorDataLoader(
-        random_token_instances(64, SEQ, VOCAB, seed=1), global_batch_size=BATCH * SEQ, seed=0
-    )
+    loader = staged_loader(stage2_steps)
     log = Log()
     trainer_kwargs.setdefault("max_duration", Duration.steps(STEPS))
     trainer = TrainerConfig(
@@ -114,6 +126,20 @@ def test_snapshot_comes_back_from_the_checkpoint(tmp_path: Path) -> None:
         assert torch.equal(p, q)
     policy = list(second.train_module.model.parameters())
     assert not all(torch.equal(p, q) for p, q in zip(policy, snapshot))
+
+
+def test_the_data_stages_must_match_the_training_stages(tmp_path: Path) -> None:
+    build(tmp_path / "ok", stage2_steps=STEPS - STAGE1, no_checkpoints=True)
+    with pytest.raises(
+        ConfigurationError, match=r"3 \+ 5 steps but max_duration is 7 steps; set max_duration to 8"
+    ):
+        build(tmp_path / "a", stage2_steps=STEPS - STAGE1 + 1, no_checkpoints=True)
+    config = TwoStageKLTrainModuleConfig(rank_microbatch_size=BATCH * SEQ, stage1_steps=STAGE1 + 1)
+    model = TransformerConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2).build(seed=0)
+    with pytest.raises(ConfigurationError, match=r"switches to stage 2's data after 3 steps"):
+        TrainerConfig(
+            save_folder=str(tmp_path / "b"), max_duration=Duration.steps(STEPS), device="cpu"
+        ).build(config.build(model), staged_loader())
 
 
 def _two_rank_series(dp: str) -> tuple[list[float], list[float]]:
