@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from testutils import run_distributed_test
+from torch.distributed.tensor import DTensor
 
 from olmolike.data.preference import (
     PreferenceDataLoader,
@@ -253,6 +254,40 @@ def test_two_ranks_match_one(tmp_path: Path, dp: str) -> None:
     for got in run_distributed_test(_two_rank_losses, 2, args=(dp,), timeout=240):
         torch.testing.assert_close(
             torch.tensor(got), torch.tensor(losses(one_log)), rtol=1e-5, atol=1e-6
+        )
+
+
+def _full_state(trainer: Trainer) -> list[torch.Tensor]:
+    return [
+        (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for p in trainer.train_module.model.parameters()
+    ]
+
+
+def _two_rank_resume(dp: str, precompute: bool) -> tuple[list[float], list[float], bool]:
+    """Losses of a full run and of one stopped after step 2 and resumed; equal weights?"""
+    root = Path(broadcast_object(tempfile.mkdtemp()))
+    full, full_log = build(root / "full", dp=dp, precompute=precompute)
+    full.fit()
+    build(root / "resumed", dp=dp, precompute=precompute, hard_stop=Duration.steps(2))[0].fit()
+    second, second_log = build(root / "resumed", dp=dp, precompute=precompute)
+    second.fit()
+    same = all(torch.equal(a, b) for a, b in zip(_full_state(full), _full_state(second)))
+    return losses(full_log), losses(second_log), same
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("dp", "precompute"), [("ddp", False), ("fsdp", True)])
+def test_two_ranks_resume_exactly(tmp_path: Path, dp: str, precompute: bool) -> None:
+    one, one_log = build(tmp_path, no_checkpoints=True)
+    one.fit()
+    results = run_distributed_test(_two_rank_resume, 2, args=(dp, precompute), timeout=280)
+    for full, resumed, same_weights in results:
+        assert resumed == full[2:] and len(resumed) == STEPS - 2
+        assert same_weights
+        # The reference log-probs the ranks precomputed and gathered are the uncached ones.
+        torch.testing.assert_close(
+            torch.tensor(full), torch.tensor(losses(one_log)), rtol=1e-5, atol=1e-6
         )
 
 

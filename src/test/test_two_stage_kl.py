@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from testutils import run_distributed_test
+from torch.distributed.tensor import DTensor
 
 from olmolike.data import StagedDataLoader, TokenTensorDataLoader
 from olmolike.distributed.parallel import DataParallelConfig, DataParallelType
@@ -156,6 +157,38 @@ def test_two_ranks_match_one(tmp_path: Path, dp: str) -> None:
     for ce, kl in run_distributed_test(_two_rank_series, 2, args=(dp,), timeout=240):
         torch.testing.assert_close(torch.tensor(ce), torch.tensor(want_ce), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(torch.tensor(kl), torch.tensor(want_kl), rtol=1e-4, atol=1e-6)
+
+
+def _two_rank_resume(dp: str, stop_at: int) -> tuple[list[str], list[str], bool]:
+    """CE and KL series of a full run and of one stopped at ``stop_at`` and resumed (as text,
+    nan-safe), and whether policy and snapshot end equal."""
+    root = Path(broadcast_object(tempfile.mkdtemp()))
+    full, full_log = build(root / "full", dp=dp)
+    full.fit()
+    build(root / "resumed", dp=dp, hard_stop=Duration.steps(stop_at))[0].fit()
+    second, log = build(root / "resumed", dp=dp)
+    second.fit()
+    names = ("train/CE loss", "train/KL to snapshot")
+    want = [str(x) for name in names for x in series(full_log, name)[stop_at:]]
+    got = [str(x) for name in names for x in series(log, name)]
+
+    def weights(trainer: Trainer) -> list[torch.Tensor]:
+        module = trainer.train_module
+        params = [*module.model.parameters(), *module.reference.model.parameters()]
+        return [p.full_tensor() if isinstance(p, DTensor) else p for p in params]
+
+    same = all(torch.equal(a, b) for a, b in zip(weights(full), weights(second), strict=True))
+    return want, got, same
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("dp", "stop_at"), [("ddp", 2), ("fsdp", 5)])
+def test_two_ranks_resume_exactly_on_either_side_of_the_boundary(dp: str, stop_at: int) -> None:
+    for want, got, same_weights in run_distributed_test(
+        _two_rank_resume, 2, args=(dp, stop_at), timeout=280
+    ):
+        assert got == want and len(got) == 2 * (STEPS - stop_at)
+        assert same_weights
 
 
 @pytest.mark.timeout(300)
