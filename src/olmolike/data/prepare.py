@@ -419,10 +419,16 @@ def _run_command(args: argparse.Namespace) -> int:
         inputs += stdlib_python_files()
     if not inputs:
         raise DataError("name INPUT files, folders or globs, or pass --stdlib")
+    if args.sft and args.dpo:
+        raise DataError("pass --sft or --dpo, not both: they prepare different data")
     if args.sft:
         from .sft import run_sft_command  # imports this module
 
         return run_sft_command(args, inputs)
+    if args.dpo:
+        from .preference_prepare import run_dpo_command  # imports this module
+
+        return run_dpo_command(args, inputs)
     prepared = prepare_data(
         inputs,
         args.output,

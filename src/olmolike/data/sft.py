@@ -381,14 +381,22 @@ def run_sft_command(args: argparse.Namespace, inputs: list[str | Path]) -> int:
 
 
 def add_sft_arguments(cmd: argparse.ArgumentParser) -> None:
-    """The ``--sft`` options of ``olmolike prepare-data``."""
-    sft = cmd.add_argument_group("supervised fine-tuning (--sft)")
+    """The ``--sft`` and ``--dpo`` options of ``olmolike prepare-data``."""
+    sft = cmd.add_argument_group("fine-tuning data (--sft, --dpo)")
     sft.add_argument(
         "--sft",
         action="store_true",
         help="chat JSONL ('messages', or 'prompt'/'completion') -> sequences with label masks",
     )
-    sft.add_argument("--sequence-length", type=int, help="tokens per training sequence")
+    sft.add_argument(
+        "--dpo",
+        action="store_true",
+        help="preference JSONL ('prompt', 'chosen', 'rejected', text or chat messages) -> "
+        "pair rows for DPO (chat rendered with the chat template)",
+    )
+    sft.add_argument(
+        "--sequence-length", type=int, help="tokens per training sequence (--dpo: per side)"
+    )
     sft.add_argument(
         "--packing",
         choices=[m.value for m in PackingMode],
