@@ -231,6 +231,7 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         return self._ddp if self._ddp is not None else self.model
 
     def on_attach(self) -> None:
+        super().on_attach()
         rank_batch = self.trainer.rank_batch_size
         if rank_batch % self.config.rank_microbatch_size:
             raise ConfigurationError(
