@@ -133,7 +133,7 @@ def test_remote_save_folder_gets_the_event_files(
         store.url("run"),
         max_duration=Duration.steps(6),
         metrics_collect_interval=1,
-        async_bookkeeping=False,  # metrics logged at the end of their step, also on a GPU
+        async_bookkeeping=False,  # the same steps on a GPU (no CPU group) as on CPU
         work_dir=str(tmp_path / "work"),
         callbacks={
             "tensorboard": TensorBoardCallback(),
