@@ -129,3 +129,13 @@ def test_remote_reference(tmp_path: Path, s3_bucket: RemoteStore) -> None:  # no
     io.persist(tmp_path, s3_bucket.url(), "hf")
     module = dpo(config_of(tmp_path / "hf").build(seed=0), reference=s3_bucket.url("hf"))
     assert (reference_logits(module) - hf_logits(theirs, token_ids(SEQ))).abs().max() <= 1e-5
+
+
+def test_an_hf_folder_of_an_unsupported_architecture_names_it(tmp_path: Path) -> None:
+    import transformers
+
+    gpt2 = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB)
+    transformers.GPT2LMHeadModel(gpt2).save_pretrained(tmp_path / "gpt2")
+    policy = TransformerConfig(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=2).build(seed=0)
+    with pytest.raises(ConfigurationError, match=r"^reference: .*unsupported Hugging Face arch"):
+        dpo(policy, reference=str(tmp_path / "gpt2"))

@@ -109,7 +109,7 @@ def main(stage_steps: int = 60, beta: float = 1.0) -> None:
         for b, figures in results.items():
             after1, after2, kl = figures.values()
             print(f"beta={b:g}: held-out stage-1 loss {after1:.4f} after stage 1, "
-                  f"{after2:.4f} after stage 2 (+{after2 - after1:.4f}); "
+                  f"{after2:.4f} after stage 2 ({after2 - after1:+.4f}); "
                   f"KL to snapshot at the last logged step {kl:.4f}")  # fmt: skip
     teardown_training_environment()
 
