@@ -87,6 +87,9 @@ def test_stage1_is_plain_ce_and_stage2_adds_the_kl(tmp_path: Path) -> None:
     two.fit()
     ce = series(log, "train/CE loss")
     assert ce[:STAGE1] == series(plain_log, "train/CE loss")[:STAGE1]
+    # One LR schedule over both stages: the same as a single run's, no restart at the boundary.
+    lr = series(log, "optim/LR (decay)")
+    assert lr == series(plain_log, "optim/LR (decay)") and len(set(lr)) == STEPS
     kl = series(log, "train/KL to snapshot")
     # The first stage-2 step compares the policy with itself: KL exactly 0.
     assert kl[STAGE1] == pytest.approx(0.0, abs=1e-7)
