@@ -139,3 +139,32 @@ def test_an_hf_folder_of_an_unsupported_architecture_names_it(tmp_path: Path) ->
     policy = TransformerConfig(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=2).build(seed=0)
     with pytest.raises(ConfigurationError, match=r"^reference: .*unsupported Hugging Face arch"):
         dpo(policy, reference=str(tmp_path / "gpt2"))
+
+
+def _reference_on_ranks(hf_dir: str) -> tuple[torch.Tensor, bool]:
+    from torch.distributed.tensor import DTensor
+
+    from olmolike.distributed.parallel import DataParallelConfig
+
+    module = dpo(
+        config_of(Path(hf_dir)).build(seed=0),
+        reference=hf_dir,
+        dp_config=DataParallelConfig.from_dict({"name": "fsdp"}),
+    )
+    sharded = all(isinstance(p, DTensor) for p in module.reference.model.parameters())
+    return reference_logits(module), sharded
+
+
+@pytest.mark.timeout(200)
+def test_reference_from_an_hf_folder_is_sharded_like_the_policy_on_two_ranks(
+    tmp_path: Path,
+) -> None:
+    from testutils import run_distributed_test
+
+    theirs = save_hf_model(tmp_path / "hf", "llama")
+    want = hf_logits(theirs, token_ids(SEQ))
+    for logits, sharded in run_distributed_test(
+        _reference_on_ranks, 2, args=(str(tmp_path / "hf"),), timeout=180
+    ):
+        assert (logits - want).abs().max() <= 1e-5
+        assert sharded
