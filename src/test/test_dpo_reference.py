@@ -51,6 +51,14 @@ def test_reference_from_an_hf_folder_is_frozen_and_outside_the_optimizer(tmp_pat
     assert not torch.allclose(policy_logits, reference_logits(module))
 
 
+def test_reference_and_precompute_are_command_line_overrides() -> None:
+    config = DPOTrainModuleConfig(rank_microbatch_size=SEQ).merge(
+        ["reference=gs://bucket/hf-model", "precompute_reference_logps=true"]
+    )
+    assert config.reference == "gs://bucket/hf-model" and config.precompute_reference_logps
+    assert DPOTrainModuleConfig.from_dict(config.as_config_dict()) == config
+
+
 def test_the_default_reference_is_the_init_weights_not_the_random_policy(tmp_path: Path) -> None:
     theirs = save_hf_model(tmp_path / "hf", "olmo2")
     module = dpo(config_of(tmp_path / "hf").build(seed=0), init_weights=str(tmp_path / "hf"))
