@@ -223,15 +223,13 @@ def test_precomputed_reference_logps_give_the_same_losses_with_one_forward_less(
 def test_precomputed_logps_need_a_preference_loader(tmp_path: Path) -> None:
     from olmolike.data import TokenTensorDataLoader
 
-    trainer, _ = build(tmp_path, precompute=True, no_checkpoints=True)
+    config = DPOTrainModuleConfig(rank_microbatch_size=SEQ, precompute_reference_logps=True)
     loader = TokenTensorDataLoader(
         encode_preference_pairs(_pairs(), TOK, SEQ), global_batch_size=PAIRS_PER_STEP * 4 * SEQ
     )
-    trainer.data_loader = loader
+    trainer = TrainerConfig(save_folder=str(tmp_path), max_duration=Duration.steps(1), device="cpu")
     with pytest.raises(ConfigurationError, match="needs a PreferenceDataLoader"):
-        trainer.train_module.train_batch(
-            {"input_ids": torch.zeros(8, SEQ, dtype=torch.long)}, dry_run=True
-        )
+        trainer.build(config.build(model_config().build(seed=0)), loader)
 
 
 def test_reference_of_another_shape_is_refused() -> None:
