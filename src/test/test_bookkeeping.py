@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from olmolike.train.bookkeeping import BookkeepingRunner, DaemonThreadPool
+from olmolike.threads import DaemonThreadPool
+from olmolike.train.bookkeeping import BookkeepingRunner
 
 
 def runner(asynchronous: bool = True, distributed: bool = False) -> BookkeepingRunner:

@@ -99,7 +99,7 @@ import os, signal, sys
 sys.path.insert(0, {test_dir!r})
 from testutils import build_trainer
 from olmolike.train import Duration
-from olmolike.train import checkpoint_format
+from olmolike.distributed import checkpoint_format
 from olmolike.train.callbacks import CheckpointerCallback
 
 save, kill = sys.argv[1], sys.argv[2] == "kill"

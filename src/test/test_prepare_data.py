@@ -239,3 +239,19 @@ def test_command_line(
     assert main([*rerun, "--val-fraction", "0.5", "--overwrite"]) == 0
     assert main(["prepare-data", "-o", str(tmp_path / "none")]) == 2
     assert "--stdlib" in capsys.readouterr().err
+
+
+def test_the_command_says_when_nothing_or_no_validation_was_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "empty.txt").write_text("")
+    assert main(["prepare-data", str(tmp_path / "empty.txt"), "-o", str(tmp_path / "a")]) == 2
+    assert "error: no tokens were written: the 1 input file(s) hold no text" in (
+        capsys.readouterr().err
+    )
+    (tmp_path / "one.txt").write_text("one document")
+    one = ["prepare-data", str(tmp_path / "one.txt"), "-o", str(tmp_path / "b")]
+    assert main([*one, "--val-fraction", "0.02"]) == 0
+    assert "validation split is empty: --val-fraction 0.02 of 1 document(s)" in (
+        capsys.readouterr().err
+    )

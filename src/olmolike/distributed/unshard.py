@@ -62,7 +62,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from .. import io
 from ..config import Config, StrEnum
 from ..exceptions import CheckpointError
-from ..train.checkpoint import MARKER, MODEL_AND_OPTIM, Checkpointer
+from .checkpoint_format import MARKER, MODEL_AND_OPTIM, dir_is_checkpoint
 
 __all__ = ["UnshardStrategy", "UnshardStrategyType", "unshard_checkpoint"]
 
@@ -271,7 +271,7 @@ class _Source:
 def _dcp_dir(dir: str | Path) -> Path:
     path = _local(dir, "the checkpoint")
     if (path / MODEL_AND_OPTIM / _DCP_METADATA).is_file():
-        if not Checkpointer.dir_is_checkpoint(path):
+        if not dir_is_checkpoint(path):
             raise CheckpointError(f"{path} is an incomplete checkpoint (it has no {MARKER} marker)")
         return path / MODEL_AND_OPTIM
     if (path / _DCP_METADATA).is_file():

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import torch
@@ -36,58 +35,13 @@ from ..distributed.utils import (
     using_group,
 )
 from ..exceptions import ConfigurationError
+from ..threads import DaemonThreadPool
 
-__all__ = ["BookkeepingRunner", "DaemonThreadPool", "build_bookkeeping"]
+__all__ = ["BookkeepingRunner", "build_bookkeeping"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-_STOP = object()
-
-
-class DaemonThreadPool(Executor):
-    """A minimal executor whose worker threads are daemons."""
-
-    def __init__(self, max_workers: int, name: str) -> None:
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-            for i in range(max_workers)
-        ]
-        self._shutdown = False
-        for thread in self._threads:
-            thread.start()
-
-    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
-        if self._shutdown:
-            raise RuntimeError("cannot submit to a pool that was shut down")
-        future: Future[T] = Future()
-        self._queue.put((future, fn, args, kwargs))
-        return future
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        if self._shutdown:
-            return
-        self._shutdown = True
-        for _ in self._threads:
-            self._queue.put(_STOP)
-        if wait:
-            for thread in self._threads:
-                thread.join()
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
-                return
-            future, fn, args, kwargs = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args, **kwargs))
-            except BaseException as e:
-                future.set_exception(e)
 
 
 class _PendingOp:

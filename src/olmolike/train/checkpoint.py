@@ -48,20 +48,9 @@ from ..distributed.checkpoint import (
     async_save_state_dict,
     check_checkpoint_backend,
     load_state_dict,
-    read_metadata,
     save_state_dict,
 )
-from ..distributed.utils import (
-    broadcast_object,
-    get_rank,
-    get_world_size,
-    is_distributed,
-    using_group,
-)
-from ..exceptions import CheckpointError
-from .bookkeeping import DaemonThreadPool
-from .checkpoint_download import local_copy
-from .checkpoint_format import (
+from ..distributed.checkpoint_format import (
     FORMAT_VERSION,
     MARKER,
     MODEL_AND_OPTIM,
@@ -78,11 +67,22 @@ from .checkpoint_format import (
     latest_checkpoint,
     load_train_state,
     read_marker,
+    read_metadata,
     remove_abandoned,
     remove_checkpoint,
     verify_checkpoint,
     write_synced,
 )
+from ..distributed.utils import (
+    broadcast_object,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    using_group,
+)
+from ..exceptions import CheckpointError
+from ..threads import DaemonThreadPool
+from .checkpoint_download import local_copy
 from .lease import DEFAULT_TIMEOUT, SaveFolderLease, acquire_lease
 
 if TYPE_CHECKING:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -246,6 +247,10 @@ class TrainerConfig(Config):
             )
 
     def _check_save_folder(self) -> None:
+        for name in ("save_folder", "work_dir"):
+            folder = getattr(self, name)
+            if folder and not is_url(folder):
+                self._check_writable_directory(name, folder)
         holder = current_lease(self.save_folder, for_run=run_id())
         if holder is not None:  # the cause is another run: never advise save_overwrite here
             raise SaveFolderInUseError(in_use_message(self.save_folder, holder))
@@ -268,6 +273,20 @@ class TrainerConfig(Config):
                 "shared filesystem. Use a URL (gs://, s3://), or pass shared_filesystem=True to "
                 "prepare_training_environment() if the directory is on a shared drive.",
             )
+
+    def _check_writable_directory(self, name: str, folder: str) -> None:
+        """A local folder the run will write to is a directory that exists (or is created
+        here) and accepts files: found now, not at the first save."""
+        path = local_path(folder)
+        fix = f"set trainer.{name} to a directory you can write to"
+        if path.exists() and not path.is_dir():
+            raise self._invalid(name, f"{folder!r} is a file, not a directory; {fix}")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise self._invalid(name, f"cannot create {folder!r} ({e.strerror}); {fix}") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise self._invalid(name, f"{folder!r} is not writable (permissions); {fix}")
 
     def _default_work_dir(self) -> Path:
         if not is_url(self.save_folder):

@@ -473,8 +473,14 @@ class Trainer(TrainerHooks):
             method(*args)
 
     def _handle_error(self, exc: BaseException) -> None:
-        report_rank_failure(exc)
-        log.error("Training failed at step %d: %s: %s", self.global_step, type(exc).__name__, exc)
+        first = report_rank_failure(exc)  # a later rank's failure follows from the first's
+        log.log(
+            logging.ERROR if first else logging.INFO,
+            "Training failed at step %d: %s: %s",
+            self.global_step,
+            type(exc).__name__,
+            exc,
+        )
         for method in self._hooks["on_error"]:
             try:
                 method(exc)

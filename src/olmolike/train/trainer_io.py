@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import io
+from ..distributed.checkpoint_format import DamagedCheckpointError, mark_damaged
 from ..distributed.utils import broadcast_object, get_rank
 from ..exceptions import CheckpointError
 from .checkpoint import Checkpointer, check_extra_file_name
-from .checkpoint_format import DamagedCheckpointError, mark_damaged
 from .common import LoadStrategy
 
 if TYPE_CHECKING:

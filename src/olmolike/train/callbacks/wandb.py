@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from ...distributed.utils import get_rank
 from ...exceptions import ConfigurationError
-from ..bookkeeping import DaemonThreadPool
+from ...threads import DaemonThreadPool
 from .callback import Callback
 from .sink_process import SinkError, SinkProcess
 

@@ -1,4 +1,8 @@
-"""The on-disk format of train checkpoints: layout, marker, finding, removing, checking.
+"""The on-disk format of checkpoints: layout, marker, finding, removing, checking.
+
+The bottom of the checkpoint layers (see ``docs/contributing-layers.md``): it knows names and
+files, never a model, an optimizer or a trainer, so everything above may use it, including
+offline tools such as :mod:`.unshard` that never import :mod:`olmolike.train`.
 
 ``{save_folder}/step{N}/`` is a checkpoint once its marker exists (see
 :mod:`olmolike.train.checkpoint` for how saves get there). Removal deletes the marker first.
@@ -24,16 +28,19 @@ from typing import Any
 
 import fsspec
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .. import io
 from ..config import Config
-from ..distributed.checkpoint import read_metadata
 from ..exceptions import CheckpointError
 
 __all__ = [
     "FORMAT_VERSION",
+    "MARKER",
+    "MODEL_AND_OPTIM",
+    "TRAIN_STATE",
     "CheckpointMetadata",
     "DamagedCheckpointError",
     "contains_checkpoint",
@@ -46,6 +53,7 @@ __all__ = [
     "load_train_state",
     "mark_damaged",
     "read_marker",
+    "read_metadata",
     "remove_abandoned",
     "remove_checkpoint",
     "verify_checkpoint",
@@ -57,8 +65,11 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 """The version of the checkpoint layout written in every marker."""
 MARKER = ".olmolike-checkpoint.json"
+"""The completion marker of a train checkpoint folder, written last."""
 MODEL_AND_OPTIM = "model_and_optim"
+"""The DCP directory of a train checkpoint folder: model and optimizer shards."""
 TRAIN_STATE = "train"
+"""The folder of a train checkpoint holding each rank's trainer state (``rank{R}.pt``)."""
 STEP_DIR = re.compile(r"^step(\d+)$")
 STAGING_DIR = re.compile(r"^\.step(\d+)\.tmp$")
 _MARKER_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -153,6 +164,21 @@ def remove_abandoned(folder: str, keep: Collection[str] = ()) -> list[str]:
         io.remove(path, recursive=True)
         removed.append(path)
     return removed
+
+
+def read_metadata(dir: str | Path) -> Metadata:
+    """DCP's ``.metadata`` of the checkpoint in ``dir`` (which tensors, shapes, shard files)."""
+    return dcp_reader(dir).read_metadata()
+
+
+def dcp_reader(dir: str | Path) -> FileSystemReader:
+    """A DCP storage reader for the DCP directory ``dir``, local or remote."""
+    if io.is_url(dir):
+        # Reading needs no rename, so DCP's fsspec reader works on object stores as they are.
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(str(dir))
+    return FileSystemReader(str(io.local_path(dir)))
 
 
 def read_marker(dir: str | Path) -> dict[str, Any]:

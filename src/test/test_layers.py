@@ -1,0 +1,153 @@
+"""The layering of docs/contributing-layers.md holds: lower rooms never import higher ones, and
+no two packages import each other (directly or around a circle).
+
+Imports are read from the source (AST), all of them: at module level, inside functions and
+under ``TYPE_CHECKING``, since each is a dependency of the module even when it is not run at
+import time.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import olmolike
+
+PACKAGE_ROOT = Path(olmolike.__file__).parent
+
+LOWER_ROOMS = ("distributed", "nn", "data", "optim", "io", "config", "config_dict", "exceptions")
+"""Rooms below the trainer: none of them may import ``olmolike.train`` or anything above it."""
+ABOVE_TRAIN = ("train", "inference", "cli", "plot", "__main__")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line, module)`` for every olmolike module that ``path`` imports, anywhere in it."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            # ``from .. import io`` imports the module olmolike.io
+            targets = [module, *(f"{module}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        for target in targets:
+            if target.startswith("olmolike.") and _exists(target):
+                yield node.lineno, target
+
+
+def _exists(module: str) -> bool:
+    relative = Path(*module.split(".")[1:])
+    return (PACKAGE_ROOT / relative).with_suffix(".py").is_file() or (
+        PACKAGE_ROOT / relative / "__init__.py"
+    ).is_file()
+
+
+def room(module: str) -> str:
+    """The room of a module: the package or module directly under ``olmolike``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+SOURCES = sorted(
+    p for p in PACKAGE_ROOT.rglob("*.py") if p.parent != PACKAGE_ROOT or p.stem != "__init__"
+)
+"""Every module but ``olmolike/__init__.py`` (which imports nothing of olmolike)."""
+
+
+def test_the_scan_sees_the_imports_it_must_judge() -> None:
+    # The checks below pass vacuously if the scan finds nothing; it must find known edges.
+    edges = {(module_name(p), m) for p in SOURCES for _, m in imported_modules(p)}
+    assert ("olmolike.train.checkpoint", "olmolike.distributed.checkpoint") in edges
+    assert ("olmolike.distributed.checkpoint", "olmolike.distributed.unshard") in edges
+    assert ("olmolike.train.bookkeeping", "olmolike.threads") in edges  # a relative import
+
+
+@pytest.mark.parametrize("lower", LOWER_ROOMS)
+def test_lower_rooms_never_import_the_trainer_or_above(lower: str) -> None:
+    offending = [
+        f"{path.relative_to(PACKAGE_ROOT.parent)}:{line} imports {target}"
+        for path in SOURCES
+        if room(module_name(path)) == lower
+        for line, target in imported_modules(path)
+        if room(target) in ABOVE_TRAIN
+    ]
+    assert not offending, "\n".join(offending)
+
+
+def test_no_import_circle_between_rooms() -> None:
+    graph: dict[str, set[str]] = {}
+    for path in SOURCES:
+        source = module_name(path)
+        for _, target in imported_modules(path):
+            if room(target) != room(source):
+                graph.setdefault(room(source), set()).add(room(target))
+    circles = [c for c in _strongly_connected(graph) if len(c) > 1]
+    assert not circles, f"rooms importing each other: {circles}"
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm: the groups of nodes that reach each other."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph.get(node, ())):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            groups.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return groups
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert [g for g in _strongly_connected(graph) if len(g) > 1] == [["a", "b", "c"]]
+
+
+def test_checkpoint_tools_load_without_the_trainer() -> None:
+    # Offline tools (unsharding, reading checkpoint metadata) must not drag in the trainer.
+    code = (
+        "import sys, olmolike.distributed.checkpoint as c\n"
+        "assert c.unshard_checkpoint and c.UnshardStrategy\n"
+        "print(sorted(m for m in sys.modules if m.startswith('olmolike.train')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]", out.stdout
