@@ -223,15 +223,13 @@ def test_precomputed_reference_logps_give_the_same_losses_with_one_forward_less(
 def test_precomputed_logps_need_a_preference_loader(tmp_path: Path) -> None:
     from olmolike.data import TokenTensorDataLoader
 
-    trainer, _ = build(tmp_path, precompute=True, no_checkpoints=True)
+    config = DPOTrainModuleConfig(rank_microbatch_size=SEQ, precompute_reference_logps=True)
     loader = TokenTensorDataLoader(
         encode_preference_pairs(_pairs(), TOK, SEQ), global_batch_size=PAIRS_PER_STEP * 4 * SEQ
     )
-    trainer.data_loader = loader
+    trainer = TrainerConfig(save_folder=str(tmp_path), max_duration=Duration.steps(1), device="cpu")
     with pytest.raises(ConfigurationError, match="needs a PreferenceDataLoader"):
-        trainer.train_module.train_batch(
-            {"input_ids": torch.zeros(8, SEQ, dtype=torch.long)}, dry_run=True
-        )
+        trainer.build(config.build(model_config().build(seed=0)), loader)
 
 
 def test_reference_of_another_shape_is_refused() -> None:
@@ -239,22 +237,6 @@ def test_reference_of_another_shape_is_refused() -> None:
     small = TransformerConfig(vocab_size=TOK.vocab_size, d_model=16, n_layers=2, n_heads=2)
     with pytest.raises(ConfigurationError, match="d_model: policy 32 vs reference 16"):
         config.build(model_config().build(seed=0), reference=small.build(seed=0))
-
-
-def _two_rank_losses(dp: str) -> list[float]:
-    trainer, log = build(broadcast_object(tempfile.mkdtemp()), dp=dp, no_checkpoints=True)
-    trainer.fit()
-    return losses(log)
-
-
-@pytest.mark.parametrize("dp", ["ddp", "fsdp"])
-def test_two_ranks_match_one(tmp_path: Path, dp: str) -> None:
-    one, one_log = build(tmp_path, no_checkpoints=True)
-    one.fit()
-    for got in run_distributed_test(_two_rank_losses, 2, args=(dp,), timeout=240):
-        torch.testing.assert_close(
-            torch.tensor(got), torch.tensor(losses(one_log)), rtol=1e-5, atol=1e-6
-        )
 
 
 def _full_state(trainer: Trainer) -> list[torch.Tensor]:
@@ -278,14 +260,15 @@ def _two_rank_resume(dp: str, precompute: bool) -> tuple[list[float], list[float
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("dp", "precompute"), [("ddp", False), ("fsdp", True)])
-def test_two_ranks_resume_exactly(tmp_path: Path, dp: str, precompute: bool) -> None:
+def test_two_ranks_match_one_and_resume_exactly(tmp_path: Path, dp: str, precompute: bool) -> None:
     one, one_log = build(tmp_path, no_checkpoints=True)
     one.fit()
     results = run_distributed_test(_two_rank_resume, 2, args=(dp, precompute), timeout=280)
     for full, resumed, same_weights in results:
         assert resumed == full[2:] and len(resumed) == STEPS - 2
         assert same_weights
-        # The reference log-probs the ranks precomputed and gathered are the uncached ones.
+        # Two ranks compute what one does (with precompute: the log-probs the ranks scored and
+        # gathered are the uncached ones).
         torch.testing.assert_close(
             torch.tensor(full), torch.tensor(losses(one_log)), rtol=1e-5, atol=1e-6
         )

@@ -51,6 +51,14 @@ def test_reference_from_an_hf_folder_is_frozen_and_outside_the_optimizer(tmp_pat
     assert not torch.allclose(policy_logits, reference_logits(module))
 
 
+def test_reference_and_precompute_are_command_line_overrides() -> None:
+    config = DPOTrainModuleConfig(rank_microbatch_size=SEQ).merge(
+        ["reference=gs://bucket/hf-model", "precompute_reference_logps=true"]
+    )
+    assert config.reference == "gs://bucket/hf-model" and config.precompute_reference_logps
+    assert DPOTrainModuleConfig.from_dict(config.as_config_dict()) == config
+
+
 def test_the_default_reference_is_the_init_weights_not_the_random_policy(tmp_path: Path) -> None:
     theirs = save_hf_model(tmp_path / "hf", "olmo2")
     module = dpo(config_of(tmp_path / "hf").build(seed=0), init_weights=str(tmp_path / "hf"))
@@ -129,3 +137,42 @@ def test_remote_reference(tmp_path: Path, s3_bucket: RemoteStore) -> None:  # no
     io.persist(tmp_path, s3_bucket.url(), "hf")
     module = dpo(config_of(tmp_path / "hf").build(seed=0), reference=s3_bucket.url("hf"))
     assert (reference_logits(module) - hf_logits(theirs, token_ids(SEQ))).abs().max() <= 1e-5
+
+
+def test_an_hf_folder_of_an_unsupported_architecture_names_it(tmp_path: Path) -> None:
+    import transformers
+
+    gpt2 = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=VOCAB)
+    transformers.GPT2LMHeadModel(gpt2).save_pretrained(tmp_path / "gpt2")
+    policy = TransformerConfig(vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=2).build(seed=0)
+    with pytest.raises(ConfigurationError, match=r"^reference: .*unsupported Hugging Face arch"):
+        dpo(policy, reference=str(tmp_path / "gpt2"))
+
+
+def _reference_on_ranks(hf_dir: str) -> tuple[torch.Tensor, bool]:
+    from torch.distributed.tensor import DTensor
+
+    from olmolike.distributed.parallel import DataParallelConfig
+
+    module = dpo(
+        config_of(Path(hf_dir)).build(seed=0),
+        reference=hf_dir,
+        dp_config=DataParallelConfig.from_dict({"name": "fsdp"}),
+    )
+    sharded = all(isinstance(p, DTensor) for p in module.reference.model.parameters())
+    return reference_logits(module), sharded
+
+
+@pytest.mark.timeout(200)
+def test_reference_from_an_hf_folder_is_sharded_like_the_policy_on_two_ranks(
+    tmp_path: Path,
+) -> None:
+    from testutils import run_distributed_test
+
+    theirs = save_hf_model(tmp_path / "hf", "llama")
+    want = hf_logits(theirs, token_ids(SEQ))
+    for logits, sharded in run_distributed_test(
+        _reference_on_ranks, 2, args=(str(tmp_path / "hf"),), timeout=180
+    ):
+        assert (logits - want).abs().max() <= 1e-5
+        assert sharded

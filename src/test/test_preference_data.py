@@ -139,28 +139,33 @@ def test_prepared_pairs_equal_the_encoded_ones_and_feed_the_loader(tmp_path: Pat
         load_preference_rows(tmp_path)
 
 
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "olmolike.cli", "prepare-data", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
-@pytest.mark.timeout(240)
-def test_command_line_and_its_errors(tmp_path: Path) -> None:
+@pytest.mark.timeout(120)
+def test_command_line(tmp_path: Path) -> None:
     write(tmp_path / "a.jsonl", records(10))
-    result = cli("--dpo", "a.jsonl", "-o", "out", "--sequence-length", "64", cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "olmolike.cli", "prepare-data", "--dpo", "a.jsonl", "-o", "out",
+         "--sequence-length", "64"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=110,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "train: 10 pairs of 64 tokens a side" in result.stdout
     assert load_preference_rows(tmp_path / "out").shape == (10, 4 * 64)
+
+
+def test_command_line_errors_name_the_record_and_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from olmolike.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "a.jsonl", records(4))
     write(tmp_path / "b.jsonl", [*records(2), {"prompt": "p", "chosen": "x", "rejected": "x"}])
-    result = cli("--dpo", "b.jsonl", "-o", "o2", "--sequence-length", "64", cwd=tmp_path)
-    assert result.returncode == 2
-    assert "b.jsonl, line 3: 'chosen' and 'rejected' are identical" in result.stderr
-    result = cli("--dpo", "a.jsonl", "-o", "o3", "--sequence-length", "8", cwd=tmp_path)
-    assert result.returncode == 2 and "raise seq_len (--sequence-length)" in result.stderr
-    result = cli("--dpo", "--sft", "a.jsonl", "-o", "o4", "--sequence-length", "8", cwd=tmp_path)
-    assert result.returncode == 2 and "--sft or --dpo, not both" in result.stderr
+    cases = [
+        (["b.jsonl", "--sequence-length", "64"], "b.jsonl, line 3: 'chosen' and 'rejected' are identical"),
+        (["a.jsonl", "--sequence-length", "8"], "raise seq_len (--sequence-length)"),
+        (["a.jsonl"], "--dpo needs --sequence-length"),
+        (["a.jsonl", "--sft", "--sequence-length", "64"], "--sft or --dpo, not both"),
+    ]  # fmt: skip
+    for i, (args, message) in enumerate(cases):
+        assert main(["prepare-data", "--dpo", *args, "-o", f"o{i}"]) == 2
+        assert message in capsys.readouterr().err

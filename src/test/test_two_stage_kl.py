@@ -87,6 +87,9 @@ def test_stage1_is_plain_ce_and_stage2_adds_the_kl(tmp_path: Path) -> None:
     two.fit()
     ce = series(log, "train/CE loss")
     assert ce[:STAGE1] == series(plain_log, "train/CE loss")[:STAGE1]
+    # One LR schedule over both stages: the same as a single run's, no restart at the boundary.
+    lr = series(log, "optim/LR (decay)")
+    assert lr == series(plain_log, "optim/LR (decay)") and len(set(lr)) == STEPS
     kl = series(log, "train/KL to snapshot")
     # The first stage-2 step compares the policy with itself: KL exactly 0.
     assert kl[STAGE1] == pytest.approx(0.0, abs=1e-7)
@@ -143,25 +146,9 @@ def test_the_data_stages_must_match_the_training_stages(tmp_path: Path) -> None:
         ).build(config.build(model), staged_loader())
 
 
-def _two_rank_series(dp: str) -> tuple[list[float], list[float]]:
-    trainer, log = build(broadcast_object(tempfile.mkdtemp()), dp=dp, no_checkpoints=True)
-    trainer.fit()
-    return series(log, "train/CE loss"), series(log, "train/KL to snapshot")[STAGE1:]
-
-
-@pytest.mark.parametrize("dp", ["ddp", "fsdp"])
-def test_two_ranks_match_one(tmp_path: Path, dp: str) -> None:
-    one, log = build(tmp_path, no_checkpoints=True)
-    one.fit()
-    want_ce, want_kl = series(log, "train/CE loss"), series(log, "train/KL to snapshot")[STAGE1:]
-    for ce, kl in run_distributed_test(_two_rank_series, 2, args=(dp,), timeout=240):
-        torch.testing.assert_close(torch.tensor(ce), torch.tensor(want_ce), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(torch.tensor(kl), torch.tensor(want_kl), rtol=1e-4, atol=1e-6)
-
-
-def _two_rank_resume(dp: str, stop_at: int) -> tuple[list[str], list[str], bool]:
+def _two_rank_resume(dp: str, stop_at: int) -> tuple[list[str], list[str], bool, list[float]]:
     """CE and KL series of a full run and of one stopped at ``stop_at`` and resumed (as text,
-    nan-safe), and whether policy and snapshot end equal."""
+    nan-safe), whether policy and snapshot end equal, and the full run's CE then stage-2 KL."""
     root = Path(broadcast_object(tempfile.mkdtemp()))
     full, full_log = build(root / "full", dp=dp)
     full.fit()
@@ -178,17 +165,28 @@ def _two_rank_resume(dp: str, stop_at: int) -> tuple[list[str], list[str], bool]
         return [p.full_tensor() if isinstance(p, DTensor) else p for p in params]
 
     same = all(torch.equal(a, b) for a, b in zip(weights(full), weights(second), strict=True))
-    return want, got, same
+    return want, got, same, figures(full_log)
+
+
+def figures(log: Log) -> list[float]:
+    return series(log, "train/CE loss") + series(log, "train/KL to snapshot")[STAGE1:]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("dp", "stop_at"), [("ddp", 2), ("fsdp", 5)])
-def test_two_ranks_resume_exactly_on_either_side_of_the_boundary(dp: str, stop_at: int) -> None:
-    for want, got, same_weights in run_distributed_test(
+def test_two_ranks_match_one_and_resume_exactly_on_either_side_of_the_boundary(
+    tmp_path: Path, dp: str, stop_at: int
+) -> None:
+    one, one_log = build(tmp_path, no_checkpoints=True)
+    one.fit()
+    for want, got, same_weights, full in run_distributed_test(
         _two_rank_resume, 2, args=(dp, stop_at), timeout=280
     ):
         assert got == want and len(got) == 2 * (STEPS - stop_at)
         assert same_weights
+        torch.testing.assert_close(
+            torch.tensor(full), torch.tensor(figures(one_log)), rtol=1e-4, atol=1e-6
+        )
 
 
 @pytest.mark.timeout(300)

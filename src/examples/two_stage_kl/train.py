@@ -7,7 +7,8 @@ boundary holds the model closer to what it knew. Both runs print their figures.
 
 Each stage has its own data and duration: a ``StagedDataLoader`` serves stage 1's (shuffled)
 loader for ``stage_steps`` steps, then stage 2's, and resumes exactly on either side of the
-boundary; one cosine LR schedule spans both stages.
+boundary; one LR schedule spans both stages: the seed trainer's warmup-stable-decay, warming up
+over the first 1% of both stages' steps and decaying over the last 10%.
 
     python src/examples/two_stage_kl/train.py   # or: torchrun --nproc_per_node=2 ...
 """
@@ -26,7 +27,7 @@ from olmolike.data.sources import stdlib_python_files
 from olmolike.data.tokenizer import ByteTokenizer
 from olmolike.distributed.utils import broadcast_object, get_rank, get_world_size
 from olmolike.nn import TransformerConfig
-from olmolike.optim import AdamWConfig, CosWithWarmup
+from olmolike.optim import WSD, AdamWConfig
 from olmolike.train import (
     Callback,
     Duration,
@@ -65,7 +66,7 @@ def run(beta: float, stage_steps: int) -> dict[str, float]:
     ])  # fmt: skip
     config = TwoStageKLTrainModuleConfig(
         rank_microbatch_size=BATCH // get_world_size() * SEQ, optim=AdamWConfig(lr=3e-3),
-        scheduler=CosWithWarmup(warmup=None, warmup_fraction=0.1), max_grad_norm=1.0,
+        scheduler=WSD(warmup=None, warmup_fraction=0.01, decay_fraction=0.1), max_grad_norm=1.0,
         stage1_steps=stage_steps, beta=beta,
     )  # fmt: skip
     model = TransformerConfig(
@@ -109,7 +110,7 @@ def main(stage_steps: int = 60, beta: float = 1.0) -> None:
         for b, figures in results.items():
             after1, after2, kl = figures.values()
             print(f"beta={b:g}: held-out stage-1 loss {after1:.4f} after stage 1, "
-                  f"{after2:.4f} after stage 2 (+{after2 - after1:.4f}); "
+                  f"{after2:.4f} after stage 2 ({after2 - after1:+.4f}); "
                   f"KL to snapshot at the last logged step {kl:.4f}")  # fmt: skip
     teardown_training_environment()
 

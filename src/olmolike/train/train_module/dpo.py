@@ -140,6 +140,16 @@ class DPOTrainModule(TransformerTrainModule):
             self.reference.check_identity(saved)
         super().load_state_dict(state_dict)
 
+    def on_attach(self) -> None:
+        super().on_attach()
+        loader = self.trainer.data_loader
+        if self.config.precompute_reference_logps and not isinstance(loader, PreferenceDataLoader):
+            raise ConfigurationError(
+                "precompute_reference_logps needs a PreferenceDataLoader (whose batches say "
+                f"which pairs they hold), got {type(loader).__name__}; unset it or switch loaders",
+                path="train_module.precompute_reference_logps",
+            )
+
     # -- the step -----------------------------------------------------------------------------
 
     def train_batch(self, batch: dict[str, Any], dry_run: bool = False) -> None:
@@ -206,12 +216,7 @@ class DPOTrainModule(TransformerTrainModule):
 
     def _cached_reference_logps(self) -> torch.Tensor:
         loader = self.trainer.data_loader
-        if not isinstance(loader, PreferenceDataLoader):
-            raise ConfigurationError(
-                "precompute_reference_logps needs a PreferenceDataLoader (whose batches say "
-                f"which pairs they hold), got {type(loader).__name__}; unset it or switch loaders",
-                path="train_module.precompute_reference_logps",
-            )
+        assert isinstance(loader, PreferenceDataLoader)  # checked in on_attach
         micro_pairs = max(1, self.config.rank_microbatch_size // (loader.seq_len // 4))
         return cached_reference_logps(
             self.reference, loader, self.trainer.work_dir, micro_pairs,
