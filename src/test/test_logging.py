@@ -99,3 +99,15 @@ def test_console_logger_formats_nothing_when_info_is_off(
         callbacks={"console_logger": callback},
     ).fit()
     assert callback._shown == {}  # no metric name was even matched
+
+
+def test_storage_clients_are_silenced_unless_configured(
+    root_logging: logging.Logger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("gcsfs", "botocore"):
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
+    logging.getLogger("botocore").setLevel(logging.DEBUG)  # the user's choice stays
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    setup_logging()
+    assert logging.getLogger("gcsfs").level == logging.CRITICAL
+    assert logging.getLogger("botocore").level == logging.DEBUG

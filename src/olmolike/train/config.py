@@ -19,7 +19,7 @@ from ..distributed.utils import (
     is_shared_filesystem,
     new_group,
 )
-from ..io import is_url, local_path
+from ..io import is_url, local_path, url_to_fs
 from ..utils import get_default_device
 from .callbacks.callback import Callback
 from .callbacks.checkpointer import CheckpointerCallback
@@ -251,6 +251,8 @@ class TrainerConfig(Config):
             folder = getattr(self, name)
             if folder and not is_url(folder):
                 self._check_writable_directory(name, folder)
+        if is_url(self.save_folder):
+            url_to_fs(self.save_folder)  # a store that cannot be reached fails here, naming it
         holder = current_lease(self.save_folder, for_run=run_id())
         if holder is not None:  # the cause is another run: never advise save_overwrite here
             raise SaveFolderInUseError(in_use_message(self.save_folder, holder))
