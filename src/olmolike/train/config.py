@@ -266,7 +266,7 @@ class TrainerConfig(Config):
                 "save_folder",
                 f"{self.save_folder!r} already holds checkpoints and load_strategy is 'never', so "
                 "this run would write over them. Use another save_folder, resume from them "
-                "(load_strategy='if_available'), or set save_overwrite=True.",
+                "(load_strategy='if_available'), or set --trainer.save_overwrite=true (save_overwrite=True).",
             )
         if not is_url(self.save_folder) and get_world_size() > 1 and not is_shared_filesystem():
             raise self._invalid(
