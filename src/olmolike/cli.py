@@ -51,6 +51,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "print the cross-entropy loss and perplexity of a checkpoint on token data",
         "olmolike.inference:add_evaluate_command",
     ),
+    "train": (
+        "train from an experiment config file (YAML or JSON) with dotted overrides; under "
+        "torchrun: torchrun --nproc-per-node=N -m olmolike train CONFIG.yaml",
+        "olmolike.experiment:add_train_command",
+    ),
 }
 """Subcommand -> (its one-line help, ``module:function`` that adds its full parser)."""
 
@@ -274,8 +279,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.run(args))
     except (OLMoLikeError, FileExistsError) as e:
-        # Mistakes the user can fix get one line naming the problem, not a traceback.
-        print(f"error: {e}", file=sys.stderr)
+        # Mistakes the user can fix get one line naming the problem, not a traceback; under
+        # torchrun only from the job's first failing rank (the others usually fail alike).
+        from .distributed.failure import report_rank_failure
+
+        if report_rank_failure(e):
+            print(f"error: {e}", file=sys.stderr)
         return 2
 
 
