@@ -18,7 +18,9 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # `make run`: the embedded default corpus (the .py files of this Python's standard library,
-# byte-tokenized), a few CPU minutes of training with checkpoints and validation, then a sample.
+# byte-tokenized), a few CPU minutes of training with checkpoints and validation (a progress bar
+# in a terminal, runs/$(RUN_NAME)/metrics.jsonl), its curves as runs/$(RUN_NAME)/curves.png, then
+# a sample.
 # Run again, it resumes (or, if finished, only samples). RUN_ARGS takes dotted overrides.
 DATA_DIR := data/stdlib
 RUN_NAME ?= stdlib-demo
@@ -28,6 +30,7 @@ PROMPT ?= def
 run: install
 	$(VENV)/bin/olmolike prepare-data --stdlib -o $(DATA_DIR) --val-fraction 0.02 --workers 2
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) src/examples/train_lm/train.py $(RUN_NAME) $(RUN_ARGS)
+	$(VENV)/bin/olmolike plot runs/$(RUN_NAME) -o runs/$(RUN_NAME)/curves.png
 	@echo "--- a sample from the trained model (olmolike generate runs/$(RUN_NAME) --prompt '$(PROMPT) ') ---"
 	@$(VENV)/bin/olmolike generate runs/$(RUN_NAME) --prompt '$(PROMPT) ' --max-new-tokens 300
 

@@ -182,7 +182,7 @@ def test_rerun_with_other_arguments_is_refused_unless_overwrite(
     monkeypatch.setattr(prepare, "_tokenize", None)  # an identical rerun must not tokenize
     assert prepare_data([data], out).metadata == first.metadata
     with pytest.raises(
-        DataError, match=r"different val_fraction; pass overwrite=True \(--overwrite\)"
+        DataError, match=r"different val_fraction; pass --overwrite \(overwrite=True from Python\)"
     ):
         prepare_data([data], out, val_fraction=0.5)
     (data / "extra.txt").write_text("new input")

@@ -39,6 +39,9 @@ from olmolike.train.callbacks import (
     ConfigSaverCallback,
     ConsoleLoggerCallback,
     LMEvaluatorCallbackConfig,
+    MetricSaverCallback,
+    ProgressCallback,
+    SpeedMonitorCallback,
 )
 from olmolike.train.train_module import TransformerTrainModuleConfig
 from olmolike.utils import seed_all
@@ -105,6 +108,9 @@ def default_config(run_name: str) -> ExperimentConfig:
             callbacks={
                 "checkpointer": CheckpointerCallback(save_interval=100, ephemeral_save_interval=25),
                 "console_logger": ConsoleLoggerCallback(log_interval=50),
+                "speed_monitor": SpeedMonitorCallback(),  # tokens/s in the log lines
+                "progress": ProgressCallback(),  # a live bar, when stdout is a terminal
+                "metric_saver": MetricSaverCallback(),  # runs/<name>/metrics.jsonl, to plot
                 "lm_evaluator": LMEvaluatorCallbackConfig(
                     eval_dataset=NumpyDatasetConfig(
                         paths=[f"{DATA_DIR}/val"], sequence_length=SEQUENCE_LENGTH

@@ -305,12 +305,12 @@ def _claim_output(out: Path, arguments: dict[str, Any], overwrite: bool) -> dict
         differing = sorted(k for k in arguments if recorded.get(k) != arguments[k])
         raise DataError(
             f"{out} holds data prepared with different {', '.join(differing)}; pass "
-            "overwrite=True (--overwrite) to replace it, or choose another output directory"
+            "--overwrite (overwrite=True from Python) to replace it, or choose another output directory"
         )
     elif recorded is None and out.is_dir() and any(out.iterdir()):
         raise DataError(
             f"{out} is not empty and holds no prepare-data output; choose an empty directory "
-            "or pass overwrite=True (--overwrite)"
+            "or pass --overwrite (overwrite=True from Python)"
         )
     if not overwrite and (out / METADATA_FILE).is_file():
         return dict(json.loads((out / METADATA_FILE).read_text()))

@@ -183,13 +183,14 @@ def print_uncaught(
 ) -> bool:
     """Print an uncaught exception the short way, if it is one: returns False otherwise.
 
-    An :class:`OLMoLikeError` (a mistake the user can fix) is one line, printed only by the
-    job's first failing rank (every rank usually raises the same one); the failure of a rank
-    that followed another rank's is one line too. Their full tracebacks go to a file, whose
+    An :class:`OLMoLikeError` (a mistake the user can fix) or a :class:`KeyboardInterrupt`
+    (Ctrl-C; what it cut short is logged) is one line, printed only by the job's first failing
+    rank (every rank usually raises the same one); the failure of a rank that followed
+    another rank's is one line too. Their full tracebacks go to a file, whose
     path the line gives. Any other error of the first failing rank is a bug: not handled here.
     """
     first = report_rank_failure(exc)
-    if first and not isinstance(exc, OLMoLikeError):
+    if first and not isinstance(exc, (OLMoLikeError, KeyboardInterrupt)):
         return False
     where = Path(tempfile.gettempdir()) / f"olmolike-traceback-{os.getpid()}.txt"
     try:
@@ -197,8 +198,9 @@ def print_uncaught(
     except OSError:
         where = Path("(not written)")
     if first:
-        sys.stderr.write(f"error: {exc}\n(full traceback: {where})\n")
-    elif not isinstance(exc, OLMoLikeError):  # the first failing rank printed the cause
+        kind = "interrupted" if isinstance(exc, KeyboardInterrupt) else "error"
+        sys.stderr.write(f"{kind}: {exc or 'KeyboardInterrupt'}\n(full traceback: {where})\n")
+    elif not isinstance(exc, (OLMoLikeError, KeyboardInterrupt)):  # the first one said why
         monitor = _monitor or _stopped_monitor
         rank = f"rank {monitor.rank}" if monitor is not None else "this rank"
         what = str(exc).splitlines()[0][:200] if str(exc) else ""

@@ -155,7 +155,7 @@ def unshard_checkpoint(
     for out in (model_out, optim_out):
         if out is not None and out.exists() and not save_overwrite:
             raise FileExistsError(
-                f"{out} exists; pass save_overwrite=True (--overwrite) to replace it"
+                f"{out} exists; pass --overwrite (save_overwrite=True from Python) to replace it"
             )
     target.mkdir(parents=True, exist_ok=True)
     with _Progress([*model, *optim_tensors], enabled=progress) as bar:

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import torch
 import torch.distributed as dist
 
@@ -48,7 +47,7 @@ def local_copy(
     if downloads:
         try:
             shutil.rmtree(local, ignore_errors=True)
-            fs, path = fsspec.core.url_to_fs(url)
+            fs, path = io.url_to_fs(url)
             # thread_count bounds the concurrent downloads of async stores (gcsfs, s3fs).
             batch = {"batch_size": thread_count} if thread_count else {}
             io.retry_network(

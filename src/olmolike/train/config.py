@@ -19,7 +19,7 @@ from ..distributed.utils import (
     is_shared_filesystem,
     new_group,
 )
-from ..io import is_url, local_path
+from ..io import is_url, local_path, url_to_fs
 from ..utils import get_default_device
 from .callbacks.callback import Callback
 from .callbacks.checkpointer import CheckpointerCallback
@@ -251,6 +251,8 @@ class TrainerConfig(Config):
             folder = getattr(self, name)
             if folder and not is_url(folder):
                 self._check_writable_directory(name, folder)
+        if is_url(self.save_folder):
+            url_to_fs(self.save_folder)  # a store that cannot be reached fails here, naming it
         holder = current_lease(self.save_folder, for_run=run_id())
         if holder is not None:  # the cause is another run: never advise save_overwrite here
             raise SaveFolderInUseError(in_use_message(self.save_folder, holder))
@@ -264,7 +266,7 @@ class TrainerConfig(Config):
                 "save_folder",
                 f"{self.save_folder!r} already holds checkpoints and load_strategy is 'never', so "
                 "this run would write over them. Use another save_folder, resume from them "
-                "(load_strategy='if_available'), or set save_overwrite=True.",
+                "(load_strategy='if_available'), or set --trainer.save_overwrite=true (save_overwrite=True).",
             )
         if not is_url(self.save_folder) and get_world_size() > 1 and not is_shared_filesystem():
             raise self._invalid(

@@ -241,7 +241,10 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
             )
         if self.scheduler is not None:
             # A schedule that needs the run's length fails here, before any step, not mid-run.
-            self.scheduler.get_lr(1.0, 0, self._schedule_position()[1])
+            try:
+                self.scheduler.get_lr(1.0, 0, self._schedule_position()[1])
+            except ConfigurationError as e:
+                raise e.under("train_module.scheduler") from None
         if self.config.init_weights is not None:
             self.trainer.add_callback(
                 "init_weights", InitWeightsCallback(source=self.config.init_weights)
