@@ -48,7 +48,7 @@ def _check_config(args: argparse.Namespace) -> int:
 
 def _unshard(args: argparse.Namespace) -> int:
     strategy = UnshardStrategy(
-        type=UnshardStrategyType(args.strategy), chunk_size_in_bytes=args.chunk_size
+        name=UnshardStrategyType(args.strategy), chunk_size_bytes=args.chunk_size
     )
     model_path, optim_path = unshard_checkpoint(
         args.checkpoint,
@@ -57,7 +57,7 @@ def _unshard(args: argparse.Namespace) -> int:
         save_overwrite=args.overwrite,
         use_safetensors=args.safetensors,
         unshard_strategy=strategy,
-        progress=True,
+        quiet=False,
     )
     print(model_path)
     if optim_path is not None:
