@@ -94,7 +94,7 @@ def _unshard(args: argparse.Namespace) -> int:
     from .distributed.unshard import UnshardStrategy, UnshardStrategyType, unshard_checkpoint
 
     strategy = UnshardStrategy(
-        type=UnshardStrategyType(args.strategy), chunk_size_in_bytes=args.chunk_size
+        name=UnshardStrategyType(args.strategy), chunk_size_bytes=args.chunk_size
     )
     model_path, optim_path = unshard_checkpoint(
         args.checkpoint,
@@ -103,7 +103,7 @@ def _unshard(args: argparse.Namespace) -> int:
         save_overwrite=args.overwrite,
         use_safetensors=args.safetensors,
         unshard_strategy=strategy,
-        progress=True,
+        quiet=False,
     )
     print(model_path)
     if optim_path is not None:

@@ -123,7 +123,7 @@ def _resume_with_pre_download(
     from olmolike.distributed.utils import get_rank
 
     downloads = _Downloads()
-    logger = logging.getLogger("olmolike.train.checkpoint_download")
+    logger = logging.getLogger("olmolike.distributed.checkpoint_download")
     logger.addHandler(downloads)
     logger.setLevel(logging.INFO)
     work_dir = Path(work) / ("shared" if shared_work_dir else f"node{get_rank()}")
@@ -171,7 +171,7 @@ if __name__ == "__main__":
     url, work_dir, steps = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
     prepare_training_environment(seed=0)
     downloads = []
-    logger = logging.getLogger("olmolike.train.checkpoint_download")
+    logger = logging.getLogger("olmolike.distributed.checkpoint_download")
     logger.setLevel(logging.INFO)
     logger.addHandler(logging.Handler())
     logger.handlers[-1].emit = lambda record: downloads.append(record.getMessage())

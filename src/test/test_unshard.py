@@ -34,9 +34,9 @@ from olmolike.train import BasicTrainModule, Duration
 
 CHUNK = 10_000  # bytes: between the tiny model's tensor sizes, so chunks hold 1 to 8 tensors
 STRATEGIES = [
-    UnshardStrategy(),
-    UnshardStrategy(type=UnshardStrategyType.one_file_per_tensor),
-    UnshardStrategy(type=UnshardStrategyType.chunks, chunk_size_in_bytes=CHUNK),
+    UnshardStrategy.one_file(),
+    UnshardStrategy.one_file_per_tensor(),
+    UnshardStrategy.chunks(CHUNK),
 ]
 
 
@@ -107,7 +107,7 @@ def assert_same(actual: Any, expected: Any, where: str = "") -> None:
 
 
 @pytest.mark.parametrize("use_safetensors", [False, True], ids=["torch", "safetensors"])
-@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: str(s.type))
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: str(s.name))
 def test_model_loads_strictly_into_a_plain_model_and_equals_the_trained_one(
     trained: Trained,
     tmp_path: Path,
@@ -116,23 +116,52 @@ def test_model_loads_strictly_into_a_plain_model_and_equals_the_trained_one(
 ) -> None:
     checkpoint = trained.checkpoint
     model_path, optim_path = unshard_checkpoint(
-        checkpoint, tmp_path, use_safetensors=use_safetensors, unshard_strategy=strategy
+        checkpoint,
+        tmp_path,
+        optim=False,
+        use_safetensors=use_safetensors,
+        unshard_strategy=strategy,
     )
     assert optim_path is None
     suffix = ".safetensors" if use_safetensors else ".pt"
     expected = trained.model.state_dict()
-    if strategy.type == UnshardStrategyType.one_file:
-        assert model_path == str(tmp_path / f"model{suffix}")
+    if strategy.name == UnshardStrategyType.one_file:
+        assert model_path == tmp_path / f"model{suffix}"
     else:
-        assert model_path == str(tmp_path / "model")
-    if strategy.type == UnshardStrategyType.one_file_per_tensor:
-        assert sorted(p.name for p in Path(model_path).iterdir()) == sorted(
-            f"{name}{suffix}" for name in expected
+        assert model_path == tmp_path / "model"
+    if strategy.name == UnshardStrategyType.one_file_per_tensor:
+        # OLMo-core's names: the saved key with dashes for dots
+        assert sorted(p.name for p in model_path.iterdir()) == sorted(
+            f"model-{name.replace('.', '-')}{suffix}" for name in expected
         )
+    if strategy.name != UnshardStrategyType.one_file:  # nothing but the model's files
+        assert all(p.suffix == suffix for p in model_path.iterdir())
     model = fresh_model(trained.model)
     model.load_state_dict(load_model_output(model_path), strict=True)
     assert_same(model.state_dict(), expected)
-    assert [p.name for p in tmp_path.iterdir()] == [Path(model_path).name]  # no temporary left
+    assert [p.name for p in tmp_path.iterdir()] == [model_path.name]  # no temporary left
+
+
+def test_optim_none_unshards_it_too_for_one_torch_file_only(
+    trained: Trained, tmp_path: Path
+) -> None:
+    model_path, optim_path = unshard_checkpoint(trained.checkpoint, tmp_path / "a", quiet=True)
+    assert (model_path, optim_path) == (tmp_path / "a" / "model.pt", tmp_path / "a" / "optim.pt")
+    assert_same(
+        torch.load(optim_path, weights_only=True),
+        get_optimizer_state_dict(trained.model, trained.optim),
+    )
+    for options in (
+        {"use_safetensors": True},
+        {"unshard_strategy": UnshardStrategy.one_file_per_tensor()},
+        {"unshard_strategy": UnshardStrategy.chunks(CHUNK)},
+    ):
+        out = tmp_path / str(len(list(tmp_path.iterdir())))
+        _, optim_path = unshard_checkpoint(trained.checkpoint, out, **options)  # type: ignore[arg-type]
+        assert optim_path is None and not (out / "optim.pt").exists()
+    # A checkpoint without optimizer state: the model alone, no error.
+    save_model_and_optim_state(tmp_path / "weights", nn.Linear(2, 2))
+    assert unshard_checkpoint(tmp_path / "weights", tmp_path / "w")[1] is None
 
 
 def test_a_dcp_directory_works_like_the_train_checkpoint_holding_it(
@@ -166,7 +195,7 @@ def test_every_dtype_and_odd_shapes_round_trip(tmp_path: Path) -> None:
     save_state_dict(tmp_path / "dcp", {"model": weights})
     for use_safetensors in (False, True):
         for strategy in STRATEGIES:
-            out = tmp_path / f"{strategy.type}-{use_safetensors}"
+            out = tmp_path / f"{strategy.name}-{use_safetensors}"
             model_path, _ = unshard_checkpoint(
                 tmp_path / "dcp", out, use_safetensors=use_safetensors, unshard_strategy=strategy
             )
@@ -181,29 +210,26 @@ def test_torch_files_also_load_memory_mapped(trained: Trained, tmp_path: Path) -
     assert_same(mapped, trained.model.state_dict())
 
 
-def test_chunks_respect_the_size_limit_and_the_index_covers_every_tensor(
+def test_chunks_respect_the_size_limit_and_hold_every_tensor_once(
     trained: Trained, tmp_path: Path
 ) -> None:
     model_path, _ = unshard_checkpoint(
         trained.checkpoint, tmp_path, use_safetensors=True, unshard_strategy=STRATEGIES[2]
     )
-    root = Path(model_path)
-    index = json.loads((root / "index.json").read_text())
     expected = trained.model.state_dict()
-    assert set(index["weight_map"]) == set(expected)
-    assert index["metadata"]["total_size"] == sum(t.nbytes for t in expected.values())
-    chunks = sorted(root.glob("chunk-*.safetensors"))
+    chunks = sorted(model_path.iterdir())
     assert [c.name for c in chunks] == [f"chunk-{i:05d}.safetensors" for i in range(len(chunks))]
-    assert sorted(set(index["weight_map"].values())) == [c.name for c in chunks]
     sizes = []
+    seen: list[str] = []
     for chunk in chunks:
         tensors = load_file(chunk)
-        assert all(index["weight_map"][name] == chunk.name for name in tensors)
+        seen += tensors
         size = sum(t.nbytes for t in tensors.values())
         assert size <= CHUNK or len(tensors) == 1, f"{chunk.name}: {size} bytes"
         sizes.append((len(tensors), size))
     # Both cases happened: several tensors sharing a chunk, and one too big sitting alone.
     assert any(n > 1 for n, _ in sizes) and any(size > CHUNK for _, size in sizes)
+    assert sorted(seen) == sorted(expected)
 
 
 def _train_sharded(save_folder: str) -> dict[str, Any] | None:
@@ -245,10 +271,10 @@ def test_optim_matches_the_optimizer_state_dict(
     model_path, optim_path = unshard_checkpoint(
         checkpoint, tmp_path, optim=True, use_safetensors=use_safetensors
     )
-    assert optim_path == str(tmp_path / "optim.pt")
+    assert optim_path == tmp_path / "optim.pt"
     expected = get_optimizer_state_dict(trained.model, trained.optim)
     assert_same(torch.load(optim_path, weights_only=True), expected)
-    assert Path(model_path).exists()
+    assert model_path.exists()
 
 
 def test_optim_of_a_checkpoint_without_one_is_an_error(tmp_path: Path) -> None:
@@ -273,7 +299,7 @@ def test_existing_outputs_are_kept_unless_overwrite(trained: Trained, tmp_path: 
         checkpoint, tmp_path, optim=True, save_overwrite=True
     )
     assert optim_path is not None and torch.load(optim_path, weights_only=True)["state"]
-    assert Path(model_path).exists()
+    assert model_path.exists()
 
 
 def test_overwriting_a_directory_output_leaves_no_stale_files(
@@ -281,13 +307,13 @@ def test_overwriting_a_directory_output_leaves_no_stale_files(
 ) -> None:
     per_tensor = STRATEGIES[1]
     model_path, _ = unshard_checkpoint(trained.checkpoint, tmp_path, unshard_strategy=per_tensor)
-    (Path(model_path) / "stale.pt").write_bytes(b"")
+    (model_path / "stale.pt").write_bytes(b"")
     with pytest.raises(FileExistsError, match="model exists"):
         unshard_checkpoint(trained.checkpoint, tmp_path, unshard_strategy=per_tensor)
     unshard_checkpoint(
         trained.checkpoint, tmp_path, unshard_strategy=per_tensor, save_overwrite=True
     )
-    assert not (Path(model_path) / "stale.pt").exists()
+    assert not (model_path / "stale.pt").exists()
 
 
 def test_a_folder_that_is_not_a_checkpoint_is_an_error(trained: Trained, tmp_path: Path) -> None:
@@ -296,7 +322,7 @@ def test_a_folder_that_is_not_a_checkpoint_is_an_error(trained: Trained, tmp_pat
     with pytest.raises(CheckpointError, match="is not a checkpoint"):
         unshard_checkpoint(trained.checkpoint.parent, tmp_path / "out")  # holds one, but is none
     with pytest.raises(CheckpointError, match="local paths only"):
-        unshard_checkpoint("gs://bucket/step2", tmp_path / "out")
+        unshard_checkpoint(trained.checkpoint, "gs://bucket/out")
     assert not (tmp_path / "out").exists()
 
 
@@ -321,15 +347,15 @@ def test_safetensors_refuses_a_dtype_it_cannot_store_before_writing(tmp_path: Pa
 @pytest.mark.parametrize(
     ("data", "reason"),
     [
-        ({"type": "chunks"}, "is required"),
-        ({"type": "chunks", "chunk_size_in_bytes": 0}, "must be > 0"),
-        ({"type": "one_file", "chunk_size_in_bytes": 100}, "only to the chunks strategy"),
+        ({"name": "chunks"}, "is required"),
+        ({"name": "chunks", "chunk_size_bytes": 0}, "must be > 0"),
+        ({"name": "one_file", "chunk_size_bytes": 100}, "only to the chunks strategy"),
     ],
 )
 def test_strategy_validation_names_the_field(data: dict[str, Any], reason: str) -> None:
     with pytest.raises(ConfigurationError, match=reason) as info:
         UnshardStrategy.from_dict(data, path="unshard")
-    assert info.value.path == "unshard.chunk_size_in_bytes"
+    assert info.value.path == "unshard.chunk_size_bytes"
 
 
 # -- the command line --------------------------------------------------------------------------
@@ -346,6 +372,7 @@ def test_cli_unshards_end_to_end(
     assert re.search(r"(\d+)/\1 tensors", captured.err)  # the progress bar, at its end
     out = captured.out.split()
     assert out == [str(tmp_path / "model"), str(tmp_path / "optim.pt")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "optim.pt"]
     model = fresh_model(trained.model)
     model.load_state_dict(load_model_output(out[0]), strict=True)
     assert_same(model.state_dict(), trained.model.state_dict())
@@ -362,7 +389,7 @@ def test_cli_reports_errors_with_exit_code_2(
     assert main(["unshard", str(tmp_path), str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.startswith(f"error: {tmp_path} is not a checkpoint")
     assert main(["unshard", str(tmp_path), str(tmp_path / "out"), "--chunk-size", "5"]) == 2
-    assert "chunk_size_in_bytes: applies only to the chunks strategy" in capsys.readouterr().err
+    assert "chunk_size_bytes: applies only to the chunks strategy" in capsys.readouterr().err
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -389,7 +416,7 @@ if options is None:  # the control: DCP's own converter, which loads the whole m
 else:
     strategy = UnshardStrategy.from_dict(options.pop("strategy"))
     run = lambda source, target: unshard_checkpoint(
-        source, target, unshard_strategy=strategy, **options
+        source, target, unshard_strategy=strategy, quiet=True, **options
     )
 run(warm, out + "-warm")
 with open("/proc/self/clear_refs", "w") as f:
@@ -443,9 +470,9 @@ def peak_growth(checkpoints: tuple[Path, Path], out: Path, options: Any) -> int:
 @pytest.mark.parametrize(
     "options",
     [
-        {"use_safetensors": True, "strategy": {"type": "one_file"}},
-        {"use_safetensors": True, "strategy": {"type": "chunks", "chunk_size_in_bytes": 8 * 2**20}},
-        {"use_safetensors": False, "strategy": {"type": "one_file"}},
+        {"use_safetensors": True, "strategy": {"name": "one_file"}},
+        {"use_safetensors": True, "strategy": {"name": "chunks", "chunk_size_bytes": 8 * 2**20}},
+        {"use_safetensors": False, "strategy": {"name": "one_file"}},
     ],
     ids=["safetensors-one_file", "safetensors-chunks", "torch-one_file"],
 )

@@ -1,19 +1,28 @@
-"""Model and optimizer state through ``torch.distributed.checkpoint`` (DCP).
+"""Model and optimizer state through ``torch.distributed.checkpoint`` (DCP), with OLMo-core's API.
 
 Every rank writes its own shards; the state dicts come from ``get_model_state_dict`` /
 ``get_optimizer_state_dict``, so DDP, FSDP2 (DTensor) and plain modules all save the same
 fully-qualified parameter names, and a checkpoint saved on N ranks loads on M.
 
-DCP always writes to a *local* directory here. Its metadata file is written as
-``.metadata.tmp`` and then renamed, and object stores have no rename (gcsfs falls back to a
-server-side copy that some servers refuse); the trainer's checkpointer uploads the finished
-files instead and writes its completion marker last.
+The functions of OLMo-core's ``olmo_core.distributed.checkpoint`` are here with its
+signatures and meaning: save and load model and optimizer state (sync or async, optionally
+with a flattened optimizer state, renamed parameters or a partial load), read a checkpoint's
+metadata or chosen keys in a plain process, unshard it into plain files, and edit nested state
+dicts by dotted keys. Differences, all on the safe side: saving writes *local* directories
+only (object stores have no rename, which DCP's writer needs; the trainer's
+:class:`~olmolike.train.Checkpointer` stages and uploads instead, so ``throttle_uploads``
+matters there), and non-tensor values are read with ``weights_only=True``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import shutil
+import socket
+import tempfile
 import warnings
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -24,6 +33,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -33,26 +44,35 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from .. import io
 from ..exceptions import CheckpointError, ConfigurationError
-from ..io import is_url
-from .checkpoint_format import dcp_reader, read_metadata
+from .checkpoint_download import local_copy
+from .checkpoint_format import dcp_dir_of, dcp_reader, read_metadata
+from .checkpoint_reader import load_keys
+from .state_dict_keys import merge_state_dicts, prune_state_dict, swap_param_keys
 from .unshard import UnshardStrategy, UnshardStrategyType, unshard_checkpoint
-from .utils import is_distributed
+from .utils import all_agree, get_rank, get_world_size, is_distributed
 
 __all__ = [
     "ReusedBufferStager",
     "UnshardStrategy",
     "UnshardStrategyType",
     "apply_model_and_optim_state_dict",
+    "async_save_model_and_optim_state",
     "async_save_state_dict",
     "check_checkpoint_backend",
     "checkpoint_keys",
+    "get_checkpoint_metadata",
+    "load_keys",
     "load_model_and_optim_state",
     "load_state_dict",
+    "merge_state_dicts",
     "model_and_optim_state_dict",
+    "prune_state_dict",
     "read_metadata",
     "save_model_and_optim_state",
     "save_state_dict",
+    "swap_param_keys",
     "unshard_checkpoint",
 ]
 
@@ -67,13 +87,39 @@ warnings.filterwarnings(
 
 
 def model_and_optim_state_dict(
-    model: nn.Module, optim: torch.optim.Optimizer | None = None
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None = None,
+    *,
+    flatten_optimizer_state: bool = False,
 ) -> dict[str, Any]:
-    """``{"model": ..., "optim": ...}`` keyed by parameter names, as DCP saves and loads it."""
+    """``{"model": ..., "optim": ...}`` keyed by parameter names, as DCP saves and loads it.
+
+    ``flatten_optimizer_state`` keys the optimizer state ``state.{fqn}.{name}`` and
+    ``param_groups.{fqn}.{name}``, which is needed when ranks hold different parameters in a
+    param group (pipeline parallelism); saving and loading must agree on it.
+    """
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optim is not None:
-        state["optim"] = get_optimizer_state_dict(model, optim)
+        options = StateDictOptions(flatten_optimizer_state_dict=flatten_optimizer_state)
+        state["optim"] = get_optimizer_state_dict(model, optim, options=options)
     return state
+
+
+def apply_model_and_optim_state_dict(
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None,
+    state: dict[str, Any],
+    *,
+    strict: bool = True,
+    flatten_optimizer_state: bool = False,
+) -> None:
+    """Set what :func:`model_and_optim_state_dict` returned (after loading into it)."""
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=strict))
+    if optim is not None and "optim" in state:
+        options = StateDictOptions(
+            strict=strict, flatten_optimizer_state_dict=flatten_optimizer_state
+        )
+        set_optimizer_state_dict(model, optim, state["optim"], options=options)
 
 
 _CPU_BACKENDS = ("gloo", "mpi")
@@ -101,9 +147,47 @@ def check_checkpoint_backend(backend: str) -> None:
 
 
 def _writer(dir: str | Path, thread_count: int | None) -> FileSystemWriter:
-    if is_url(dir):
-        raise CheckpointError(f"DCP writes to local directories only, got {dir}")
+    if io.is_url(dir):
+        raise CheckpointError(
+            f"DCP writes to local directories only, got {dir}: save locally and upload, or "
+            "save with the trainer's Checkpointer, which does both"
+        )
     return FileSystemWriter(str(dir), thread_count=thread_count or 1, sync_files=True)
+
+
+def _prepare_dir(
+    dir: str | Path, process_group: dist.ProcessGroup | None, save_overwrite: bool
+) -> Path:
+    """Make ``dir`` an empty local directory on every rank, or raise on every rank.
+
+    Without ``save_overwrite`` a non-empty ``dir`` is a :class:`FileExistsError`; with it, the
+    lowest rank of each host that sees ``dir`` clears it. Every rank passes an agreement (a
+    barrier) before any writes, so no rank writes into a folder another is still clearing.
+    """
+    _writer(dir, None)  # refuse a URL before any collective
+    path = io.local_path(dir)
+    error: str | None = None
+    if save_overwrite:
+        if _lowest_rank_seeing(path, process_group):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+    elif path.exists() and (not path.is_dir() or any(path.iterdir())):
+        error = f"{path} exists and is not empty; pass save_overwrite=True to replace it"
+    if not all_agree(error is None, process_group):
+        raise FileExistsError(error or f"{path} exists and is not empty on another rank")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _lowest_rank_seeing(path: Path, group: dist.ProcessGroup | None) -> bool:
+    if not is_distributed():
+        return True
+    where = (socket.gethostname(), str(path.resolve()))
+    places: list[Any] = [None] * get_world_size(group)
+    dist.all_gather_object(places, where, group=group)
+    return places.index(where) == get_rank(group)
 
 
 def save_state_dict(
@@ -111,12 +195,20 @@ def save_state_dict(
     state_dict: dict[str, Any],
     *,
     process_group: dist.ProcessGroup | None = None,
+    save_overwrite: bool = False,
     thread_count: int | None = None,
+    throttle_uploads: bool = False,
 ) -> None:
-    """Save every rank's shards of ``state_dict`` into the local directory ``dir``."""
+    """Save every rank's shards of ``state_dict`` into the local directory ``dir``.
+
+    ``dir`` must be empty or missing unless ``save_overwrite``. ``throttle_uploads`` is
+    OLMo-core's switch for uploads to object stores; a local directory uploads nothing.
+    """
+    del throttle_uploads  # local directories only: nothing is uploaded
+    path = _prepare_dir(dir, process_group, save_overwrite)
     dcp.save(
         state_dict,
-        storage_writer=_writer(dir, thread_count),
+        storage_writer=_writer(path, thread_count),
         process_group=process_group,
         no_dist=not is_distributed(),
     )
@@ -171,7 +263,9 @@ def async_save_state_dict(
     state_dict: dict[str, Any],
     *,
     process_group: dist.ProcessGroup | None = None,
+    save_overwrite: bool = False,
     thread_count: int | None = None,
+    throttle_uploads: bool = False,
     stager: AsyncStager | None = None,
 ) -> Future[Any]:
     """Copy ``state_dict`` to CPU memory now, write it to ``dir`` in a background thread.
@@ -180,9 +274,11 @@ def async_save_state_dict(
     ``process_group`` must support CPU tensors (gloo); use one that training does not use.
     Pass a :class:`ReusedBufferStager` kept across saves to avoid re-allocating the copy.
     """
+    del throttle_uploads  # local directories only: nothing is uploaded
+    path = _prepare_dir(dir, process_group, save_overwrite)
     future = dcp.async_save(
         state_dict,
-        storage_writer=_writer(dir, thread_count),
+        storage_writer=_writer(path, thread_count),
         process_group=process_group,
         async_stager=stager,
         no_dist=not is_distributed(),
@@ -191,21 +287,66 @@ def async_save_state_dict(
     return future
 
 
+@contextlib.contextmanager
+def _readable(
+    dir: str | Path,
+    process_group: dist.ProcessGroup | None,
+    pre_download: bool,
+    work_dir: str | Path | None,
+    thread_count: int | None,
+) -> Iterator[str]:
+    """``dir``'s DCP directory, downloaded first (once per host) if remote and asked to."""
+    dcp_dir = dcp_dir_of(dir)
+    if not (pre_download and io.is_url(dcp_dir)):
+        yield dcp_dir
+        return
+    with contextlib.ExitStack() as stack:
+        base = work_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="olmolike-"))
+        copy = local_copy(
+            dcp_dir, Path(base), process_group=process_group, thread_count=thread_count
+        )
+        yield stack.enter_context(copy)
+
+
 def load_state_dict(
-    dir: str | Path, state_dict: dict[str, Any], *, process_group: dist.ProcessGroup | None = None
+    dir: str | Path,
+    state_dict: dict[str, Any],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    pre_download: bool = False,
+    work_dir: str | Path | None = None,
+    thread_count: int | None = None,
 ) -> None:
-    """Load saved values into the tensors of ``state_dict`` in place (any sharding, any ranks)."""
+    """Load saved values into the tensors of ``state_dict`` in place (any sharding, any ranks).
+
+    ``dir`` is a DCP directory or a train checkpoint folder, local or remote; ``pre_download``
+    copies a remote one under ``work_dir`` first, once per host.
+    """
+    with _readable(dir, process_group, pre_download, work_dir, thread_count) as source:
+        _load(source, state_dict, process_group, strict=True)
+
+
+def _load(
+    dir: str, state_dict: dict[str, Any], group: dist.ProcessGroup | None, *, strict: bool
+) -> None:
     dcp.load(
         state_dict,
         storage_reader=dcp_reader(dir),
-        process_group=process_group,
+        planner=DefaultLoadPlanner(allow_partial_load=not strict),
+        process_group=group,
         no_dist=not is_distributed(),
     )
 
 
 def checkpoint_keys(dir: str | Path) -> set[str]:
     """Top-level names saved in a DCP checkpoint (e.g. ``{"model", "optim"}``)."""
-    return {key.split(".", 1)[0] for key in read_metadata(dir).state_dict_metadata}
+    return {key.split(".", 1)[0] for key in get_checkpoint_metadata(dir).state_dict_metadata}
+
+
+def get_checkpoint_metadata(dir: str | Path) -> Metadata:
+    """DCP's metadata of a checkpoint (a DCP directory or a train checkpoint folder): every
+    saved key with its shape and dtype, without reading any tensor."""
+    return read_metadata(dcp_dir_of(dir))
 
 
 def save_model_and_optim_state(
@@ -214,14 +355,46 @@ def save_model_and_optim_state(
     optim: torch.optim.Optimizer | None = None,
     *,
     process_group: dist.ProcessGroup | None = None,
+    save_overwrite: bool = False,
+    flatten_optimizer_state: bool = False,
     thread_count: int | None = None,
+    throttle_uploads: bool = False,
 ) -> None:
-    """Save model (and optimizer) shards of every rank into the local directory ``dir``."""
+    """Save model (and optimizer) shards of every rank into the local directory ``dir``.
+
+    :raises FileExistsError: if ``dir`` is not empty and ``save_overwrite`` is false.
+    """
     save_state_dict(
         dir,
-        model_and_optim_state_dict(model, optim),
+        model_and_optim_state_dict(model, optim, flatten_optimizer_state=flatten_optimizer_state),
         process_group=process_group,
+        save_overwrite=save_overwrite,
         thread_count=thread_count,
+        throttle_uploads=throttle_uploads,
+    )
+
+
+def async_save_model_and_optim_state(
+    dir: str | Path,
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    save_overwrite: bool = False,
+    flatten_optimizer_state: bool = False,
+    thread_count: int | None = None,
+    throttle_uploads: bool = False,
+) -> Future[Any]:
+    """:func:`save_model_and_optim_state` that returns once the state is copied to CPU
+    memory; the future completes when the files are written. ``process_group`` must support
+    CPU collectives (gloo), and must not be used by another thread until it completes."""
+    return async_save_state_dict(
+        dir,
+        model_and_optim_state_dict(model, optim, flatten_optimizer_state=flatten_optimizer_state),
+        process_group=process_group,
+        save_overwrite=save_overwrite,
+        thread_count=thread_count,
+        throttle_uploads=throttle_uploads,
     )
 
 
@@ -231,25 +404,37 @@ def load_model_and_optim_state(
     optim: torch.optim.Optimizer | None = None,
     *,
     process_group: dist.ProcessGroup | None = None,
+    key_mapping: Mapping[str, str] | None = None,
+    pre_download: bool = False,
+    work_dir: str | Path | None = None,
+    strict: bool = True,
+    flatten_optimizer_state: bool = False,
+    thread_count: int | None = None,
 ) -> None:
     """Load model (and, if ``optim`` is given, optimizer) state saved with the functions here.
 
     Works across a change of the number of ranks and of sharding (DDP, FSDP2, one process).
+    ``key_mapping`` maps a parameter's name here to its name in the checkpoint. With
+    ``strict=False``, parameters the checkpoint lacks keep their current values instead of
+    being an error. ``dir`` is a DCP directory or a train checkpoint folder, local or remote.
     """
-    if optim is not None and "optim" not in checkpoint_keys(dir):
-        raise CheckpointError(
-            f"{dir} holds no optimizer state; load with load_optim_state=False to load only "
-            "the model weights"
+    with _readable(dir, process_group, pre_download, work_dir, thread_count) as source:
+        metadata = read_metadata(source)
+        if optim is not None and not any(
+            k.startswith("optim.") for k in metadata.state_dict_metadata
+        ):
+            raise CheckpointError(
+                f"{dir} holds no optimizer state; load with load_optim_state=False to load "
+                "only the model weights"
+            )
+        state = model_and_optim_state_dict(
+            model, optim, flatten_optimizer_state=flatten_optimizer_state
         )
-    state = model_and_optim_state_dict(model, optim)
-    load_state_dict(dir, state, process_group=process_group)
-    apply_model_and_optim_state_dict(model, optim, state)
-
-
-def apply_model_and_optim_state_dict(
-    model: nn.Module, optim: torch.optim.Optimizer | None, state: dict[str, Any]
-) -> None:
-    """Set what :func:`model_and_optim_state_dict` returned (after loading into it)."""
-    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
-    if optim is not None and "optim" in state:
-        set_optimizer_state_dict(model, optim, state["optim"])
+        if key_mapping:
+            swap_param_keys(state, key_mapping, metadata=metadata)
+        _load(source, state, process_group, strict=strict)
+        if key_mapping:
+            swap_param_keys(state, key_mapping, reverse=True, quiet=True)
+    apply_model_and_optim_state_dict(
+        model, optim, state, strict=strict, flatten_optimizer_state=flatten_optimizer_state
+    )

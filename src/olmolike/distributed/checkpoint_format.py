@@ -36,6 +36,7 @@ from ..config import Config
 from ..exceptions import CheckpointError
 
 __all__ = [
+    "DCP_METADATA",
     "FORMAT_VERSION",
     "MARKER",
     "MODEL_AND_OPTIM",
@@ -43,6 +44,8 @@ __all__ = [
     "CheckpointMetadata",
     "DamagedCheckpointError",
     "contains_checkpoint",
+    "dcp_dir_of",
+    "dcp_reader",
     "describe_error",
     "describe_shape_mismatch",
     "dir_is_checkpoint",
@@ -69,6 +72,8 @@ MODEL_AND_OPTIM = "model_and_optim"
 """The DCP directory of a train checkpoint folder: model and optimizer shards."""
 TRAIN_STATE = "train"
 """The folder of a train checkpoint holding each rank's trainer state (``rank{R}.pt``)."""
+DCP_METADATA = ".metadata"
+"""The file that makes a directory a DCP checkpoint (DCP's writer writes it last)."""
 STEP_DIR = re.compile(r"^step(\d+)$")
 STAGING_DIR = re.compile(r"^\.step(\d+)\.tmp$")
 _MARKER_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -163,6 +168,26 @@ def remove_abandoned(folder: str, keep: Collection[str] = ()) -> list[str]:
         io.remove(path, recursive=True)
         removed.append(path)
     return removed
+
+
+def dcp_dir_of(dir: str | Path) -> str:
+    """The DCP directory of ``dir``: ``dir/model_and_optim`` for a train checkpoint folder
+    (which must be complete), or ``dir`` itself if it holds a DCP ``.metadata``.
+
+    :raises CheckpointError: if ``dir`` is neither, or an incomplete train checkpoint.
+    """
+    text = str(dir).rstrip("/") or "/"
+    inner = io.join_path(text, MODEL_AND_OPTIM)
+    if io.exists(io.join_path(inner, DCP_METADATA)):
+        if not dir_is_checkpoint(text):
+            raise CheckpointError(f"{text} is an incomplete checkpoint (it has no {MARKER} marker)")
+        return inner
+    if io.exists(io.join_path(text, DCP_METADATA)):
+        return text
+    raise CheckpointError(
+        f"{text} is not a checkpoint: expected a train checkpoint folder (stepN/ with "
+        f"{MODEL_AND_OPTIM}/ inside) or a DCP directory (with a {DCP_METADATA} file)"
+    )
 
 
 def read_metadata(dir: str | Path) -> Metadata:

@@ -19,6 +19,7 @@ from ..exceptions import ConfigurationError, OLMoLikeError
 __all__ = [
     "DEBUG_GROUPS_ENV",
     "GroupMisuseError",
+    "all_agree",
     "backend_supports_cpu",
     "barrier",
     "broadcast_object",
@@ -198,6 +199,15 @@ def using_group(group: dist.ProcessGroup | None, purpose: str = "") -> Iterator[
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     if is_distributed():
         dist.barrier(group)
+
+
+def all_agree(ok: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``ok`` holds on every rank of ``group`` (a collective; ``ok`` alone without one)."""
+    if not is_distributed():
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:

@@ -50,6 +50,7 @@ from ..distributed.checkpoint import (
     load_state_dict,
     save_state_dict,
 )
+from ..distributed.checkpoint_download import local_copy
 from ..distributed.checkpoint_format import (
     FORMAT_VERSION,
     MARKER,
@@ -82,7 +83,6 @@ from ..distributed.utils import (
 )
 from ..exceptions import CheckpointError
 from ..threads import DaemonThreadPool
-from .checkpoint_download import local_copy
 from .lease import DEFAULT_TIMEOUT, SaveFolderLease, acquire_lease
 
 if TYPE_CHECKING:

@@ -184,7 +184,7 @@ class GAPMonitorCallback(Callback, name="gap_monitor"):
             if p.grad is not None
         }
         if self.dump_gradients_save_first_n is None:
-            save_state_dict(folder / "full_gradients", grads)
+            save_state_dict(folder / "full_gradients", grads, save_overwrite=True)
             log.info("Saved %d gradients of step %d to %s", len(grads), self.step, folder)
             return
         from safetensors.torch import save_file

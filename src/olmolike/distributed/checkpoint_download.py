@@ -1,4 +1,4 @@
-"""``pre_download``: a remote checkpoint copied to local disk once per node, then loaded."""
+"""``pre_download``: a remote checkpoint copied to local disk (once per node), then loaded."""
 
 from __future__ import annotations
 
@@ -10,14 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from .. import io
-from ..distributed.utils import get_rank, get_world_size, is_distributed
 from ..exceptions import CheckpointError
+from .utils import all_agree, get_rank, get_world_size, is_distributed
 
-__all__ = ["local_copy"]
+__all__ = ["download_dir", "local_copy"]
 
 log = logging.getLogger(__name__)
 
@@ -46,18 +45,11 @@ def local_copy(
     ok = True
     if downloads:
         try:
-            shutil.rmtree(local, ignore_errors=True)
-            fs, path = io.url_to_fs(url)
-            # thread_count bounds the concurrent downloads of async stores (gcsfs, s3fs).
-            batch = {"batch_size": thread_count} if thread_count else {}
-            io.retry_network(
-                lambda: fs.get(path, str(local), recursive=True, **batch), f"downloading {url}"
-            )
-            log.info("Downloaded %s to %s", url, local)
+            download_dir(url, local, thread_count=thread_count)
         except Exception:
             log.exception("Downloading %s failed", url)
             ok = False
-    if not _all_agree(ok, process_group):
+    if not all_agree(ok, process_group):
         raise CheckpointError(f"downloading {url} to {local} failed on at least one node")
     try:
         yield str(local)
@@ -68,9 +60,13 @@ def local_copy(
             shutil.rmtree(local, ignore_errors=True)
 
 
-def _all_agree(ok: bool, group: dist.ProcessGroup | None) -> bool:
-    if not is_distributed():
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
+def download_dir(url: str, local: Path, *, thread_count: int | None = None) -> None:
+    """Copy the remote folder ``url`` to ``local`` (replacing it), retrying network errors."""
+    shutil.rmtree(local, ignore_errors=True)
+    fs, path = io.url_to_fs(url)
+    # thread_count bounds the concurrent downloads of async stores (gcsfs, s3fs).
+    batch = {"batch_size": thread_count} if thread_count else {}
+    io.retry_network(
+        lambda: fs.get(path, str(local), recursive=True, **batch), f"downloading {url}"
+    )
+    log.info("Downloaded %s to %s", url, local)
