@@ -26,9 +26,9 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from ..distributed.checkpoint_format import latest_checkpoint
 from ..distributed.utils import broadcast_object, get_rank
 from .bookkeeping import BookkeepingRunner
-from .checkpoint_format import latest_checkpoint
 
 __all__ = ["CancelCoordinator", "describe_interrupt", "exit_if_signaled"]
 
