@@ -255,3 +255,17 @@ def test_the_command_says_when_nothing_or_no_validation_was_written(
     assert "validation split is empty: --val-fraction 0.02 of 1 document(s)" in (
         capsys.readouterr().err
     )
+
+
+def test_sft_says_when_the_validation_split_it_was_asked_for_is_empty(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"prompt": "2+2=", "completion": "4"}) + "\n")
+    args = ["prepare-data", "--sft", str(data), "--sequence-length", "64"]
+    assert main([*args, "-o", str(tmp_path / "a"), "--val-fraction", "0.02"]) == 0
+    assert "validation split is empty: --val-fraction 0.02 of 1 example(s)" in (
+        capsys.readouterr().err
+    )
+    assert main([*args, "-o", str(tmp_path / "b")]) == 0  # none asked for: nothing to say
+    assert "validation split" not in capsys.readouterr().err

@@ -26,6 +26,7 @@ import bisect
 import json
 import logging
 import shutil
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -377,6 +378,13 @@ def run_sft_command(args: argparse.Namespace, inputs: list[str | Path]) -> int:
             f"{stats['dropped']} dropped"
         )
     print(f"metadata: {Path(args.output) / METADATA_FILE}")
+    if args.val_fraction > 0 and metadata["splits"]["val"]["examples"] == 0:
+        print(
+            f"warning: the validation split is empty: --val-fraction {args.val_fraction:g} of "
+            f"{metadata['splits']['train']['examples']} example(s) held none out; give more "
+            "examples or a larger --val-fraction",
+            file=sys.stderr,
+        )
     return 0
 
 
