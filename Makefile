@@ -52,9 +52,9 @@ dpo: install
 two-stage-kl: install
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) src/examples/two_stage_kl/train.py
 
-# `make grpo`: GRPO on generated two-digit sums (exact-answer reward) after a short SFT
-# warm-up, ~10 CPU minutes; prints held-out greedy accuracy before and after and draws the
-# reward curve into $(GRPO_OUT)/reward.png. GRPO_ARGS: [GRPO_STEPS [SFT_STEPS]].
+# `make grpo`: GRPO on generated sums (exact-answer reward) after a short warm-up, a few CPU
+# minutes; prints held-out greedy accuracy before and after and draws the reward curve into
+# $(GRPO_OUT)/reward.png. GRPO_ARGS: [GRPO_STEPS [SFT_STEPS]].
 GRPO_OUT ?= runs/grpo-demo
 GRPO_ARGS ?=
 
