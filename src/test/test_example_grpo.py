@@ -19,6 +19,7 @@ def run(out: Path, *launcher: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, timeout=280, env=env)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_grpo_example_reports_accuracy_and_writes_metrics(tmp_path: Path) -> None:
     result = run(tmp_path)
@@ -30,6 +31,7 @@ def test_grpo_example_reports_accuracy_and_writes_metrics(tmp_path: Path) -> Non
     assert "train/reward/exact_answer/mean" in json.loads(lines[-1])["metrics"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_grpo_example_runs_under_torchrun(tmp_path: Path) -> None:
     from testutils import free_port

@@ -195,6 +195,7 @@ def _two_rank_resume(dp: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("dp", ["ddp", "fsdp"])
 def test_two_ranks_resume_bit_identical_with_their_own_prompts(dp: str) -> None:
