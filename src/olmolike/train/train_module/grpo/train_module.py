@@ -189,6 +189,9 @@ class GRPOTrainModule(TransformerTrainModule):
                 self.reference_step.fill_(0)
         self._pending: dict[str, Any] = {}
         self._norms: list[Tensor] = []
+        # The policy pi of the objective is the distribution sampled from: the model's logits
+        # divided by the sampling temperature (top-k / top-p truncation is not modelled).
+        self._temperature = config.sampling.temperature
 
     # -- checkpoint: the reference's weights are part of the run -------------------------------
 
@@ -341,7 +344,8 @@ class GRPOTrainModule(TransformerTrainModule):
         parts = []
         for part in self._micro(out, slice(0, out.input_ids.shape[0])):
             with self._autocast:
-                parts.append(completion_logps(model, part)[0].float())
+                logps, _ = completion_logps(model, part, temperature=self._temperature)
+                parts.append(logps.float())
         return torch.cat(parts)
 
     def _backward(
@@ -364,7 +368,9 @@ class GRPOTrainModule(TransformerTrainModule):
             span = slice(offset, offset + n)
             offset += n
             with self._grad_sync(last=i == len(parts) - 1), self._autocast:
-                logps, entropy = completion_logps(self._forward_module, part, with_entropy=True)
+                logps, entropy = completion_logps(
+                    self._forward_module, part, with_entropy=True, temperature=self._temperature
+                )
             logps = logps.float()
             loss, stats = grpo_loss(
                 logps,
