@@ -222,6 +222,30 @@ def test_a_failing_reward_stops_the_run_naming_it(tmp_path: Path, fn: Any, match
         trainer.fit()
 
 
+def _fails_on_rank_1(completions: list[str], **_: Any) -> list[float]:
+    if get_rank() == 1:
+        raise ValueError("rank 1 cannot score")
+    return [0.0] * len(completions)
+
+
+def _one_rank_fails() -> str:
+    trainer, _ = build(
+        broadcast_object(tempfile.mkdtemp()), rewards=[RewardConfig("flaky")],
+        registry_extra={"flaky": _fails_on_rank_1}, no_checkpoints=True,
+    )  # fmt: skip
+    with pytest.raises(RewardFunctionError) as caught:
+        trainer.fit()
+    return str(caught.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_reward_failing_on_one_rank_fails_every_rank_at_once() -> None:
+    messages = run_distributed_test(_one_rank_fails, 2, timeout=180)
+    assert "failed on rank 1 at step 1" in messages[0]
+    assert "'flaky' raised ValueError: rank 1 cannot score" in messages[1]
+
+
 def test_equal_rewards_give_zero_advantage_and_say_so(tmp_path: Path) -> None:
     trainer, log = build(
         tmp_path, rewards=[RewardConfig("one")], no_checkpoints=True,
