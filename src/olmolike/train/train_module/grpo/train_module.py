@@ -190,8 +190,11 @@ class GRPOTrainModule(TransformerTrainModule):
         self._pending: dict[str, Any] = {}
         self._norms: list[Tensor] = []
         # The policy pi of the objective is the distribution sampled from: the model's logits
-        # divided by the sampling temperature (top-k / top-p truncation is not modelled).
-        self._temperature = config.sampling.temperature
+        # over the tokenizer's ids, divided by the temperature (top-k / top-p are not modelled).
+        self._sampled: dict[str, Any] = {
+            "temperature": config.sampling.temperature,
+            "vocab_size": tokenizer.vocab_size,
+        }
 
     # -- checkpoint: the reference's weights are part of the run -------------------------------
 
@@ -364,7 +367,7 @@ class GRPOTrainModule(TransformerTrainModule):
         parts = []
         for part in self._micro(out, slice(0, out.input_ids.shape[0])):
             with self._autocast:
-                logps, _ = completion_logps(model, part, temperature=self._temperature)
+                logps, _ = completion_logps(model, part, **self._sampled)
                 parts.append(logps.float())
         return torch.cat(parts)
 
@@ -389,7 +392,7 @@ class GRPOTrainModule(TransformerTrainModule):
             offset += n
             with self._grad_sync(last=i == len(parts) - 1), self._autocast:
                 logps, entropy = completion_logps(
-                    self._forward_module, part, with_entropy=True, temperature=self._temperature
+                    self._forward_module, part, with_entropy=True, **self._sampled
                 )
             logps = logps.float()
             loss, stats = grpo_loss(
