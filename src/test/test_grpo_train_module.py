@@ -137,6 +137,21 @@ def test_one_update_per_step_is_on_policy(tmp_path: Path) -> None:
     assert first["train/KL"] == pytest.approx(0.0, abs=1e-7)
 
 
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_micro_batches_do_not_change_the_update(tmp_path: Path, aggregation: str) -> None:
+    loss = GRPOLossConfig(group_size=4, kl_coef=0.05, aggregation=aggregation)
+    got = []
+    for micro in (12, 48, 960):  # 1, 4 and all 16 completions of width 12 per forward
+        trainer, _ = build(tmp_path / str(micro), no_checkpoints=True,
+                           max_duration=Duration.steps(1),
+                           module_kwargs={"rank_microbatch_size": micro, "loss": loss})  # fmt: skip
+        trainer.fit()
+        got.append(params(trainer))
+    for other in got[1:]:
+        for a, b in zip(got[0], other):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_lr_schedule_counts_optimizer_updates(tmp_path: Path) -> None:
     trainer, log = build(tmp_path, no_checkpoints=True)
     trainer.fit()
@@ -166,7 +181,7 @@ def _two_rank_resume(dp: str) -> dict[str, Any]:
     folder = broadcast_object(tempfile.mkdtemp())
     full, _ = build(f"{folder}/full", dp=dp)
     full.fit()
-    first, _ = build(f"{folder}/resumed", dp=dp, hard_stop=Duration.steps(STEPS // 2))
+    first, _ = build(f"{folder}/resumed", dp=dp, hard_stop=Duration.steps(3))
     first.fit()
     second, log = build(f"{folder}/resumed", dp=dp)
     second.fit()
@@ -180,6 +195,7 @@ def _two_rank_resume(dp: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("dp", ["ddp", "fsdp"])
 def test_two_ranks_resume_bit_identical_with_their_own_prompts(dp: str) -> None:
@@ -204,6 +220,30 @@ def test_a_failing_reward_stops_the_run_naming_it(tmp_path: Path, fn: Any, match
     )
     with pytest.raises(RewardFunctionError, match=match):
         trainer.fit()
+
+
+def _fails_on_rank_1(completions: list[str], **_: Any) -> list[float]:
+    if get_rank() == 1:
+        raise ValueError("rank 1 cannot score")
+    return [0.0] * len(completions)
+
+
+def _one_rank_fails() -> str:
+    trainer, _ = build(
+        broadcast_object(tempfile.mkdtemp()), rewards=[RewardConfig("flaky")],
+        registry_extra={"flaky": _fails_on_rank_1}, no_checkpoints=True,
+    )  # fmt: skip
+    with pytest.raises(RewardFunctionError) as caught:
+        trainer.fit()
+    return str(caught.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_reward_failing_on_one_rank_fails_every_rank_at_once() -> None:
+    messages = run_distributed_test(_one_rank_fails, 2, timeout=180)
+    assert "failed on rank 1 at step 1" in messages[0]
+    assert "'flaky' raised ValueError: rank 1 cannot score" in messages[1]
 
 
 def test_equal_rewards_give_zero_advantage_and_say_so(tmp_path: Path) -> None:

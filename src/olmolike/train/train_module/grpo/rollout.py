@@ -180,11 +180,24 @@ def _pack(prompts: list[list[int]], completions: Tensor, pad: int) -> tuple[Tens
 
 
 def completion_logps(
-    model: nn.Module, batch: Rollout, *, with_entropy: bool = False
+    model: nn.Module,
+    batch: Rollout,
+    *,
+    with_entropy: bool = False,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probabilities (N, C) of the completion tokens under ``model`` (with gradient when
-    enabled), and the mean entropy of its next-token distributions over them if asked."""
+    enabled), and the mean entropy of its next-token distributions over them if asked.
+
+    ``temperature`` divides the logits and ``vocab_size`` drops the ids at and above it (a
+    model's padded vocabulary), as :func:`rollout` sampled: the log-probabilities are then those
+    of the distribution the completions were drawn from."""
     logits = model(batch.input_ids)
+    if vocab_size is not None:
+        logits = logits[..., :vocab_size]
+    if temperature != 1.0:
+        logits = logits / temperature
     width = batch.completion_ids.shape[1]
     # The logits that predict completion token j sit at position start + j - 1.
     positions = batch.completion_start[:, None] - 1 + torch.arange(width, device=logits.device)

@@ -46,7 +46,7 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from ....data.prompts import PromptDataLoader
+from ....data.prompts import PromptDataLoader, PromptRecord
 from ....data.tokenizer import Tokenizer
 from ....distributed.utils import get_rank
 from ....exceptions import ConfigurationError
@@ -57,7 +57,7 @@ from ...weights import InitWeightsCallback
 from ..reference import ReferenceModel, check_same_architecture
 from ..transformer import TransformerTrainModule, TransformerTrainModuleConfig
 from .loss import GRPOLossConfig, LossAggregation, grpo_loss
-from .rewards import RewardConfig, RewardRegistry
+from .rewards import RewardConfig, RewardFunctionError, RewardRegistry
 from .rollout import Rollout, SamplingConfig, check_prompt_lengths, completion_logps, rollout
 
 __all__ = ["GRPOTrainModule", "GRPOTrainModuleConfig"]
@@ -189,6 +189,12 @@ class GRPOTrainModule(TransformerTrainModule):
                 self.reference_step.fill_(0)
         self._pending: dict[str, Any] = {}
         self._norms: list[Tensor] = []
+        # The policy pi of the objective is the distribution sampled from: the model's logits
+        # over the tokenizer's ids, divided by the temperature (top-k / top-p are not modelled).
+        self._sampled: dict[str, Any] = {
+            "temperature": config.sampling.temperature,
+            "vocab_size": tokenizer.vocab_size,
+        }
 
     # -- checkpoint: the reference's weights are part of the run -------------------------------
 
@@ -260,16 +266,7 @@ class GRPOTrainModule(TransformerTrainModule):
         step = self.trainer.global_step
         self._refresh_reference(step)
         with self._gathered():
-            out = rollout(
-                self.model,
-                self.tokenizer,
-                batch["records"],
-                sampling=self.config.sampling,
-                loss=self.config.loss,
-                registry=self.registry,
-                rewards=self.config.rewards,
-                generator=self._generator(step),
-            )
+            out = self._rollout(batch["records"], step)
             old = self._logps(self.model, out) if self.updates_per_step > 1 else None
         ref = self._logps(self.reference.model, out) if self.reference is not None else None
         if not self.model.training:
@@ -284,6 +281,35 @@ class GRPOTrainModule(TransformerTrainModule):
             start = (update % self.config.num_minibatches) * size
             stats += self._backward(out, slice(start, start + size), old, ref)
         self._pending = {"started": started, "rollout": out, "stats": stats, "dry_run": dry_run}
+
+    def _rollout(self, records: list[PromptRecord], step: int) -> Rollout:
+        """This rank's rollout; a reward function failing on any rank fails every rank here,
+        so that none is left waiting in a later collective."""
+        error: RewardFunctionError | None = None
+        try:
+            out = rollout(
+                self.model,
+                self.tokenizer,
+                records,
+                sampling=self.config.sampling,
+                loss=self.config.loss,
+                registry=self.registry,
+                rewards=self.config.rewards,
+                generator=self._generator(step),
+            )
+        except RewardFunctionError as e:
+            error = e
+        if self.dp_world_size > 1:
+            failed = torch.tensor(0 if error is None else get_rank() + 1, device=self.device)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.dp_process_group)
+            if error is None and int(failed):
+                raise RewardFunctionError(
+                    f"a reward function failed on rank {int(failed) - 1} at step {step} (its "
+                    "error is logged there); fix the function and resume"
+                )
+        if error is not None:
+            raise error
+        return out
 
     def optim_step(self) -> None:
         self._update(self.updates_per_step - 1)
@@ -341,7 +367,8 @@ class GRPOTrainModule(TransformerTrainModule):
         parts = []
         for part in self._micro(out, slice(0, out.input_ids.shape[0])):
             with self._autocast:
-                parts.append(completion_logps(model, part)[0].float())
+                logps, _ = completion_logps(model, part, **self._sampled)
+                parts.append(logps.float())
         return torch.cat(parts)
 
     def _backward(
@@ -364,7 +391,9 @@ class GRPOTrainModule(TransformerTrainModule):
             span = slice(offset, offset + n)
             offset += n
             with self._grad_sync(last=i == len(parts) - 1), self._autocast:
-                logps, entropy = completion_logps(self._forward_module, part, with_entropy=True)
+                logps, entropy = completion_logps(
+                    self._forward_module, part, with_entropy=True, **self._sampled
+                )
             logps = logps.float()
             loss, stats = grpo_loss(
                 logps,
