@@ -212,13 +212,13 @@ class StagedDataLoaderConfig(Config):
             if stage.data_loader.global_batch_size != first.data_loader.global_batch_size:
                 raise self._invalid(
                     f"stages.{name}.data_loader.global_batch_size",
-                    f"is {stage.data_loader.global_batch_size} but stage {first_name!r}'s is "
+                    f"is {stage.data_loader.global_batch_size} but stage {first_name!r} has "
                     f"{first.data_loader.global_batch_size}; every stage needs the same batch size",
                 )
             if stage.dataset.sequence_length != first.dataset.sequence_length:
                 raise self._invalid(
                     f"stages.{name}.dataset.sequence_length",
-                    f"is {stage.dataset.sequence_length} but stage {first_name!r}'s is "
+                    f"is {stage.dataset.sequence_length} but stage {first_name!r} has "
                     f"{first.dataset.sequence_length}; every stage needs the same length",
                 )
 
