@@ -52,12 +52,17 @@ class DPOExperimentConfig(Config):
     """The whole run: the pairs, a short LM warm-up (the base model), then DPO."""
 
     run_name: str
+    """Names the save folder (``runs/RUN_NAME``) and the run in logs."""
     model: TransformerConfig
+    """The policy (and so the reference): a pair's side must fit its ``max_sequence_length``."""
     train_module: DPOTrainModuleConfig
+    """The DPO loss, its reference and the optimizer: what the example is about."""
     trainer: TrainerConfig
+    """``max_duration`` is the number of DPO steps (the warm-up has its own)."""
     pairs_per_batch: int = 16
     """Preference pairs per optimizer step, over all ranks (each pair is two sequences)."""
     train_pairs: int = 1024
+    """Distinct pairs DPO trains on (and the reference scores once, when precomputing)."""
     held_out_pairs: int = 256
     """Pairs the policy never trains on: their preference accuracy is the example's figure."""
     pretrain_steps: int = 60
@@ -65,6 +70,7 @@ class DPOExperimentConfig(Config):
     model of the data rather than at random; 0 skips it (e.g. with
     ``train_module.init_weights``, which replaces the weights when DPO starts)."""
     pretrain_lr: float = 3e-3
+    """The warm-up's learning rate: higher than DPO's, as it starts from random weights."""
 
     def validate(self) -> None:
         if self.model.max_sequence_length < SEQ:

@@ -71,12 +71,17 @@ class TwoStageExperimentConfig(Config):
     """The comparison: the same two-stage run with ``beta = 0`` and with ``train_module.beta``."""
 
     run_name: str
+    """Names the save folder (``runs/RUN_NAME``, one subfolder per beta)."""
     model: TransformerConfig
+    """Every sequence (each stage's and the held-out) must fit its ``max_sequence_length``."""
     data_loader: StagedDataLoaderConfig
+    """Each stage's data and length: stage 1's must be ``train_module.stage1_steps``."""
     held_out: NumpyDatasetConfig
     """Stage-1-like data no stage trains on: its loss after each stage measures forgetting."""
     train_module: TwoStageKLTrainModuleConfig
+    """Where the snapshot is taken (``stage1_steps``) and the KL's weight (``beta``)."""
     trainer: TrainerConfig
+    """``max_duration`` spans both stages, so one LR schedule does."""
     compare_with_beta_zero: bool = True
     """Also run with ``beta = 0`` first: the forgetting that the KL penalty should reduce."""
     data_dir: str = DATA_DIR
@@ -85,7 +90,9 @@ class TwoStageExperimentConfig(Config):
     def validate(self) -> None:
         steps = self.data_loader.stage_steps
         if len(steps) != 2:
-            raise self._invalid("data_loader.stages", f"needs two stages, got {len(steps)}")
+            raise self._invalid(
+                "data_loader.stages", f"needs two stages (stage 1, then stage 2), got {len(steps)}"
+            )
         if steps[0] != self.train_module.stage1_steps:
             raise self._invalid(
                 "train_module.stage1_steps",
