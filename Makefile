@@ -45,15 +45,20 @@ sft: install
 	test -d runs/$(RUN_NAME) || $(MAKE) run
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) src/examples/sft/train.py $(SFT_RUN) --base=runs/$(RUN_NAME) $(SFT_ARGS)
 
-# `make dpo`: DPO on stdlib preference pairs (true continuation vs shuffled), ~5 CPU minutes;
-# prints held-out preference accuracy before and after.
+# `make dpo`: DPO on stdlib preference pairs (true continuation vs shuffled), ~1 CPU minute;
+# prints held-out preference accuracy before and after. DPO_ARGS takes dotted overrides.
+DPO_ARGS ?=
+
 dpo: install
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) src/examples/dpo/train.py
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) src/examples/dpo/train.py dpo-demo $(DPO_ARGS)
 
 # `make two-stage-kl`: stage 1 on stdlib code, stage 2 on reversed code, with beta 0 and 1;
-# prints how much the stage-1 held-out loss degrades in stage 2 (~3-4 CPU minutes).
+# prints how much the stage-1 held-out loss degrades in stage 2 (under a CPU minute).
+# TWO_STAGE_ARGS takes dotted overrides.
+TWO_STAGE_ARGS ?=
+
 two-stage-kl: install
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) src/examples/two_stage_kl/train.py
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) src/examples/two_stage_kl/train.py two-stage-kl-demo $(TWO_STAGE_ARGS)
 
 # `make grpo`: GRPO on generated sums (exact-answer reward) after a short warm-up, a few CPU
 # minutes; prints held-out greedy accuracy before and after and draws the reward curve into

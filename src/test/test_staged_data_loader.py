@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
-from olmolike.data import StagedDataLoader, TokenTensorDataLoader
+from olmolike.data import (
+    DataStageConfig,
+    NumpyDataLoaderConfig,
+    NumpyDatasetConfig,
+    StagedDataLoader,
+    StagedDataLoaderConfig,
+    TokenTensorDataLoader,
+)
 from olmolike.exceptions import ConfigurationError, DataError
 from olmolike.testing import random_token_instances
 
@@ -79,3 +89,60 @@ def test_bad_stages_name_the_fix() -> None:
     state = staged().state_dict()
     with pytest.raises(DataError, match="set the stages back"):
         StagedDataLoader([(loader(1), 5), (loader(2), None)]).load_state_dict(state)
+
+
+# -- StagedDataLoaderConfig --------------------------------------------------------------------
+
+
+def staged_config(tmp_path: Path, stage2_steps: int | None = None) -> StagedDataLoaderConfig:
+    stages = {}
+    for i, name in enumerate(("stage1", "stage2")):
+        path = tmp_path / f"{name}.npy"
+        np.save(path, np.arange(i * 100, i * 100 + 8 * SEQ, dtype=np.uint16))
+        stages[name] = DataStageConfig(
+            dataset=NumpyDatasetConfig(paths=[str(path)], sequence_length=SEQ, vocab_size=256),
+            data_loader=NumpyDataLoaderConfig(global_batch_size=2 * SEQ, seed=i),
+            steps=3 if name == "stage1" else stage2_steps,
+        )
+    return StagedDataLoaderConfig(stages=stages)
+
+
+def test_config_builds_each_stage_from_its_own_data(tmp_path: Path) -> None:
+    config = staged_config(tmp_path, stage2_steps=2)
+    got = take(config.build(dp_rank=0, dp_world_size=1), 5)
+    assert [int(b.max()) < 100 for b in got] == [True] * 3 + [False] * 2
+    first = config.stages["stage1"]
+    alone = first.data_loader.build(first.dataset.build(), dp_rank=0, dp_world_size=1)
+    alone.reshuffle(1)
+    want = [b["input_ids"] for b in alone][:3]
+    assert all(torch.equal(g, w) for g, w in zip(got[:3], want, strict=True))
+    assert config.stage_steps == [3, 2]
+
+
+def test_config_round_trips_and_takes_overrides(tmp_path: Path) -> None:
+    config = staged_config(tmp_path)
+    assert StagedDataLoaderConfig.from_dict(config.as_config_dict()) == config
+    (tmp_path / "staged.yaml").write_text(config.to_yaml())
+    assert StagedDataLoaderConfig.from_yaml(tmp_path / "staged.yaml") == config
+    merged = config.merge(["--stages.stage1.steps=5", "--stages.stage2.data_loader.seed=7"])
+    assert merged.stage_steps == [5, None]
+    assert merged.stages["stage2"].data_loader.seed == 7
+
+
+@pytest.mark.parametrize(
+    ("override", "path", "fix"),
+    [
+        ("--stages.stage1.steps=null", "stages.stage1.steps", "give stage 'stage1' a number"),
+        ("--stages.stage2.steps=0", "stages.stage2.steps", "must be a positive number"),
+        ("--stages.stage2.data_loader.global_batch_size=16", "global_batch_size", "same batch"),
+        ("--stages.stage2.dataset.sequence_length=8", "sequence_length", "same length"),
+    ],
+)
+def test_config_names_the_bad_field_and_the_fix(
+    tmp_path: Path, override: str, path: str, fix: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=fix) as info:
+        staged_config(tmp_path).merge([override])
+    assert info.value.path is not None and info.value.path.endswith(path)
+    with pytest.raises(ConfigurationError, match="at least one stage"):
+        StagedDataLoaderConfig.from_dict({"stages": {}})

@@ -1,5 +1,10 @@
 """DPO on preference pairs built from the standard library: true continuation vs corrupted.
 
+Usage::
+
+    python src/examples/dpo/train.py [RUN_NAME] [--dry-run] [--dotted.key=value ...]
+    torchrun --nproc-per-node=2 src/examples/dpo/train.py [RUN_NAME] [...]
+
 Each pair's prompt is 48 bytes of a stdlib ``.py`` file; the chosen response is the true next
 24 bytes, the rejected one the same bytes shuffled. Starting from a briefly pretrained policy
 (which is also the frozen reference), DPO raises held-out preference accuracy (the fraction of
@@ -7,22 +12,26 @@ pairs whose implicit reward margin is positive; ties count half) from ~0.5. The 
 scores the training pairs once, before the first step (``precompute_reference_logps``), so each
 step runs the policy's forward only.
 
-    python src/examples/dpo/train.py            # or: torchrun --nproc_per_node=2 ...
+Everything comes from one :class:`DPOExperimentConfig`, e.g. ``--trainer.max_duration.value=
+200 --train_module.beta=0.2 --train_module.loss_type=ipo``, or
+``--train_module.reference=PATH`` for a reference other than the pretrained policy (an olmolike
+checkpoint or a Hugging Face folder of the same architecture).
 """
 
 from __future__ import annotations
 
 import random
 import sys
-import tempfile
+from dataclasses import dataclass
 
 import torch
 
+from olmolike.config import Config
 from olmolike.data import TokenTensorDataLoader
 from olmolike.data.preference import PreferenceDataLoader, PreferencePair, encode_preference_pairs
 from olmolike.data.sources import stdlib_python_files
 from olmolike.data.tokenizer import ByteTokenizer
-from olmolike.distributed.utils import broadcast_object, get_rank, get_world_size
+from olmolike.distributed.utils import get_rank, get_world_size
 from olmolike.nn import TransformerConfig
 from olmolike.optim import AdamWConfig
 from olmolike.train import (
@@ -36,6 +45,75 @@ from olmolike.train.train_module.dpo import DPOTrainModuleConfig
 
 PROMPT, RESPONSE, SEQ = 48, 24, 80
 TOK = ByteTokenizer()
+
+
+@dataclass
+class DPOExperimentConfig(Config):
+    """The whole run: the pairs, a short LM warm-up (the base model), then DPO."""
+
+    run_name: str
+    """Names the save folder (``runs/RUN_NAME``) and the run in logs."""
+    model: TransformerConfig
+    """The policy (and so the reference): a pair's side must fit its ``max_sequence_length``."""
+    train_module: DPOTrainModuleConfig
+    """The DPO loss, its reference and the optimizer: what the example is about."""
+    trainer: TrainerConfig
+    """``max_duration`` is the number of DPO steps (the warm-up has its own)."""
+    pairs_per_batch: int = 16
+    """Preference pairs per optimizer step, over all ranks (each pair is two sequences)."""
+    train_pairs: int = 1024
+    """Distinct pairs DPO trains on (and the reference scores once, when precomputing)."""
+    held_out_pairs: int = 256
+    """Pairs the policy never trains on: their preference accuracy is the example's figure."""
+    pretrain_steps: int = 60
+    """LM steps on the prompts + true continuations before DPO, so the policy starts as a
+    model of the data rather than at random; 0 skips it (e.g. with
+    ``train_module.init_weights``, which replaces the weights when DPO starts)."""
+    pretrain_lr: float = 3e-3
+    """The warm-up's learning rate: higher than DPO's, as it starts from random weights."""
+
+    def validate(self) -> None:
+        if self.model.max_sequence_length < SEQ:
+            raise self._invalid(
+                "model.max_sequence_length",
+                f"is {self.model.max_sequence_length} but a pair's side is {SEQ} tokens; "
+                f"raise it to at least {SEQ}",
+            )
+        for name in ("pairs_per_batch", "train_pairs", "held_out_pairs"):
+            if getattr(self, name) <= 0:
+                raise self._invalid(name, f"must be positive, got {getattr(self, name)}")
+        if self.pretrain_steps < 0:
+            raise self._invalid("pretrain_steps", f"must be >= 0, got {self.pretrain_steps}")
+        if self.pretrain_steps and self.train_module.init_weights is not None:
+            raise self._invalid(
+                "pretrain_steps",
+                "is wasted: train_module.init_weights replaces the pretrained weights when DPO "
+                "starts; set --pretrain_steps=0",
+            )
+
+
+def default_config(run_name: str) -> DPOExperimentConfig:
+    """60 LM steps, then 120 DPO steps of 16 pairs: under a CPU minute."""
+    return DPOExperimentConfig(
+        run_name=run_name,
+        model=TransformerConfig(
+            vocab_size=TOK.vocab_size, d_model=64, n_layers=2, n_heads=4, max_sequence_length=SEQ
+        ),
+        train_module=DPOTrainModuleConfig(
+            rank_microbatch_size=16 // get_world_size() * SEQ,
+            optim=AdamWConfig(lr=1e-3),
+            max_grad_norm=1.0,
+            beta=0.1,
+            precompute_reference_logps=True,
+        ),
+        trainer=TrainerConfig(
+            save_folder=f"runs/{run_name}",
+            max_duration=Duration.steps(120),
+            no_checkpoints=True,
+            device="cpu",
+            metrics_collect_interval=20,
+        ),
+    )
 
 
 def make_pairs(count: int, seed: int) -> list[PreferencePair]:
@@ -57,22 +135,20 @@ def make_pairs(count: int, seed: int) -> list[PreferencePair]:
     return pairs
 
 
-def model_config() -> TransformerConfig:
-    return TransformerConfig(
-        vocab_size=TOK.vocab_size, d_model=64, n_layers=2, n_heads=4, max_sequence_length=SEQ
-    )
-
-
-def pretrain(model: torch.nn.Module, rows: torch.Tensor, steps: int) -> None:
+def pretrain(config: DPOExperimentConfig, model: torch.nn.Module, rows: torch.Tensor) -> None:
     """A short LM warm-up on the prompts + true continuations (the 'base model')."""
-    config = TransformerTrainModuleConfig(
-        rank_microbatch_size=16 // get_world_size() * SEQ, optim=AdamWConfig(lr=3e-3)
+    module_config = TransformerTrainModuleConfig(
+        rank_microbatch_size=config.pairs_per_batch // get_world_size() * SEQ,
+        optim=AdamWConfig(lr=config.pretrain_lr),
     )
-    loader = TokenTensorDataLoader(rows, global_batch_size=16 * SEQ, seed=0)
-    folder = broadcast_object(tempfile.mkdtemp())
+    loader = TokenTensorDataLoader(rows, global_batch_size=config.pairs_per_batch * SEQ, seed=0)
     TrainerConfig(
-        save_folder=folder, max_duration=Duration.steps(steps), no_checkpoints=True, device="cpu"
-    ).build(config.build(model), loader).fit()
+        save_folder=f"{config.trainer.save_folder}/pretrain",
+        max_duration=Duration.steps(config.pretrain_steps),
+        no_checkpoints=True,
+        save_overwrite=True,
+        device=config.trainer.device,
+    ).build(module_config.build(model), loader).fit()
 
 
 def accuracy(module: object, rows: torch.Tensor) -> float:
@@ -81,31 +157,41 @@ def accuracy(module: object, rows: torch.Tensor) -> float:
     return float(module.preference_accuracy(batch))  # type: ignore[attr-defined]
 
 
-def main(steps: int = 120, pretrain_steps: int = 60) -> None:
-    prepare_training_environment(seed=0)
+def train(config: DPOExperimentConfig) -> None:
     torch.manual_seed(0)
-    train_rows = encode_preference_pairs(make_pairs(1024, seed=1), TOK, SEQ)
-    held_out = encode_preference_pairs(make_pairs(256, seed=2), TOK, SEQ)
-    model = model_config().build(seed=0)
-    pretrain(model, train_rows[:, :SEQ].contiguous(), pretrain_steps)
-    config = DPOTrainModuleConfig(
-        rank_microbatch_size=16 // get_world_size() * SEQ, optim=AdamWConfig(lr=1e-3),
-        max_grad_norm=1.0, beta=0.1, precompute_reference_logps=True,
-    )  # fmt: skip
-    module = config.build(model, reference_source="pretrained policy (step 0)")
+    train_rows = encode_preference_pairs(make_pairs(config.train_pairs, seed=1), TOK, SEQ)
+    held_out = encode_preference_pairs(make_pairs(config.held_out_pairs, seed=2), TOK, SEQ)
+    model = config.model.build(seed=0)
+    if config.pretrain_steps:
+        pretrain(config, model, train_rows[:, :SEQ].contiguous())
+    module = config.train_module.build(model, reference_source="pretrained policy (step 0)")
     before = accuracy(module, held_out)
-    loader = PreferenceDataLoader(train_rows, global_batch_size=16 * 4 * SEQ, seed=0)
-    folder = broadcast_object(tempfile.mkdtemp())
-    TrainerConfig(
-        save_folder=folder, max_duration=Duration.steps(steps), no_checkpoints=True,
-        device="cpu", metrics_collect_interval=20,
-    ).build(module, loader).fit()  # fmt: skip
+    loader = PreferenceDataLoader(
+        train_rows, global_batch_size=config.pairs_per_batch * 4 * SEQ, seed=0
+    )
+    config.trainer.build(module, loader).fit()
     after = accuracy(module, held_out)
+    steps = config.trainer.max_duration.value
     if get_rank() == 0:
         print(f"held-out preference accuracy (implicit reward margin > 0): "
               f"before DPO {before:.3f}  after {steps} DPO steps {after:.3f}")  # fmt: skip
-    teardown_training_environment()
+
+
+def main(argv: list[str]) -> None:
+    prepare_training_environment(seed=0)
+    try:
+        named = bool(argv) and not argv[0].startswith("-")
+        run_name = argv[0] if named else "dpo-demo"
+        overrides = [a for a in argv[int(named) :] if a != "--dry-run"]
+        config = default_config(run_name).merge(overrides)
+        if "--dry-run" in argv:
+            if get_rank() == 0:
+                print(config.to_yaml(), end="")
+            return
+        train(config)
+    finally:
+        teardown_training_environment()
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:]))
+    main(sys.argv[1:])

@@ -7,13 +7,14 @@ from .numpy_dataset import NumpyDatasetConfig, NumpyFSLDataset, SourceMixtureCon
 from .prepare import PreparedData, prepare_data, stdlib_python_files
 from .sft import PackingMode, prepare_sft_data
 from .sft_dataset import SFTDataset, SFTDatasetConfig
-from .staged import StagedDataLoader
+from .staged import DataStageConfig, StagedDataLoader, StagedDataLoaderConfig
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerConfig, apply_chat_template
 
 __all__ = [
     "ByteTokenizer",
     "ChatTemplate",
     "DataLoaderBase",
+    "DataStageConfig",
     "HFTokenizer",
     "NumpyDataLoader",
     "NumpyDataLoaderConfig",
@@ -25,6 +26,7 @@ __all__ = [
     "SFTDatasetConfig",
     "SourceMixtureConfig",
     "StagedDataLoader",
+    "StagedDataLoaderConfig",
     "TokenTensorDataLoader",
     "Tokenizer",
     "TokenizerConfig",

@@ -9,18 +9,28 @@ state, so a resume is exact on either side of a boundary.
 The whole staged schedule is one epoch of the staged loader, so the trainer's step and the
 loader's batch count agree and a boundary falls on a known step (what two-stage training's
 snapshot step must match).
+
+:class:`StagedDataLoaderConfig` describes the same thing in a config file or on the command
+line: a mapping of named stages, each its dataset, its loader settings and its steps, e.g.
+``--data_loader.stages.stage1.steps=500``.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+
+from ..config import Config
 from ..exceptions import ConfigurationError, DataError
 from .data_loader import Batch, DataLoaderBase
+from .numpy_data_loader import NumpyDataLoaderConfig
+from .numpy_dataset import NumpyDatasetConfig
 
-__all__ = ["StagedDataLoader"]
+__all__ = ["DataStageConfig", "StagedDataLoader", "StagedDataLoaderConfig"]
 
 log = logging.getLogger(__name__)
 
@@ -151,3 +161,92 @@ class StagedDataLoader(DataLoaderBase):
 
     def get_mock_batch(self) -> Batch:
         return self.loaders[0].get_mock_batch()
+
+
+@dataclass
+class DataStageConfig(Config):
+    """One stage of a :class:`StagedDataLoaderConfig`: its data, how it is batched, how long."""
+
+    dataset: NumpyDatasetConfig
+    """The stage's data (files or a mixture): a stage exists to change what the model sees."""
+    data_loader: NumpyDataLoaderConfig
+    """How the stage's batches are drawn: its own seed and shuffling, so each stage's order is
+    independent of the others'. Its ``global_batch_size`` must equal every other stage's, since
+    the trainer runs one batch size for the whole run."""
+    steps: int | None = None
+    """Batches (optimizer steps) this stage serves before the next stage begins; ``None``, for
+    the last stage only, serves until the run ends. A stage longer than one epoch of its data
+    starts its next epoch."""
+
+    def validate(self) -> None:
+        if self.steps is not None and self.steps <= 0:
+            raise self._invalid(
+                "steps", f"must be a positive number of steps (or null), got {self.steps}"
+            )
+
+
+@dataclass
+class StagedDataLoaderConfig(Config):
+    """Builds a :class:`StagedDataLoader`: each stage's data for its steps, in order.
+
+    Stages are named so that a command line can reach one (``--data_loader.stages.stage2.
+    dataset.paths=[data/b]``); they run in the order the mapping lists them.
+    """
+
+    stages: dict[str, DataStageConfig]
+    """The stages, in order. Only the last may leave ``steps`` unset."""
+
+    def validate(self) -> None:
+        if not self.stages:
+            raise self._invalid("stages", "needs at least one stage, e.g. {stage1: {...}}")
+        names = list(self.stages)
+        for name in names[:-1]:
+            if self.stages[name].steps is None:
+                raise self._invalid(
+                    f"stages.{name}.steps",
+                    f"is unset, but only the last stage ({names[-1]!r}) may run until the run "
+                    f"ends; give stage {name!r} a number of steps",
+                )
+        first_name, first = names[0], self.stages[names[0]]
+        for name, stage in self.stages.items():
+            if stage.data_loader.global_batch_size != first.data_loader.global_batch_size:
+                raise self._invalid(
+                    f"stages.{name}.data_loader.global_batch_size",
+                    f"is {stage.data_loader.global_batch_size} but stage {first_name!r} has "
+                    f"{first.data_loader.global_batch_size}; every stage needs the same batch size",
+                )
+            if stage.dataset.sequence_length != first.dataset.sequence_length:
+                raise self._invalid(
+                    f"stages.{name}.dataset.sequence_length",
+                    f"is {stage.dataset.sequence_length} but stage {first_name!r} has "
+                    f"{first.dataset.sequence_length}; every stage needs the same length",
+                )
+
+    @property
+    def stage_steps(self) -> list[int | None]:
+        """Each stage's steps, in order (what the built loader's ``stage_steps`` will be)."""
+        return [stage.steps for stage in self.stages.values()]
+
+    def build(
+        self,
+        *,
+        dp_process_group: dist.ProcessGroup | None = None,
+        dp_rank: int | None = None,
+        dp_world_size: int | None = None,
+    ) -> StagedDataLoader:
+        """Every stage's dataset and loader for this rank (see
+        :meth:`NumpyDataLoaderConfig.build` for the rank arguments)."""
+        self.validate()
+        stages: list[tuple[DataLoaderBase, int | None]] = []
+        for name, stage in self.stages.items():
+            try:
+                loader = stage.data_loader.build(
+                    stage.dataset.build(),
+                    dp_process_group=dp_process_group,
+                    dp_rank=dp_rank,
+                    dp_world_size=dp_world_size,
+                )
+            except ConfigurationError as e:
+                raise e.under(f"stages.{name}") from None
+            stages.append((loader, stage.steps))
+        return StagedDataLoader(stages)
