@@ -61,7 +61,6 @@ __all__ = [
     "async_save_model_and_optim_state",
     "async_save_state_dict",
     "check_checkpoint_backend",
-    "checkpoint_keys",
     "get_checkpoint_metadata",
     "load_keys",
     "load_model_and_optim_state",
@@ -336,11 +335,6 @@ def _load(
         process_group=group,
         no_dist=not is_distributed(),
     )
-
-
-def checkpoint_keys(dir: str | Path) -> set[str]:
-    """Top-level names saved in a DCP checkpoint (e.g. ``{"model", "optim"}``)."""
-    return {key.split(".", 1)[0] for key in get_checkpoint_metadata(dir).state_dict_metadata}
 
 
 def get_checkpoint_metadata(dir: str | Path) -> Metadata:
