@@ -463,7 +463,9 @@ def print_targets(
         )
 
 
-def print_setup(console: Console, settings: Settings, threads: int) -> None:
+def print_setup(
+    console: Console, settings: Settings, threads: int, sizes: tuple[Size, ...]
+) -> None:
     console.print(
         f"torch {torch.__version__}, device cpu, torch.set_num_threads({threads}) "
         f"(interop threads {torch.get_num_interop_threads()}), {settings.rounds} rounds, "
@@ -475,7 +477,7 @@ def print_setup(console: Console, settings: Settings, threads: int) -> None:
     )
     if WITH_LIBRARY_CALLBACKS:
         console.print(f"With the library callbacks: {', '.join(library_callbacks())}")
-    for size in SIZES:
+    for size in sizes:
         console.print(
             f"{size.name}: TinyCausalLM d_model={size.d_model} n_layers={size.n_layers} "
             f"n_heads={size.n_heads} vocab={size.vocab_size}; batch {size.batch_size} x "
@@ -491,7 +493,9 @@ def usable_cores() -> int:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="a short smoke run (< 1 min)")
+    parser.add_argument(
+        "--quick", action="store_true", help="a short smoke run on the smallest size only"
+    )
     parser.add_argument(
         "--with-callbacks",
         action="store_true",
@@ -538,9 +542,10 @@ def main() -> None:
             steps=args.steps or (5 if args.quick else None),
             save_folder=save_folder,
         )
-        print_setup(console, settings, args.threads)
+        sizes = SIZES[:1] if args.quick else SIZES
+        print_setup(console, settings, args.threads, sizes)
         results, lockstep = [], {}
-        for size in SIZES:
+        for size in sizes:
             results.append(measure(size, settings))
             console.print(rounds_table(results[-1]))
             lockstep_steps = 20 if args.quick else size.lockstep_steps

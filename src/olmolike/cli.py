@@ -1,26 +1,68 @@
-"""The ``olmolike`` command."""
+"""The olmolike command: prepare data, train, sample, evaluate, export and plot.
+
+Only the chosen subcommand's module is imported (most import torch, seconds of CPU), so
+``olmolike --help`` and a mistyped command answer at once.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import platform
 import sys
-from collections.abc import Sequence
-
-import torch
+from collections.abc import Callable, Sequence
 
 from . import __version__
-from .data.prepare import add_prepare_data_command
-from .distributed.unshard import UnshardStrategy, UnshardStrategyType, unshard_checkpoint
 from .exceptions import ConfigurationError, OLMoLikeError
-from .inference import add_evaluate_command
-from .plot import add_plot_command
-from .train import TrainerConfig
 
-__all__ = ["main"]
+__all__ = ["COMMANDS", "build_parser", "main"]
+
+DESCRIPTION = "olmolike: prepare data, train, sample, evaluate, export and plot language models."
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "info": ("print versions and available accelerators", "olmolike.cli:_add_info_command"),
+    "check-config": (
+        "validate a trainer config file (YAML or JSON) with overrides and print the result",
+        "olmolike.cli:_add_check_config_command",
+    ),
+    "unshard": (
+        "write the model (and optimizer) state of a checkpoint as plain torch or safetensors "
+        "files, which load without torch.distributed",
+        "olmolike.cli:_add_unshard_command",
+    ),
+    "generate": (
+        "sample text from a training checkpoint (stepN folder)",
+        "olmolike.cli:_add_generate_command",
+    ),
+    "export-hf": (
+        "write a checkpoint's model in the Hugging Face format, as LlamaForCausalLM or "
+        "Olmo2ForCausalLM (model.safetensors + config.json)",
+        "olmolike.cli:_add_export_hf_command",
+    ),
+    "prepare-data": (
+        "tokenize text/JSONL files into memory-mappable .npy token shards for training",
+        "olmolike.data.prepare:add_prepare_data_command",
+    ),
+    "plot": (
+        "draw loss / learning rate / throughput curves of one or more runs into a PNG",
+        "olmolike.plot:add_plot_command",
+    ),
+    "evaluate": (
+        "print the cross-entropy loss and perplexity of a checkpoint on token data",
+        "olmolike.inference:add_evaluate_command",
+    ),
+    "train": (
+        "train from an experiment config file (YAML or JSON) with dotted overrides; under "
+        "torchrun: torchrun --nproc-per-node=N -m olmolike train CONFIG.yaml",
+        "olmolike.experiment:add_train_command",
+    ),
+}
+"""Subcommand -> (its one-line help, ``module:function`` that adds its full parser)."""
 
 
 def _info(_: argparse.Namespace) -> int:
+    import torch
+
     print(f"olmolike {__version__}")
     print(f"python   {platform.python_version()}")
     print(f"torch    {torch.__version__}")
@@ -33,6 +75,8 @@ def _info(_: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
+    from .train import TrainerConfig
+
     try:
         config = (
             TrainerConfig.from_json(args.path, args.overrides)
@@ -47,6 +91,8 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def _unshard(args: argparse.Namespace) -> int:
+    from .distributed.unshard import UnshardStrategy, UnshardStrategyType, unshard_checkpoint
+
     strategy = UnshardStrategy(
         name=UnshardStrategyType(args.strategy), chunk_size_bytes=args.chunk_size
     )
@@ -66,11 +112,9 @@ def _unshard(args: argparse.Namespace) -> int:
 
 
 def _add_unshard_command(commands: argparse._SubParsersAction) -> None:
-    unshard = commands.add_parser(
-        "unshard",
-        help="write the model (and optimizer) state of a checkpoint as plain torch or "
-        "safetensors files, which load without torch.distributed",
-    )
+    from .distributed.unshard import UnshardStrategyType
+
+    unshard = commands.add_parser("unshard", help=COMMANDS["unshard"][0])
     unshard.add_argument("checkpoint", help="a train checkpoint folder (stepN) or a DCP directory")
     unshard.add_argument("output", help="the directory to write the files into")
     unshard.add_argument(
@@ -123,7 +167,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _add_generate_command(commands: argparse._SubParsersAction) -> None:
     generate = commands.add_parser(
         "generate",
-        help="sample text from a training checkpoint (stepN folder)",
+        help=COMMANDS["generate"][0],
         description="Sample text from a checkpoint, with a KV cache (one forward call per new "
         "token over that token alone).",
     )
@@ -186,46 +230,61 @@ def _export_hf(args: argparse.Namespace) -> int:
 
 
 def _add_export_hf_command(commands: argparse._SubParsersAction) -> None:
-    export = commands.add_parser(
-        "export-hf",
-        help="write a checkpoint's model in the Hugging Face format, as LlamaForCausalLM or "
-        "Olmo2ForCausalLM (model.safetensors + config.json)",
-    )
+    export = commands.add_parser("export-hf", help=COMMANDS["export-hf"][0])
     export.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/my-run/step600")
     export.add_argument("output", help="the directory to write into")
     export.add_argument("--overwrite", action="store_true", help="replace existing files")
     export.set_defaults(run=_export_hf)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="olmolike", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"olmolike {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
-    info = commands.add_parser("info", help="print versions and available accelerators")
-    info.set_defaults(run=_info)
-    check = commands.add_parser(
-        "check-config",
-        help="validate a trainer config file (YAML or JSON) with overrides and print the result",
-    )
+def _add_info_command(commands: argparse._SubParsersAction) -> None:
+    commands.add_parser("info", help=COMMANDS["info"][0]).set_defaults(run=_info)
+
+
+def _add_check_config_command(commands: argparse._SubParsersAction) -> None:
+    check = commands.add_parser("check-config", help=COMMANDS["check-config"][0])
     check.add_argument("path")
     check.add_argument("overrides", nargs=argparse.REMAINDER, help="--dotted.key=value ...")
     check.set_defaults(run=_check_config)
-    _add_unshard_command(commands)
-    _add_generate_command(commands)
-    _add_export_hf_command(commands)
-    add_prepare_data_command(commands)
-    add_plot_command(commands)
-    add_evaluate_command(commands)
+
+
+def _adder(name: str) -> Callable[[argparse._SubParsersAction], None]:
+    module, function = COMMANDS[name][1].split(":")
+    adder: Callable[[argparse._SubParsersAction], None] = getattr(
+        importlib.import_module(module), function
+    )
+    return adder
+
+
+def build_parser(command: str | None = None, *, full: bool = False) -> argparse.ArgumentParser:
+    """The parser, with the full arguments of ``command`` (or of every command, ``full``).
+
+    The other commands are listed by name and help only, without importing their modules.
+    """
+    parser = argparse.ArgumentParser(prog="olmolike", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"olmolike {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, (help, _) in COMMANDS.items():
+        if full or name == command:
+            _adder(name)(commands)
+        else:
+            commands.add_parser(name, help=help, add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     try:
         return int(args.run(args))
     except (OLMoLikeError, FileExistsError) as e:
-        # Mistakes the user can fix get one line naming the problem, not a traceback.
-        print(f"error: {e}", file=sys.stderr)
+        # Mistakes the user can fix get one line naming the problem, not a traceback; under
+        # torchrun only from the job's first failing rank (the others usually fail alike).
+        from .distributed.failure import report_rank_failure
+
+        if report_rank_failure(e):
+            print(f"error: {e}", file=sys.stderr)
         return 2
 
 

@@ -12,10 +12,12 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import fsspec
 
@@ -32,6 +34,7 @@ __all__ = [
     "remove",
     "resolve_download_url",
     "retry_network",
+    "url_to_fs",
     "write_file",
 ]
 
@@ -79,6 +82,75 @@ def _is_transient(error: BaseException) -> bool:
     )
 
 
+# Where a protocol's requests go unless configured otherwise, and what configures it.
+_ENDPOINTS = {
+    "gs": ("STORAGE_EMULATOR_HOST", "https://storage.googleapis.com"),
+    "gcs": ("STORAGE_EMULATOR_HOST", "https://storage.googleapis.com"),
+    "s3": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "https://s3.amazonaws.com"),
+    "s3a": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "https://s3.amazonaws.com"),
+}
+_RESOLVED: set[str] = set()
+_CREDENTIAL_ERRORS = {
+    "DefaultCredentialsError",
+    "RefreshError",
+    "NoCredentialsError",
+    "PartialCredentialsError",
+}
+_CREDENTIALS_HINT = (
+    "no valid credentials for it (gs://: GOOGLE_APPLICATION_CREDENTIALS or `gcloud auth "
+    "application-default login`; s3://: AWS_ACCESS_KEY_ID / AWS_PROFILE)"
+)
+
+
+def _endpoint_host(protocol: str) -> str | None:
+    *variables, default = _ENDPOINTS.get(protocol, ("",))
+    if not default:
+        return None
+    options: dict[str, Any] = fsspec.config.conf.get(protocol, {})
+    endpoint = options.get("endpoint_url") or next(
+        (os.environ[v] for v in variables if os.environ.get(v)), default
+    )
+    return urlsplit(endpoint if "//" in endpoint else f"//{endpoint}").hostname
+
+
+def url_to_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """``fsspec.core.url_to_fs``, after checking (once per host) that the store's host resolves.
+
+    Without a network (or with a mistyped endpoint) the clients retry for minutes, and gcsfs
+    probes for credentials first; a host that does not resolve is no transient error.
+    """
+    host = _endpoint_host(url.split("://", 1)[0]) if is_url(url) else None
+    if host is not None and host not in _RESOLVED:
+        try:
+            socket.getaddrinfo(host, None)
+        except OSError as e:
+            raise NetworkError(
+                f"cannot reach {url}: the storage host {host} does not resolve ({e.strerror}); "
+                "no network, or a wrong endpoint"
+            ) from None
+        _RESOLVED.add(host)
+    return fsspec.core.url_to_fs(url)
+
+
+def _permanent_failure(error: BaseException) -> str | None:
+    """Why retrying ``error`` cannot help (a missing DNS name, no credentials), or None."""
+    chain: list[BaseException] = []
+    cause: BaseException | None = error
+    while cause is not None and cause not in chain:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    for e in chain:
+        name = type(e).__name__
+        if isinstance(e, socket.gaierror) or name.endswith("DNSError"):
+            return "the storage host does not resolve: no network, or a wrong endpoint"
+        if name in _CREDENTIAL_ERRORS or isinstance(e, PermissionError):
+            return f"access denied: {_CREDENTIALS_HINT}"
+        code = getattr(e, "code", None)
+        if name == "HttpError" and code in (401, 403):
+            return f"access denied (HTTP {code}): {_CREDENTIALS_HINT}"
+    return None
+
+
 def is_url(path: PathOrStr) -> bool:
     text = str(path)
     return "://" in text and not text.startswith("file://")
@@ -104,6 +176,9 @@ def retry_network(
         try:
             return fn()
         except Exception as e:
+            cause = _permanent_failure(e)
+            if cause is not None:
+                raise NetworkError(f"{what} failed: {cause} ({type(e).__name__}: {e})") from e
             if not _is_transient(e):
                 raise
             if attempt == attempts:
@@ -213,7 +288,7 @@ def create_file(path: PathOrStr, contents: str | bytes) -> bool:
     """
     data = contents.encode() if isinstance(contents, str) else contents
     if is_url(path):
-        fs, fs_path = fsspec.core.url_to_fs(str(path))
+        fs, fs_path = url_to_fs(str(path))
 
         def put() -> bool:
             try:
@@ -247,7 +322,7 @@ def _write_synced(path: Path, data: bytes) -> None:
 def _put_remote(
     target: str, overwrite: bool, what: str, put: Callable[[fsspec.AbstractFileSystem, str], object]
 ) -> None:
-    fs, fs_path = fsspec.core.url_to_fs(target)
+    fs, fs_path = url_to_fs(target)
 
     def attempt() -> None:
         if not overwrite and fs.exists(fs_path):
@@ -260,14 +335,14 @@ def _put_remote(
 def exists(path: PathOrStr) -> bool:
     if not is_url(path):
         return local_path(path).exists()
-    fs, fs_path = fsspec.core.url_to_fs(str(path))
+    fs, fs_path = url_to_fs(str(path))
     return bool(retry_network(lambda: fs.exists(fs_path), f"checking {path}"))
 
 
 def read_bytes(path: PathOrStr) -> bytes:
     if not is_url(path):
         return local_path(path).read_bytes()
-    fs, fs_path = fsspec.core.url_to_fs(str(path))
+    fs, fs_path = url_to_fs(str(path))
     return bytes(retry_network(lambda: fs.cat_file(fs_path), f"reading {path}"))
 
 
@@ -276,7 +351,7 @@ def list_dir(path: PathOrStr) -> list[str]:
     if not is_url(path):
         directory = local_path(path)
         return sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
-    fs, fs_path = fsspec.core.url_to_fs(str(path))
+    fs, fs_path = url_to_fs(str(path))
 
     def listing() -> list[str]:
         try:
@@ -297,7 +372,7 @@ def remove(path: PathOrStr, *, recursive: bool = False) -> None:
         else:
             target.unlink(missing_ok=True)
         return
-    fs, fs_path = fsspec.core.url_to_fs(str(path))
+    fs, fs_path = url_to_fs(str(path))
 
     def delete() -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -38,6 +38,16 @@ DEFAULT_PANELS: dict[str, list[str]] = {
 }
 """Panel title -> glob patterns of the metrics it shows. A panel nothing matches is left out."""
 
+PANEL_UNITS: dict[str, str] = {
+    "loss": "loss (nats/token)",
+    "learning rate": "learning rate",
+    "tokens per second": "tokens/s (one device)",
+}
+"""The y-axis label of a default panel (others are labelled with their metric pattern)."""
+
+LINE_STYLES = ("-", "--", ":", "-.")
+"""One per metric within a panel, so curves that overlap (LR of two groups) stay visible."""
+
 
 @dataclass
 class RunMetrics:
@@ -152,19 +162,33 @@ def figure_for_runs(runs: list[RunMetrics], metrics: list[str] | None = None) ->
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 3.2 * len(panels)), squeeze=False)
     for ax, (title, patterns) in zip(axes[:, 0], panels.items()):
         _draw_panel(ax, title, patterns, runs)
-    axes[-1, 0].set_xlabel("step")
+    axes[-1, 0].set_xlabel("step (optimizer steps)")
     fig.tight_layout()
     return fig
 
 
 def _draw_panel(ax: Any, title: str, patterns: list[str], runs: list[RunMetrics]) -> None:
-    several_metrics = len({m for run in runs for m in run.matching(patterns)}) > 1
-    for run in runs:
+    """One colour per run (its train and eval curves share it), one line style per metric."""
+    # Training curves solid, the rest (evaluations, other groups) in the other styles.
+    metrics = sorted(
+        {m for run in runs for m in run.matching(patterns)},
+        key=lambda m: (not m.startswith("train/"), m),
+    )
+    for index, run in enumerate(runs):
         for name in run.matching(patterns):
             steps, values = run.curves[name]
-            label = f"{run.name}: {name}" if several_metrics else run.name
-            ax.plot(steps, values, label=label, marker="." if len(steps) < 30 else None)
+            label = f"{run.name}: {name}" if len(metrics) > 1 else run.name
+            ax.plot(
+                steps,
+                values,
+                label=label,
+                color=f"C{index % 10}",
+                linestyle=LINE_STYLES[metrics.index(name) % len(LINE_STYLES)],
+                marker="o" if len(steps) < 30 else None,
+                markersize=4,
+            )
     ax.set_title(title)
+    ax.set_ylabel(PANEL_UNITS.get(title, title))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
 

@@ -69,6 +69,7 @@ def setup_logging(
     ``time level logger: message``, that grep and log collectors read as it is.
     The filter type comes from the argument, else ``$LOG_FILTER_TYPE``, else ``rank0_only``.
     Calling it again replaces the previous olmolike handler rather than adding another.
+    The storage clients' own loggers (:data:`_QUIET_LIBRARIES`) are silenced unless set.
     """
     filter_type = LogFilterType(
         log_filter_type or os.environ.get(LOG_FILTER_ENV) or LogFilterType.rank0_only
@@ -83,6 +84,15 @@ def setup_logging(
     handler.addFilter(_RankFilter(filter_type))
     root.addHandler(handler)
     root.setLevel(level)
+    for name in _QUIET_LIBRARIES:
+        library = logging.getLogger(name)
+        if library.level == logging.NOTSET:  # unless the user configured it
+            library.setLevel(logging.CRITICAL)
+
+
+_QUIET_LIBRARIES = ("gcsfs", "google.auth", "s3fs", "aiobotocore", "botocore")
+"""Storage clients that log their retries and the tracebacks of errors they raise: olmolike
+retries and reports those errors itself, in one line."""
 
 
 def _plain_handler(rank_tag: str) -> logging.Handler:

@@ -21,6 +21,7 @@ BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
         ("gpu_throughput.py", "tokens/s per device"),
         ("data_loader.py", "load / step"),
         ("generation.py", "cached >= 5x recompute"),
+        ("cli_startup.py", "ratio olmolike --help / python -c pass"),
     ],
 )
 def test_benchmark_smoke(script: str, expected: str, tmp_path: Path) -> None:

@@ -103,8 +103,9 @@ def test_lines_are_flushed_while_training_runs(tmp_path: Path) -> None:
         no_checkpoints=True,
         callbacks={"metric_saver": MetricSaverCallback(), "read": ReadBack()},
     ).fit()
-    # post_step of step N runs before step N's metrics are logged: N-1 lines are on disk.
-    assert seen == [0, 1, 2]
+    # Step N's metrics are logged at the end of step N + 1, after its post_step: N-2 lines are
+    # on disk at step N's post_step.
+    assert seen == [0, 0, 1]
 
 
 def test_lines_reach_the_disk_once_per_collect_interval(tmp_path: Path) -> None:
@@ -145,11 +146,11 @@ def test_lines_reach_the_disk_once_per_collect_interval(tmp_path: Path) -> None:
             "count": CountFlushes(),
         },
     ).fit()
-    # Steps 1-3 arrive together after step 3's post_step, and are flushed together: one
-    # write per collection (steps 3, 6 and the last, short one at 7), not one per line; then
-    # the end of training and closing the file flush (finding nothing to write).
-    assert seen == [0, 0, 0, 3, 3, 3, 6]
-    assert flushes == [3, 6, 7, 7, 7]
+    # Steps 1-3, collected at step 3, arrive together at the end of step 4 and are flushed
+    # together: one write per collection (steps 4, 7 and the last, short one at the end of
+    # training), not one per line; then closing the file flushes (finding nothing to write).
+    assert seen == [0, 0, 0, 0, 3, 3, 3]
+    assert flushes == [4, 7, 7, 7, 7]
     assert steps_in((tmp_path / "metrics.jsonl").read_text()) == list(range(1, 8))
 
 
@@ -157,12 +158,13 @@ def test_resume_drops_steps_after_the_checkpoint_and_appends(tmp_path: Path) -> 
     with pytest.raises(Crash):
         run(tmp_path, steps=8, crash_at=7)
     first = lines(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in first] == [1, 2, 3, 4, 5, 6]
+    # Step s's metrics are logged at the end of step s + 1: step 6's never were.
+    assert [r["step"] for r in first] == [1, 2, 3, 4, 5]
     run(tmp_path, steps=8)  # resumes from the checkpoint at step 4
     resumed = lines(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert resumed[:4] == first[:4]
-    assert resumed[4]["time"] > first[5]["time"]  # steps 5 and 6 come from the second run
+    assert resumed[4]["time"] > first[4]["time"]  # steps 5 and 6 come from the second run
 
 
 def test_fresh_run_empties_a_file_left_by_a_run_without_checkpoints(tmp_path: Path) -> None:
@@ -215,15 +217,15 @@ def test_remote_save_folder_gets_a_copy_at_checkpoints_and_the_end(
             crash_at=7,
             extra_callbacks={"remote": first_run},
             work_dir=str(tmp_path / "work"),
-            async_bookkeeping=False,  # metrics logged at the end of their step, also on a GPU
+            async_bookkeeping=False,  # the same steps on a GPU (no CPU group) as on CPU
         )
     # No copy before the step-4 checkpoint; the checkpoint's copy holds the steps logged by
-    # then (step 4's metrics are logged after its checkpoint), and nothing refreshes it until
-    # the run fails, when the copy catches up with every logged step.
-    # (The crash callback runs first at step 7, so the last record is from step 6.)
-    assert first_run.seen == {1: None, 2: None, 3: None, 4: None, 5: [1, 2, 3], 6: [1, 2, 3]}
+    # then (step s's metrics are logged at the end of step s + 1, so steps 1 and 2), and
+    # nothing refreshes it until the run fails, when the copy catches up with every logged
+    # step. (The crash callback runs first at step 7, so the last record is from step 5.)
+    assert first_run.seen == {1: None, 2: None, 3: None, 4: None, 5: [1, 2], 6: [1, 2]}
     first = remote_records()
-    assert [r["step"] for r in first] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in first] == [1, 2, 3, 4, 5]
     assert first == lines(tmp_path / "work" / "metrics.jsonl")
 
     # A new machine (a fresh work_dir): only the save folder's copy and checkpoints are left.
@@ -239,7 +241,7 @@ def test_remote_save_folder_gets_a_copy_at_checkpoints_and_the_end(
     resumed = remote_records()
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6, 7, 8]  # each step exactly once
     assert resumed[:4] == first[:4]
-    assert resumed[4]["time"] > first[5]["time"]  # steps 5 and 6 come from the second run
+    assert resumed[4]["time"] > first[4]["time"]  # steps 5 and 6 come from the second run
     assert resumed == lines(tmp_path / "work2" / "metrics.jsonl")
     assert any(p.startswith("step8/") for p in store.objects("run"))  # the final checkpoint
 

@@ -87,6 +87,17 @@ def test_only_rank_zero_shows_a_bar(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert terminal.getvalue() == ""
 
 
+def test_several_ranks_show_no_bar_unless_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    terminal = fake_terminal(monkeypatch)
+    monkeypatch.setattr(progress, "get_world_size", lambda: 2)  # rank 0 of a torchrun job
+    fit(tmp_path / "default")
+    assert terminal.getvalue() == ""
+    fit(tmp_path / "asked", ProgressCallback(with_several_ranks=True))
+    assert "step" in terminal.getvalue()
+
+
 @dataclass
 class HandlerProbe(Callback):
     """Logs inside a step and notes whether the handler still held the terminal then."""

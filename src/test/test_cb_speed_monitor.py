@@ -132,7 +132,8 @@ def test_no_flops_or_mfu_without_a_flop_count(
 def test_cpu_without_a_peak_reports_flops_but_no_mfu_and_says_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger=speed_monitor.__name__):
+    monkeypatch.setattr(speed_monitor, "_MFU_NOTED", set())
+    with caplog.at_level(logging.DEBUG, logger=speed_monitor.__name__):
         _, clock = fit_with_clock(
             tmp_path, monkeypatch, steps=3, callbacks={"speed": SpeedMonitorCallback()}
         )
@@ -190,3 +191,17 @@ def test_global_tps_sums_the_ranks_per_device_rates(tmp_path: Path) -> None:
         metrics = rank0[step]
         assert metrics["throughput/TPS"] == pytest.approx(2 * metrics["throughput/device/TPS"])
         assert metrics["throughput/total tokens"] == step * RANK_TOKENS
+
+
+def test_the_mfu_note_is_logged_once_at_debug_on_cpu(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(speed_monitor, "_MFU_NOTED", set())
+    caplog.set_level(logging.DEBUG, logger=speed_monitor.__name__)
+    for run in ("a", "b"):
+        callbacks = {"speed": SpeedMonitorCallback()}
+        build_trainer(
+            tmp_path / run, max_duration=Duration.steps(1), no_checkpoints=True, callbacks=callbacks
+        ).fit()
+    notes = [r for r in caplog.records if "MFU is not reported" in r.getMessage()]
+    assert [r.levelno for r in notes] == [logging.DEBUG]

@@ -128,21 +128,22 @@ def test_remote_save_folder_gets_the_event_files(
     bucket: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     store: RemoteStore = request.getfixturevalue(bucket)
-    at_checkpoint = RemoteEventsAtStep(store=store, at_step=3, into=tmp_path / "at-checkpoint")
+    at_checkpoint = RemoteEventsAtStep(store=store, at_step=4, into=tmp_path / "at-checkpoint")
     build_trainer(
         store.url("run"),
-        max_duration=Duration.steps(4),
+        max_duration=Duration.steps(6),
         metrics_collect_interval=1,
-        async_bookkeeping=False,  # metrics logged at the end of their step, also on a GPU
+        async_bookkeeping=False,  # the same steps on a GPU (no CPU group) as on CPU
         work_dir=str(tmp_path / "work"),
         callbacks={
             "tensorboard": TensorBoardCallback(),
             "metric_saver": MetricSaverCallback(),
-            "checkpointer": CheckpointerCallback(save_interval=2, pre_train_checkpoint=False),
+            "checkpointer": CheckpointerCallback(save_interval=3, pre_train_checkpoint=False),
             "at_checkpoint": at_checkpoint,
         },
     ).fit()
-    # The copy made at the step-2 checkpoint (step 2's metrics are logged after it).
+    # The copy made at the step-3 checkpoint: step s's metrics reach callbacks at the end of
+    # step s + 1 (an agreed step), after that step's checkpoint, so it holds step 1's only.
     assert [step for step, _ in at_checkpoint.scalars["train/CE loss"]] == [1]
 
     # At the end: the same event file as the local one, byte for byte.
@@ -159,7 +160,7 @@ def test_remote_save_folder_gets_the_event_files(
     downloaded = tmp_path / "downloaded"
     assert download(store, "run/tensorboard", downloaded) == remote
     metrics_jsonl = store.fs.cat_file(store.url("run", "metrics.jsonl")).decode()
-    assert [json.loads(x)["step"] for x in metrics_jsonl.splitlines()] == [1, 2, 3, 4]
+    assert [json.loads(x)["step"] for x in metrics_jsonl.splitlines()] == [1, 2, 3, 4, 5, 6]
     assert_scalars_match(read_scalars(downloaded), metrics_jsonl)
 
 

@@ -729,9 +729,11 @@ def test_trainer_config_defaults_match_the_reference() -> None:
         "callbacks": {},
         "async_bookkeeping": None,
         "bookkeeping_soft_timeout": 30,
+        "train_timeout_seconds": 300,
         "no_checkpoints": False,
         "no_evals": False,
         "steps_to_skip": None,
+        "checkpoints_to_eval": None,
     }
     assert cfg.as_dict(recurse=False) == expected
     assert cfg.load_strategy == "if_available"

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from testutils import run_distributed_test
+from torch.distributed.tensor import DTensor
 
 from olmolike.data.preference import (
     PreferenceDataLoader,
@@ -68,8 +69,11 @@ def test_jsonl_strings_and_chat_messages(tmp_path: Path) -> None:
     ]
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
     pairs = read_preference_jsonl(path)
-    assert [(p.chosen, p.rejected) for p in pairs] == [("yes", "no"), ("good", "bad")]
-    assert pairs[1].prompt == "user: hi\n" and pairs[1].where.endswith(":2")
+    assert [(p.chosen, p.rejected) for p in pairs] == [
+        ("yes", "no"),
+        ([{"role": "assistant", "content": "good"}], [{"role": "assistant", "content": "bad"}]),
+    ]
+    assert not pairs[0].is_chat and pairs[1].is_chat and pairs[1].where.endswith(":2")
 
 
 def test_bad_pairs_name_the_record(tmp_path: Path) -> None:
@@ -99,7 +103,7 @@ def model_config() -> TransformerConfig:
 
 def build(
     folder: str | Path, *, dp: str | None = None, micro_pairs: int | None = None,
-    reference_seed: int | None = None, **trainer_kwargs: Any,
+    reference_seed: int | None = None, precompute: bool = False, **trainer_kwargs: Any,
 ) -> tuple[Trainer, Log]:  # fmt: skip
     rank_pairs = PAIRS_PER_STEP // get_world_size()
     config = DPOTrainModuleConfig(
@@ -108,6 +112,7 @@ def build(
         max_grad_norm=1.0,
         beta=0.5,
         dp_config=DataParallelConfig(name=DataParallelType(dp)) if dp else None,
+        precompute_reference_logps=precompute,
     )
     reference = None
     if reference_seed is not None:
@@ -187,6 +192,46 @@ def test_resume_is_exact_and_checks_the_reference(tmp_path: Path) -> None:
         other.fit()
 
 
+def test_precomputed_reference_logps_give_the_same_losses_with_one_forward_less(
+    tmp_path: Path,
+) -> None:
+    plain, plain_log = build(tmp_path / "plain", no_checkpoints=True, reference_seed=5)
+    plain.fit()
+    cached, cached_log = build(tmp_path / "cached", precompute=True, reference_seed=5)
+    forwards = []
+    reference = cached.train_module.reference.model
+    reference.register_forward_hook(lambda *_: forwards.append(cached.global_step))
+    cached.fit()
+    # All reference forwards ran in step 1 (32 pairs, 4 per forward), none in later steps.
+    assert forwards == [1] * 8
+    assert len(list(cached.work_dir.glob("dpo-reference-logps-*.pt"))) == 1
+    for name in ("train/DPO loss", "train/rewards/chosen", "train/rewards/margin"):
+        got = [cached_log.metrics[s][name] for s in sorted(cached_log.metrics)]
+        want = [plain_log.metrics[s][name] for s in sorted(plain_log.metrics)]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=1e-7)
+    # A resumed run reads the cache back instead of scoring the pairs again.
+    resumed, resumed_log = build(
+        tmp_path / "cached", precompute=True, reference_seed=5, max_duration=Duration.steps(6)
+    )
+    resumed.train_module.reference.model.register_forward_hook(
+        lambda *_: pytest.fail("the reference ran")
+    )
+    resumed.fit()
+    assert list(resumed_log.metrics) == [6]
+
+
+def test_precomputed_logps_need_a_preference_loader(tmp_path: Path) -> None:
+    from olmolike.data import TokenTensorDataLoader
+
+    config = DPOTrainModuleConfig(rank_microbatch_size=SEQ, precompute_reference_logps=True)
+    loader = TokenTensorDataLoader(
+        encode_preference_pairs(_pairs(), TOK, SEQ), global_batch_size=PAIRS_PER_STEP * 4 * SEQ
+    )
+    trainer = TrainerConfig(save_folder=str(tmp_path), max_duration=Duration.steps(1), device="cpu")
+    with pytest.raises(ConfigurationError, match="needs a PreferenceDataLoader"):
+        trainer.build(config.build(model_config().build(seed=0)), loader)
+
+
 def test_reference_of_another_shape_is_refused() -> None:
     config = DPOTrainModuleConfig(rank_microbatch_size=SEQ)
     small = TransformerConfig(vocab_size=TOK.vocab_size, d_model=16, n_layers=2, n_heads=2)
@@ -194,19 +239,38 @@ def test_reference_of_another_shape_is_refused() -> None:
         config.build(model_config().build(seed=0), reference=small.build(seed=0))
 
 
-def _two_rank_losses(dp: str) -> list[float]:
-    trainer, log = build(broadcast_object(tempfile.mkdtemp()), dp=dp, no_checkpoints=True)
-    trainer.fit()
-    return losses(log)
+def _full_state(trainer: Trainer) -> list[torch.Tensor]:
+    return [
+        (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for p in trainer.train_module.model.parameters()
+    ]
 
 
-@pytest.mark.parametrize("dp", ["ddp", "fsdp"])
-def test_two_ranks_match_one(tmp_path: Path, dp: str) -> None:
+def _two_rank_resume(dp: str, precompute: bool) -> tuple[list[float], list[float], bool]:
+    """Losses of a full run and of one stopped after step 2 and resumed; equal weights?"""
+    root = Path(broadcast_object(tempfile.mkdtemp()))
+    full, full_log = build(root / "full", dp=dp, precompute=precompute)
+    full.fit()
+    build(root / "resumed", dp=dp, precompute=precompute, hard_stop=Duration.steps(2))[0].fit()
+    second, second_log = build(root / "resumed", dp=dp, precompute=precompute)
+    second.fit()
+    same = all(torch.equal(a, b) for a, b in zip(_full_state(full), _full_state(second)))
+    return losses(full_log), losses(second_log), same
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("dp", "precompute"), [("ddp", False), ("fsdp", True)])
+def test_two_ranks_match_one_and_resume_exactly(tmp_path: Path, dp: str, precompute: bool) -> None:
     one, one_log = build(tmp_path, no_checkpoints=True)
     one.fit()
-    for got in run_distributed_test(_two_rank_losses, 2, args=(dp,), timeout=240):
+    results = run_distributed_test(_two_rank_resume, 2, args=(dp, precompute), timeout=280)
+    for full, resumed, same_weights in results:
+        assert resumed == full[2:] and len(resumed) == STEPS - 2
+        assert same_weights
+        # Two ranks compute what one does (with precompute: the log-probs the ranks scored and
+        # gathered are the uncached ones).
         torch.testing.assert_close(
-            torch.tensor(got), torch.tensor(losses(one_log)), rtol=1e-5, atol=1e-6
+            torch.tensor(full), torch.tensor(losses(one_log)), rtol=1e-5, atol=1e-6
         )
 
 

@@ -91,6 +91,19 @@ def test_completion_logps_equal_each_sequence_alone(model: Transformer) -> None:
     model.zero_grad(set_to_none=True)
 
 
+def test_completion_logps_are_those_of_the_sampled_distribution(model: Transformer) -> None:
+    """At the sampling temperature, over the tokenizer's 258 ids of the model's 264."""
+    out = run(model)
+    with torch.no_grad():
+        logps, _ = completion_logps(model, out, temperature=1.5, vocab_size=TOKENIZER.vocab_size)
+        start, length = int(out.completion_start[0]), int(out.completion_mask[0].sum())
+        ids = out.input_ids[0, : start + length]
+        logits = model(ids[None])[0, :, : TOKENIZER.vocab_size].float()
+        scaled = torch.log_softmax(logits / 1.5, -1)
+    expected = scaled[start - 1 : start + length - 1].gather(-1, ids[start:, None])[:, 0]
+    torch.testing.assert_close(logps[0, :length], expected, atol=1e-5, rtol=0)
+
+
 def test_a_prompt_longer_than_the_context_is_refused(model: Transformer) -> None:
     long = [PromptRecord("x" * 25)]
     with pytest.raises(DataError, match=r"25 tokens; with max_new_tokens=10.*context of 32"):

@@ -203,3 +203,19 @@ def test_the_trainer_resumes_the_data_exactly_across_an_epoch_boundary(tmp_path:
     assert {**first, **second} == full
     order = [np.random.default_rng(7 + e).permutation(22)[:20] for e in (1, 2)]
     assert [i for step in range(1, 8) for i in full[step]] == np.concatenate(order)[:28].tolist()
+
+
+def test_data_with_more_token_ids_than_the_model_embeds_is_refused_at_build(
+    tmp_path: Path,
+) -> None:
+    np.save(tmp_path / "tokens.npy", np.arange(INSTANCES * SEQ, dtype=np.uint16))
+    data = NumpyDatasetConfig(
+        paths=[str(tmp_path / "tokens.npy")], sequence_length=SEQ, vocab_size=300
+    ).build()
+    model = TinyCausalLM(vocab_size=256, d_model=8, n_layers=1, n_heads=1, max_seq_len=SEQ)
+    module = BasicTrainModule(
+        model, torch.optim.AdamW(model.parameters()), rank_microbatch_size=4 * SEQ
+    )
+    config = TrainerConfig(save_folder=str(tmp_path / "run"), max_duration=Duration.steps(1))
+    with pytest.raises(ConfigurationError, match=r"model.vocab_size: .* 300 token ids .* only 256"):
+        config.build(module, build(data))

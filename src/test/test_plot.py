@@ -72,6 +72,18 @@ def test_default_panels_overlay_runs_with_a_legend(tmp_path: Path) -> None:
     assert list(lr_ax.get_lines()[0].get_xdata()) == [1, 2, 3, 4, 5]
 
 
+def test_a_run_keeps_one_colour_and_a_metric_one_style(tmp_path: Path) -> None:
+    runs = [load_run(write_run(tmp_path / "a")), load_run(write_run(tmp_path / "b"))]
+    loss, _, tps = figure_for_runs(runs).axes
+    lines = {line.get_label(): line for line in loss.get_lines()}
+    assert lines["a: train/CE loss"].get_color() == lines["a: eval/val/CE loss"].get_color()
+    assert lines["a: train/CE loss"].get_color() != lines["b: train/CE loss"].get_color()
+    assert lines["a: train/CE loss"].get_linestyle() == "-"  # training solid, evals not
+    assert lines["a: eval/val/CE loss"].get_linestyle() != "-"
+    assert loss.get_ylabel() == "loss (nats/token)" and tps.get_ylabel().startswith("tokens/s")
+    assert tps.get_xlabel().startswith("step")
+
+
 def test_panels_without_data_are_left_out(tmp_path: Path) -> None:
     folder = tmp_path / "only-loss"
     folder.mkdir()

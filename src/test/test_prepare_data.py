@@ -182,7 +182,7 @@ def test_rerun_with_other_arguments_is_refused_unless_overwrite(
     monkeypatch.setattr(prepare, "_tokenize", None)  # an identical rerun must not tokenize
     assert prepare_data([data], out).metadata == first.metadata
     with pytest.raises(
-        DataError, match=r"different val_fraction; pass overwrite=True \(--overwrite\)"
+        DataError, match=r"different val_fraction; pass --overwrite \(overwrite=True from Python\)"
     ):
         prepare_data([data], out, val_fraction=0.5)
     (data / "extra.txt").write_text("new input")
@@ -239,3 +239,33 @@ def test_command_line(
     assert main([*rerun, "--val-fraction", "0.5", "--overwrite"]) == 0
     assert main(["prepare-data", "-o", str(tmp_path / "none")]) == 2
     assert "--stdlib" in capsys.readouterr().err
+
+
+def test_the_command_says_when_nothing_or_no_validation_was_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "empty.txt").write_text("")
+    assert main(["prepare-data", str(tmp_path / "empty.txt"), "-o", str(tmp_path / "a")]) == 2
+    assert "error: no tokens were written: the 1 input file(s) hold no text" in (
+        capsys.readouterr().err
+    )
+    (tmp_path / "one.txt").write_text("one document")
+    one = ["prepare-data", str(tmp_path / "one.txt"), "-o", str(tmp_path / "b")]
+    assert main([*one, "--val-fraction", "0.02"]) == 0
+    assert "validation split is empty: --val-fraction 0.02 of 1 document(s)" in (
+        capsys.readouterr().err
+    )
+
+
+def test_sft_says_when_the_validation_split_it_was_asked_for_is_empty(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"prompt": "2+2=", "completion": "4"}) + "\n")
+    args = ["prepare-data", "--sft", str(data), "--sequence-length", "64"]
+    assert main([*args, "-o", str(tmp_path / "a"), "--val-fraction", "0.02"]) == 0
+    assert "validation split is empty: --val-fraction 0.02 of 1 example(s)" in (
+        capsys.readouterr().err
+    )
+    assert main([*args, "-o", str(tmp_path / "b")]) == 0  # none asked for: nothing to say
+    assert "validation split" not in capsys.readouterr().err

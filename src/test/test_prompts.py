@@ -1,4 +1,4 @@
-"""Prompt JSONL records and the per-rank, resumable prompt sampler."""
+"""Prompt JSONL records, the per-rank resumable prompt sampler, and its data loader."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from olmolike.data.prompts import PromptRecord, PromptSampler, read_prompt_jsonl
+from olmolike.data.prompts import PromptDataLoader, PromptRecord, PromptSampler, read_prompt_jsonl
 from olmolike.exceptions import ConfigurationError, DataError
 
 
@@ -90,3 +90,35 @@ def test_sampler_guards() -> None:
         PromptSampler(records(3), prompts_per_rank=2, world_size=2)
     with pytest.raises(ConfigurationError, match="prompts_per_rank"):
         PromptSampler(records(3), prompts_per_rank=0)
+
+
+def loader_prompts(loader: PromptDataLoader, epoch: int) -> list[list[str]]:
+    loader.reshuffle(epoch)
+    return [[r.prompt for r in batch["records"]] for batch in loader]
+
+
+def test_loader_deals_the_sampler_order_and_resumes_exactly() -> None:
+    data = records(10)
+    ranks = [PromptDataLoader(data, prompts_per_rank=2, seed=3, dp_world_size=2, dp_rank=r)
+             for r in (0, 1)]  # fmt: skip
+    samplers = [
+        PromptSampler(data, prompts_per_rank=2, seed=3, rank=r, world_size=2) for r in (0, 1)
+    ]
+    for loader, sampler in zip(ranks, samplers):
+        assert loader.global_batch_size == 4 and loader.total_batches == 2
+        assert loader_prompts(loader, 1) + loader_prompts(loader, 2) == prompts(sampler, 4)
+    first = PromptDataLoader(data, prompts_per_rank=2, seed=3, dp_world_size=2, dp_rank=1)
+    first.reshuffle(2)
+    batch = next(iter(first))
+    assert batch["input_ids"].shape == (2, 1)
+    assert [data[i] for i in batch["input_ids"][:, 0].tolist()] == batch["records"]
+    resumed = PromptDataLoader(data, prompts_per_rank=2, seed=3, dp_world_size=2, dp_rank=1)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    fresh = PromptDataLoader(data, prompts_per_rank=2, seed=3, dp_world_size=2, dp_rank=1)
+    assert loader_prompts(resumed, 2) == loader_prompts(fresh, 2)[1:]
+    with pytest.raises(DataError, match="other prompts"):
+        PromptDataLoader(records(9), prompts_per_rank=2).load_state_dict(first.state_dict())
+    with pytest.raises(DataError, match="seed"):
+        PromptDataLoader(
+            data, prompts_per_rank=2, seed=4, dp_world_size=2, dp_rank=1
+        ).load_state_dict(first.state_dict())

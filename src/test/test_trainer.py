@@ -438,18 +438,47 @@ def test_cancel_run_stops_gracefully_after_the_current_step(tmp_path: Any, caplo
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signal_cancels_gracefully(tmp_path: Any, signum: int) -> None:
+def test_signal_cancels_gracefully_then_exits_non_zero(tmp_path: Any, signum: int) -> None:
     before = signal.getsignal(signum)
     rec = Recorder()
-    trainer = fit_with(
-        tmp_path,
-        rec,
-        AtStep(step_to_act=3, action=lambda _: os.kill(os.getpid(), signum)),
-        max_duration=Duration.steps(50),
-    )
-    assert trainer.global_step == 3 and trainer.is_canceled
-    assert "post_train" in rec.calls
+    # Saved and closed first; then Ctrl-C is a KeyboardInterrupt (exit 130), SIGTERM exit 143.
+    expected = KeyboardInterrupt if signum == signal.SIGINT else SystemExit
+    with pytest.raises(expected) as raised:
+        fit_with(
+            tmp_path,
+            rec,
+            AtStep(step_to_act=3, action=lambda _: os.kill(os.getpid(), signum)),
+            max_duration=Duration.steps(50),
+        )
+    assert rec.calls[-2:] == ["post_train", "close"]
+    assert "on_error" not in " ".join(rec.calls)
     assert signal.getsignal(signum) is before  # handlers are restored after fit()
+    if signum == signal.SIGINT:
+        assert str(raised.value).startswith("run canceled at step 3 (received SIGINT); ")
+        assert f"the last complete checkpoint is {tmp_path}/step3" in str(raised.value)
+    else:
+        assert raised.value.code == 143
+
+
+def test_second_sigint_during_a_save_says_what_it_interrupted(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    trainer = build_trainer(tmp_path, max_duration=Duration.steps(50))
+    state_dict_to_save = trainer.train_module.state_dict_to_save
+
+    def interrupted_save() -> Any:
+        if trainer.is_canceled:  # the second Ctrl-C, while the final checkpoint is written
+            os.kill(os.getpid(), signal.SIGINT)
+        return state_dict_to_save()
+
+    trainer.train_module.state_dict_to_save = interrupted_save
+    first = AtStep(step_to_act=2, action=lambda _: os.kill(os.getpid(), signal.SIGINT))
+    trainer.add_callback("first_sigint", first)
+    with pytest.raises(KeyboardInterrupt, match="second SIGINT"):
+        trainer.fit()
+    (message,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Interr")]
+    assert message.startswith("Interrupted during a checkpoint save at step 2 (left incomplete)")
+    assert message.endswith(f"the last complete checkpoint is {tmp_path}/step0")
 
 
 def test_second_sigint_aborts(tmp_path: Any) -> None:

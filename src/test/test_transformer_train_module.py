@@ -271,7 +271,7 @@ def test_microbatch_must_divide_the_rank_batch(tmp_path: Path) -> None:
         build_lm_trainer(tmp_path, microbatch_instances=3)
 
 
-def test_resume_is_exact(tmp_path: Path) -> None:
+def test_resume_is_exact(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     scheduler = CosWithWarmup(warmup=2)
     full, full_log = build_lm_trainer(tmp_path / "full", module={"scheduler": scheduler})
     full.fit()
@@ -285,6 +285,21 @@ def test_resume_is_exact(tmp_path: Path) -> None:
         full_log.losses[s] for s in range(4, STEPS + 1)
     ]
     assert all(torch.equal(a, b) for a, b in zip(full_params(full), full_params(second)))
+
+    assert not any("learning rate rises" in r.getMessage() for r in caplog.records)
+
+
+def test_extending_a_decayed_run_warns_that_the_lr_rises(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    scheduler = {"scheduler": CosWithWarmup(warmup=2)}
+    build_lm_trainer(tmp_path, module=scheduler)[0].fit()
+    extended, log = build_lm_trainer(tmp_path, module=scheduler, max_duration=Duration.steps(12))
+    extended.fit()
+    warnings = [r.getMessage() for r in caplog.records if "learning rate rises" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "from 0.001 " in warnings[0] and "step 7" in warnings[0] and "WSD" in warnings[0]
+    assert next(v for k, v in log.metrics[7].items() if k.startswith("optim/LR")) > 5e-3
 
 
 @pytest.mark.slow

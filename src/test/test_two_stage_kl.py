@@ -10,10 +10,12 @@ from typing import Any
 import pytest
 import torch
 from testutils import run_distributed_test
+from torch.distributed.tensor import DTensor
 
-from olmolike.data import TokenTensorDataLoader
+from olmolike.data import StagedDataLoader, TokenTensorDataLoader
 from olmolike.distributed.parallel import DataParallelConfig, DataParallelType
 from olmolike.distributed.utils import broadcast_object, get_world_size
+from olmolike.exceptions import ConfigurationError
 from olmolike.nn import TransformerConfig
 from olmolike.optim import AdamWConfig, CosWithWarmup
 from olmolike.testing import random_token_instances
@@ -32,9 +34,22 @@ class Log(Callback):
         self.metrics[step] = dict(metrics)
 
 
+def staged_loader(stage2_steps: int | None = None) -> StagedDataLoader:
+    """Stage 1 and stage 2 read different data (their own mixtures), each shuffled."""
+    stages = [
+        TokenTensorDataLoader(
+            random_token_instances(count, SEQ, VOCAB, seed=seed),
+            global_batch_size=BATCH * SEQ,
+            seed=seed,
+        )
+        for count, seed in ((16, 1), (64, 2))
+    ]
+    return StagedDataLoader([(stages[0], STAGE1), (stages[1], stage2_steps)])
+
+
 def build(
     folder: str | Path, *, beta: float = 1.0, plain: bool = False, dp: str | None = None,
-    **trainer_kwargs: Any,
+    stage2_steps: int | None = None, **trainer_kwargs: Any,
 ) -> tuple[Trainer, Log]:  # fmt: skip
     common: dict[str, Any] = dict(
         rank_microbatch_size=BATCH // get_world_size() * SEQ,
@@ -51,9 +66,7 @@ def build(
     model = TransformerConfig(
         vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, max_sequence_length=SEQ
     ).build(seed=0)
-    loader = TokenTensorDataLoader(
-        random_token_instances(64, SEQ, VOCAB, seed=1), global_batch_size=BATCH * SEQ, seed=0
-    )
+    loader = staged_loader(stage2_steps)
     log = Log()
     trainer_kwargs.setdefault("max_duration", Duration.steps(STEPS))
     trainer = TrainerConfig(
@@ -74,6 +87,9 @@ def test_stage1_is_plain_ce_and_stage2_adds_the_kl(tmp_path: Path) -> None:
     two.fit()
     ce = series(log, "train/CE loss")
     assert ce[:STAGE1] == series(plain_log, "train/CE loss")[:STAGE1]
+    # One LR schedule over both stages: the same as a single run's, no restart at the boundary.
+    lr = series(log, "optim/LR (decay)")
+    assert lr == series(plain_log, "optim/LR (decay)") and len(set(lr)) == STEPS
     kl = series(log, "train/KL to snapshot")
     # The first stage-2 step compares the policy with itself: KL exactly 0.
     assert kl[STAGE1] == pytest.approx(0.0, abs=1e-7)
@@ -116,20 +132,61 @@ def test_snapshot_comes_back_from_the_checkpoint(tmp_path: Path) -> None:
     assert not all(torch.equal(p, q) for p, q in zip(policy, snapshot))
 
 
-def _two_rank_series(dp: str) -> tuple[list[float], list[float]]:
-    trainer, log = build(broadcast_object(tempfile.mkdtemp()), dp=dp, no_checkpoints=True)
-    trainer.fit()
-    return series(log, "train/CE loss"), series(log, "train/KL to snapshot")[STAGE1:]
+def test_the_data_stages_must_match_the_training_stages(tmp_path: Path) -> None:
+    build(tmp_path / "ok", stage2_steps=STEPS - STAGE1, no_checkpoints=True)
+    with pytest.raises(
+        ConfigurationError, match=r"3 \+ 5 steps but max_duration is 7 steps; set max_duration to 8"
+    ):
+        build(tmp_path / "a", stage2_steps=STEPS - STAGE1 + 1, no_checkpoints=True)
+    config = TwoStageKLTrainModuleConfig(rank_microbatch_size=BATCH * SEQ, stage1_steps=STAGE1 + 1)
+    model = TransformerConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2).build(seed=0)
+    with pytest.raises(ConfigurationError, match=r"switches to stage 2's data after 3 steps"):
+        TrainerConfig(
+            save_folder=str(tmp_path / "b"), max_duration=Duration.steps(STEPS), device="cpu"
+        ).build(config.build(model), staged_loader())
 
 
-@pytest.mark.parametrize("dp", ["ddp", "fsdp"])
-def test_two_ranks_match_one(tmp_path: Path, dp: str) -> None:
-    one, log = build(tmp_path, no_checkpoints=True)
+def _two_rank_resume(dp: str, stop_at: int) -> tuple[list[str], list[str], bool, list[float]]:
+    """CE and KL series of a full run and of one stopped at ``stop_at`` and resumed (as text,
+    nan-safe), whether policy and snapshot end equal, and the full run's CE then stage-2 KL."""
+    root = Path(broadcast_object(tempfile.mkdtemp()))
+    full, full_log = build(root / "full", dp=dp)
+    full.fit()
+    build(root / "resumed", dp=dp, hard_stop=Duration.steps(stop_at))[0].fit()
+    second, log = build(root / "resumed", dp=dp)
+    second.fit()
+    names = ("train/CE loss", "train/KL to snapshot")
+    want = [str(x) for name in names for x in series(full_log, name)[stop_at:]]
+    got = [str(x) for name in names for x in series(log, name)]
+
+    def weights(trainer: Trainer) -> list[torch.Tensor]:
+        module = trainer.train_module
+        params = [*module.model.parameters(), *module.reference.model.parameters()]
+        return [p.full_tensor() if isinstance(p, DTensor) else p for p in params]
+
+    same = all(torch.equal(a, b) for a, b in zip(weights(full), weights(second), strict=True))
+    return want, got, same, figures(full_log)
+
+
+def figures(log: Log) -> list[float]:
+    return series(log, "train/CE loss") + series(log, "train/KL to snapshot")[STAGE1:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("dp", "stop_at"), [("ddp", 2), ("fsdp", 5)])
+def test_two_ranks_match_one_and_resume_exactly_on_either_side_of_the_boundary(
+    tmp_path: Path, dp: str, stop_at: int
+) -> None:
+    one, one_log = build(tmp_path, no_checkpoints=True)
     one.fit()
-    want_ce, want_kl = series(log, "train/CE loss"), series(log, "train/KL to snapshot")[STAGE1:]
-    for ce, kl in run_distributed_test(_two_rank_series, 2, args=(dp,), timeout=240):
-        torch.testing.assert_close(torch.tensor(ce), torch.tensor(want_ce), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(torch.tensor(kl), torch.tensor(want_kl), rtol=1e-4, atol=1e-6)
+    for want, got, same_weights, full in run_distributed_test(
+        _two_rank_resume, 2, args=(dp, stop_at), timeout=280
+    ):
+        assert got == want and len(got) == 2 * (STEPS - stop_at)
+        assert same_weights
+        torch.testing.assert_close(
+            torch.tensor(full), torch.tensor(figures(one_log)), rtol=1e-4, atol=1e-6
+        )
 
 
 @pytest.mark.timeout(300)

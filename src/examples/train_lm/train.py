@@ -39,8 +39,12 @@ from olmolike.train.callbacks import (
     ConfigSaverCallback,
     ConsoleLoggerCallback,
     LMEvaluatorCallbackConfig,
+    MetricSaverCallback,
+    ProgressCallback,
+    SpeedMonitorCallback,
 )
 from olmolike.train.train_module import TransformerTrainModuleConfig
+from olmolike.utils import seed_all
 
 log = logging.getLogger("train_lm")
 
@@ -104,6 +108,9 @@ def default_config(run_name: str) -> ExperimentConfig:
             callbacks={
                 "checkpointer": CheckpointerCallback(save_interval=100, ephemeral_save_interval=25),
                 "console_logger": ConsoleLoggerCallback(log_interval=50),
+                "speed_monitor": SpeedMonitorCallback(),  # tokens/s in the log lines
+                "progress": ProgressCallback(),  # a live bar, when stdout is a terminal
+                "metric_saver": MetricSaverCallback(),  # runs/<name>/metrics.jsonl, to plot
                 "lm_evaluator": LMEvaluatorCallbackConfig(
                     eval_dataset=NumpyDatasetConfig(
                         paths=[f"{DATA_DIR}/val"], sequence_length=SEQUENCE_LENGTH
@@ -171,12 +178,15 @@ def build_config(argv: list[str]) -> tuple[ExperimentConfig, bool]:
 
 
 def main(argv: list[str]) -> None:
-    config, dry_run = build_config(argv)
-    if dry_run:
-        print(config.to_yaml(), end="")
-        return
-    prepare_training_environment(seed=config.init_seed)
+    # First: a mistake in the overrides is then one line on the console (once per job).
+    prepare_training_environment()
     try:
+        config, dry_run = build_config(argv)
+        if dry_run:
+            if get_rank() == 0:
+                print(config.to_yaml(), end="")
+            return
+        seed_all(config.init_seed)
         train(config)
     finally:
         teardown_training_environment()

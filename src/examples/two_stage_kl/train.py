@@ -5,8 +5,10 @@ Stage 1 trains a byte model on standard-library code; stage 2 switches to a diff
 stage-1 held-out loss degrades; with ``beta > 0`` the exact KL to the snapshot taken at the
 boundary holds the model closer to what it knew. Both runs print their figures.
 
-The data switch at the boundary is the loader's order: stage-1 instances (shuffled here) come
-first, stage-2 instances after, read in order (``shuffle=False``) so resume stays exact.
+Each stage has its own data and duration: a ``StagedDataLoader`` serves stage 1's (shuffled)
+loader for ``stage_steps`` steps, then stage 2's, and resumes exactly on either side of the
+boundary; one LR schedule spans both stages: the seed trainer's warmup-stable-decay, warming up
+over the first 1% of both stages' steps and decaying over the last 10%.
 
     python src/examples/two_stage_kl/train.py   # or: torchrun --nproc_per_node=2 ...
 """
@@ -16,16 +18,18 @@ from __future__ import annotations
 import random
 import sys
 import tempfile
+from dataclasses import dataclass
 
 import torch
 
-from olmolike.data import TokenTensorDataLoader
+from olmolike.data import StagedDataLoader, TokenTensorDataLoader
 from olmolike.data.sources import stdlib_python_files
 from olmolike.data.tokenizer import ByteTokenizer
 from olmolike.distributed.utils import broadcast_object, get_rank, get_world_size
 from olmolike.nn import TransformerConfig
-from olmolike.optim import AdamWConfig, CosWithWarmup
+from olmolike.optim import WSD, AdamWConfig
 from olmolike.train import (
+    Callback,
     Duration,
     TrainerConfig,
     prepare_training_environment,
@@ -56,13 +60,14 @@ def run(beta: float, stage_steps: int) -> dict[str, float]:
     stage1 = chunks(stage_steps * BATCH, seed=1, reverse=False)
     stage2 = chunks(stage_steps * BATCH, seed=2, reverse=True)
     held_out = chunks(64, seed=3, reverse=False)
-    loader = TokenTensorDataLoader(
-        torch.cat([stage1, stage2]), global_batch_size=BATCH * SEQ, shuffle=False
-    )
+    loader = StagedDataLoader([
+        (TokenTensorDataLoader(stage1, global_batch_size=BATCH * SEQ, seed=1), stage_steps),
+        (TokenTensorDataLoader(stage2, global_batch_size=BATCH * SEQ, seed=2), stage_steps),
+    ])  # fmt: skip
     config = TwoStageKLTrainModuleConfig(
         rank_microbatch_size=BATCH // get_world_size() * SEQ, optim=AdamWConfig(lr=3e-3),
-        scheduler=CosWithWarmup(warmup=None, warmup_fraction=0.1), max_grad_norm=1.0, stage1_steps=stage_steps,
-        beta=beta,
+        scheduler=WSD(warmup=None, warmup_fraction=0.01, decay_fraction=0.1), max_grad_norm=1.0,
+        stage1_steps=stage_steps, beta=beta,
     )  # fmt: skip
     model = TransformerConfig(
         vocab_size=TOK.vocab_size, d_model=64, n_layers=2, n_heads=4, max_sequence_length=SEQ
@@ -75,15 +80,27 @@ def run(beta: float, stage_steps: int) -> dict[str, float]:
         return float(module.eval_batch({"input_ids": held_out}, labels))
 
     folder = broadcast_object(tempfile.mkdtemp())
+    kl = KLLog()
     for stage, steps in (("stage 1", stage_steps), ("stage 2", 2 * stage_steps)):
         trainer = TrainerConfig(
             save_folder=folder, max_duration=Duration.steps(2 * stage_steps),
             hard_stop=Duration.steps(steps), device="cpu", metrics_collect_interval=10,
-            save_overwrite=True,
+            save_overwrite=True, callbacks={"kl": kl},
         ).build(module, loader)  # fmt: skip
         trainer.fit()
         figures[f"held-out stage-1 loss after {stage}"] = held_out_loss()
+    figures["KL to snapshot, last logged step"] = kl.last
     return figures
+
+
+@dataclass
+class KLLog(Callback):
+    """The last logged ``train/KL to snapshot`` (stage 2's drift from the snapshot)."""
+
+    last: float = float("nan")
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self.last = metrics.get("train/KL to snapshot", self.last)
 
 
 def main(stage_steps: int = 60, beta: float = 1.0) -> None:
@@ -91,9 +108,10 @@ def main(stage_steps: int = 60, beta: float = 1.0) -> None:
     results = {b: run(b, stage_steps) for b in (0.0, beta)}
     if get_rank() == 0:
         for b, figures in results.items():
-            after1, after2 = figures.values()
+            after1, after2, kl = figures.values()
             print(f"beta={b:g}: held-out stage-1 loss {after1:.4f} after stage 1, "
-                  f"{after2:.4f} after stage 2 (+{after2 - after1:.4f})")  # fmt: skip
+                  f"{after2:.4f} after stage 2 ({after2 - after1:+.4f}); "
+                  f"KL to snapshot at the last logged step {kl:.4f}")  # fmt: skip
     teardown_training_environment()
 
 

@@ -7,6 +7,7 @@ from .numpy_dataset import NumpyDatasetConfig, NumpyFSLDataset, SourceMixtureCon
 from .prepare import PreparedData, prepare_data, stdlib_python_files
 from .sft import PackingMode, prepare_sft_data
 from .sft_dataset import SFTDataset, SFTDatasetConfig
+from .staged import StagedDataLoader
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerConfig, apply_chat_template
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "SFTDataset",
     "SFTDatasetConfig",
     "SourceMixtureConfig",
+    "StagedDataLoader",
     "TokenTensorDataLoader",
     "Tokenizer",
     "TokenizerConfig",

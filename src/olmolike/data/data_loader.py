@@ -230,11 +230,17 @@ class TokenTensorDataLoader(DataLoaderBase):
         # The epoch's instances in order, gathered once (a private copy also when unshuffled,
         # so a train module that edits a batch in place cannot change the data): each batch is
         # then a view, one cheap op in the training loop instead of a slice and a gather.
-        ordered = self.instances[self._order()] if self.shuffle else self.instances.clone()
+        order = self._order()
+        ordered = self.instances[order] if self.shuffle else self.instances.clone()
         while self.next_batch_index < self._batches_per_epoch:
             per_rank = self.instances_per_batch // self.dp_world_size
             start = self.instances_consumed + self.dp_rank * per_rank
-            yield {"input_ids": ordered[start : start + per_rank]}
+            window = slice(start, start + per_rank)
+            yield self._make_batch(ordered[window], order[window])
+
+    def _make_batch(self, rows: torch.Tensor, indices: torch.Tensor) -> Batch:
+        """The batch of ``rows``, the instances at ``indices`` of :attr:`instances`."""
+        return {"input_ids": rows}
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -277,7 +283,7 @@ class TokenTensorDataLoader(DataLoaderBase):
         per_rank = self.instances_per_batch // self.dp_world_size
         generator = torch.Generator().manual_seed(self.seed)
         rows = torch.randint(0, self.instances.shape[0], (per_rank,), generator=generator)
-        return {"input_ids": self.instances[rows].clone()}
+        return self._make_batch(self.instances[rows].clone(), rows)
 
 
 def check_resized_resume(consumed: int, saved: int, now: int) -> None:

@@ -24,13 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import numpy as np
 import torch
 
 from ..config import Config
 from ..exceptions import ConfigurationError, DataError
-from ..io import exists, is_url, join_path, local_path, read_bytes, retry_network
+from ..io import exists, is_url, join_path, local_path, read_bytes, retry_network, url_to_fs
 
 __all__ = [
     "METADATA_FILE",
@@ -93,7 +92,7 @@ def _expand_local(pattern: str) -> list[tuple[str, int]]:
 
 
 def _expand_remote(pattern: str) -> list[tuple[str, int]]:
-    fs, root = fsspec.core.url_to_fs(pattern)
+    fs, root = url_to_fs(pattern)
 
     def listing() -> dict[str, Any]:
         if _GLOB_CHARS & set(pattern):
@@ -134,7 +133,7 @@ def expand_paths(patterns: Sequence[str]) -> list[tuple[str, int]]:
 def _open(path: str) -> Any:
     if is_url(path):
         # A small block: the header is all we read, never the whole object.
-        fs, fs_path = fsspec.core.url_to_fs(path)
+        fs, fs_path = url_to_fs(path)
         return fs.open(fs_path, "rb", block_size=1 << 16)
     return open(path, "rb")
 
@@ -468,7 +467,7 @@ class NumpyFSLDataset(torch.utils.data.Dataset):
         if not is_url(f.path):
             return self._map(file_index)[local * length : (local + 1) * length]
         if file_index not in self._remote:
-            self._remote[file_index] = fsspec.core.url_to_fs(f.path)
+            self._remote[file_index] = url_to_fs(f.path)
         fs, fs_path = self._remote[file_index]
         start = f.offset + local * length * f.dtype.itemsize
         end = start + length * f.dtype.itemsize

@@ -25,6 +25,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,12 +305,12 @@ def _claim_output(out: Path, arguments: dict[str, Any], overwrite: bool) -> dict
         differing = sorted(k for k in arguments if recorded.get(k) != arguments[k])
         raise DataError(
             f"{out} holds data prepared with different {', '.join(differing)}; pass "
-            "overwrite=True (--overwrite) to replace it, or choose another output directory"
+            "--overwrite (overwrite=True from Python) to replace it, or choose another output directory"
         )
     elif recorded is None and out.is_dir() and any(out.iterdir()):
         raise DataError(
             f"{out} is not empty and holds no prepare-data output; choose an empty directory "
-            "or pass overwrite=True (--overwrite)"
+            "or pass --overwrite (overwrite=True from Python)"
         )
     if not overwrite and (out / METADATA_FILE).is_file():
         return dict(json.loads((out / METADATA_FILE).read_text()))
@@ -419,10 +420,16 @@ def _run_command(args: argparse.Namespace) -> int:
         inputs += stdlib_python_files()
     if not inputs:
         raise DataError("name INPUT files, folders or globs, or pass --stdlib")
+    if args.sft and args.dpo:
+        raise DataError("pass --sft or --dpo, not both: they prepare different data")
     if args.sft:
         from .sft import run_sft_command  # imports this module
 
         return run_sft_command(args, inputs)
+    if args.dpo:
+        from .preference_prepare import run_dpo_command  # imports this module
+
+        return run_dpo_command(args, inputs)
     prepared = prepare_data(
         inputs,
         args.output,
@@ -440,6 +447,28 @@ def _run_command(args: argparse.Namespace) -> int:
             f"{split}: {prepared.num_tokens(split):,d} tokens in {len(prepared.paths(split))} shard(s)"
         )
     print(f"metadata: {prepared.output_dir / METADATA_FILE}")
+    return _say_what_is_empty(prepared, args.val_fraction)
+
+
+def _say_what_is_empty(prepared: PreparedData, val_fraction: float) -> int:
+    """No tokens at all is an error (exit 2); an empty validation split that was asked for is
+    a warning: a run would find out only when its evaluator starts."""
+    if prepared.num_tokens("train") + prepared.num_tokens("val") == 0:
+        sources = len(prepared.metadata.get("sources", []))
+        print(
+            f"error: no tokens were written: the {sources} input file(s) hold no text (empty "
+            "files, or JSONL without the --text-field)",
+            file=sys.stderr,
+        )
+        return 2
+    if val_fraction > 0 and prepared.num_tokens("val") == 0:
+        documents = sum(s["documents"] for s in prepared.metadata["splits"]["train"])
+        print(
+            f"warning: the validation split is empty: --val-fraction {val_fraction:g} of "
+            f"{documents} document(s) held none out; give more documents or a larger "
+            "--val-fraction",
+            file=sys.stderr,
+        )
     return 0
 
 

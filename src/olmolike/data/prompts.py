@@ -1,5 +1,6 @@
 """Prompt data for on-policy training (GRPO): JSONL records of a prompt and the fields its
-rewards need, and a seeded, resumable sampler that gives each rank its own prompts.
+rewards need, a seeded, resumable sampler that gives each rank its own prompts, and
+:class:`PromptDataLoader`, the same order as a data loader for the :class:`~olmolike.train.Trainer`.
 
 Each line of the file is a JSON object with a string ``prompt`` (or the key given as
 ``prompt_key``) and any other fields, e.g. ``{"prompt": "12+30=", "answer": "42"}``. The other
@@ -8,18 +9,21 @@ fields are handed to the reward functions by name, as lists aligned with the com
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .. import io
+from ..distributed.utils import get_world_size
 from ..exceptions import ConfigurationError, DataError
+from .data_loader import DataLoaderBase
 
-__all__ = ["PromptRecord", "PromptSampler", "read_prompt_jsonl"]
+__all__ = ["PromptDataLoader", "PromptRecord", "PromptSampler", "read_prompt_jsonl"]
 
 log = logging.getLogger(__name__)
 
@@ -109,18 +113,21 @@ class PromptSampler:
         self.epoch, self.batch_in_epoch = 0, 0
         self.batches_per_epoch = len(self.records) // (prompts_per_rank * world_size)
 
-    def _order(self) -> list[int]:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(len(self.records), generator=generator).tolist()
+    def batch_indices(self, epoch: int, index: int) -> list[int]:
+        """Indices into ``records`` of this rank's batch ``index`` (0-based) of ``epoch``
+        (0-based): a pure function of the seed and the position, so any batch can be served
+        again."""
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        order = torch.randperm(len(self.records), generator=generator).tolist()
+        global_batch = self.prompts_per_rank * self.world_size
+        start = index * global_batch
+        return order[start : start + global_batch][self.rank :: self.world_size]
 
     def next_batch(self) -> list[PromptRecord]:
         if self.batch_in_epoch == self.batches_per_epoch:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-        global_batch = self.prompts_per_rank * self.world_size
-        start = self.batch_in_epoch * global_batch
-        chosen = self._order()[start : start + global_batch][self.rank :: self.world_size]
         self.batch_in_epoch += 1
-        return [self.records[i] for i in chosen]
+        return [self.records[i] for i in self.batch_indices(self.epoch, self.batch_in_epoch - 1)]
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed}
@@ -133,3 +140,123 @@ class PromptSampler:
                 path="seed",
             )
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
+
+
+class PromptDataLoader(DataLoaderBase):
+    """The :class:`PromptSampler` order as the trainer's data loader (for GRPO).
+
+    Each batch is ``{"records": [...], "input_ids": ...}``: this rank's ``prompts_per_rank``
+    :class:`PromptRecord` and, for the trainer's bookkeeping, their indices in ``records`` as a
+    ``(prompts_per_rank, 1)`` tensor (the prompts are tokenized by the train module, which owns
+    the tokenizer). Epoch ``e`` (1-based) is the sampler's seeded permutation ``seed + e - 1``;
+    ranks never share a prompt within an epoch and the tail that cannot give every rank a full
+    batch is dropped.
+
+    Sizes count **prompts**, not tokens: ``global_batch_size`` is ``prompts_per_rank`` times
+    the data-parallel world size, and the trainer's token counter (and so a duration or
+    schedule in tokens) counts prompts. Give GRPO runs their length in steps or epochs.
+
+    The position is the batch index within the epoch; :meth:`state_dict` saves it with a
+    fingerprint of the records, so a resume continues with exactly the next prompts.
+    """
+
+    def __init__(
+        self,
+        records: Sequence[PromptRecord],
+        *,
+        prompts_per_rank: int,
+        seed: int = 0,
+        dp_world_size: int | None = None,
+        dp_rank: int | None = None,
+    ) -> None:
+        if prompts_per_rank < 1:
+            raise ConfigurationError(
+                f"must be >= 1, got {prompts_per_rank}", path="prompts_per_rank"
+            )
+        self.prompts_per_rank = prompts_per_rank
+        self.seed = seed
+        world = get_world_size() if dp_world_size is None else dp_world_size
+        super().__init__(
+            global_batch_size=prompts_per_rank * world, dp_world_size=world, dp_rank=dp_rank
+        )
+        self.sampler = PromptSampler(
+            records,
+            prompts_per_rank=prompts_per_rank,
+            seed=seed,
+            rank=self.dp_rank,
+            world_size=self.dp_world_size,
+        )
+        self._fingerprint: str | None = None
+
+    @property
+    def records(self) -> list[PromptRecord]:
+        return self.sampler.records
+
+    def _check_global_batch_size(self, value: int) -> None:
+        if value != self.prompts_per_rank * self.dp_world_size:
+            raise ConfigurationError(
+                f"a prompt loader's global batch is prompts_per_rank x world size "
+                f"({self.prompts_per_rank} x {self.dp_world_size} prompts), got {value}; "
+                "change prompts_per_rank instead",
+                path="global_batch_size",
+            )
+
+    @property
+    def total_batches(self) -> int:
+        return self.sampler.batches_per_epoch
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of the records, so a resumed run can tell it is reading the same prompts."""
+        if self._fingerprint is None:
+            digest = hashlib.sha256()
+            for record in self.records:
+                digest.update(json.dumps([record.prompt, record.fields], sort_keys=True,
+                                         default=str).encode())  # fmt: skip
+            self._fingerprint = digest.hexdigest()[:16]
+        return self._fingerprint
+
+    def _make_batch(self, indices: list[int]) -> dict[str, Any]:
+        return {
+            "records": [self.records[i] for i in indices],
+            "input_ids": torch.tensor(indices, dtype=torch.long)[:, None],
+        }
+
+    def _iter_batches(self) -> Iterator[dict[str, Any]]:
+        assert self.epoch is not None
+        while self.next_batch_index < self.total_batches:
+            yield self._make_batch(
+                self.sampler.batch_indices(self.epoch - 1, self.next_batch_index)
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "fingerprint": self.fingerprint,
+            "seed": self.seed,
+            "prompts_per_rank": self.prompts_per_rank,
+            "epoch": self.epoch,
+            "batches_processed": self.batches_processed,
+            "tokens_processed": self.tokens_processed,
+            "global_batch_size": self.global_batch_size,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue at the next batch after the saved position (same prompts, seed and size)."""
+        if state_dict["fingerprint"] != self.fingerprint:
+            raise DataError(
+                "the checkpoint was trained on other prompts than this loader holds; resuming "
+                "would not continue the same run. Load without trainer state "
+                "(load_trainer_state=False) to start the prompts from the beginning"
+            )
+        for key in ("seed", "global_batch_size"):
+            if state_dict[key] != getattr(self, key):
+                raise DataError(
+                    f"prompt loader {key} was {state_dict[key]!r} in the checkpoint but is "
+                    f"{getattr(self, key)!r} now; set it back to resume exactly"
+                )
+        self.epoch = state_dict["epoch"]
+        self.batches_processed = state_dict["batches_processed"]
+        self.tokens_processed = state_dict["tokens_processed"]
+
+    def get_mock_batch(self) -> dict[str, Any]:
+        return self._make_batch(self.sampler.batch_indices(0, 0))

@@ -26,6 +26,7 @@ import bisect
 import json
 import logging
 import shutil
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -377,18 +378,33 @@ def run_sft_command(args: argparse.Namespace, inputs: list[str | Path]) -> int:
             f"{stats['dropped']} dropped"
         )
     print(f"metadata: {Path(args.output) / METADATA_FILE}")
+    if args.val_fraction > 0 and metadata["splits"]["val"]["examples"] == 0:
+        print(
+            f"warning: the validation split is empty: --val-fraction {args.val_fraction:g} of "
+            f"{metadata['splits']['train']['examples']} example(s) held none out; give more "
+            "examples or a larger --val-fraction",
+            file=sys.stderr,
+        )
     return 0
 
 
 def add_sft_arguments(cmd: argparse.ArgumentParser) -> None:
-    """The ``--sft`` options of ``olmolike prepare-data``."""
-    sft = cmd.add_argument_group("supervised fine-tuning (--sft)")
+    """The ``--sft`` and ``--dpo`` options of ``olmolike prepare-data``."""
+    sft = cmd.add_argument_group("fine-tuning data (--sft, --dpo)")
     sft.add_argument(
         "--sft",
         action="store_true",
         help="chat JSONL ('messages', or 'prompt'/'completion') -> sequences with label masks",
     )
-    sft.add_argument("--sequence-length", type=int, help="tokens per training sequence")
+    sft.add_argument(
+        "--dpo",
+        action="store_true",
+        help="preference JSONL ('prompt', 'chosen', 'rejected', text or chat messages) -> "
+        "pair rows for DPO (chat rendered with the chat template)",
+    )
+    sft.add_argument(
+        "--sequence-length", type=int, help="tokens per training sequence (--dpo: per side)"
+    )
     sft.add_argument(
         "--packing",
         choices=[m.value for m in PackingMode],

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import torch.distributed as dist
 
 from .. import io
@@ -64,7 +63,7 @@ def local_copy(
 def download_dir(url: str, local: Path, *, thread_count: int | None = None) -> None:
     """Copy the remote folder ``url`` to ``local`` (replacing it), retrying network errors."""
     shutil.rmtree(local, ignore_errors=True)
-    fs, path = fsspec.core.url_to_fs(url)
+    fs, path = io.url_to_fs(url)
     # thread_count bounds the concurrent downloads of async stores (gcsfs, s3fs).
     batch = {"batch_size": thread_count} if thread_count else {}
     io.retry_network(

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
@@ -310,7 +309,7 @@ def _bytes_needed(metadata: Metadata) -> dict[str, int]:
 
 def _file_sizes(dir: str) -> dict[str, int]:
     """Sizes of the files directly in ``dir`` (empty if it does not exist)."""
-    fs, path = fsspec.core.url_to_fs(dir)
+    fs, path = io.url_to_fs(dir)
 
     def listing() -> dict[str, int]:
         try:

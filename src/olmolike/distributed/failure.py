@@ -16,14 +16,21 @@ import datetime
 import logging
 import os
 import sys
+import tempfile
 import threading
+import traceback
+from pathlib import Path
 from types import TracebackType
 
 import torch.distributed as dist
 
+from ..exceptions import OLMoLikeError
+
 __all__ = [
     "RankFailureMonitor",
+    "install_error_hook",
     "install_exit_on_error",
+    "print_uncaught",
     "report_rank_failure",
     "start_failure_monitor",
     "stop_failure_monitor",
@@ -56,6 +63,7 @@ class RankFailureMonitor:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._reported = False
+        self._first = True
         self._thread = threading.Thread(
             target=self._watch, name="rank-failure-monitor", daemon=True
         )
@@ -73,21 +81,26 @@ class RankFailureMonitor:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.poll_interval + 30)
 
-    def report(self, exc: BaseException) -> None:
-        """Tell every other rank that this one failed with ``exc``. Idempotent."""
+    def report(self, exc: BaseException) -> bool:
+        """Tell every other rank that this one failed with ``exc``. Idempotent.
+
+        Returns whether this rank's failure was the job's first (the one to show the user).
+        """
         with self._lock:
             if self._reported:
-                return
+                return self._first
             self._reported = True
             summary = f"rank {self.rank} failed with {type(exc).__name__}: {exc}"
             try:
                 # The first failure is the cause; later ones are usually its consequences.
-                if self._store.add(f"{self._key}/count", 1) == 1:
+                self._first = self._store.add(f"{self._key}/count", 1) == 1
+                if self._first:
                     self._store.set(self._key, summary[:2000])
             except Exception as store_error:  # the job is already failing; do not mask exc
                 log.warning(
                     "Could not report this rank's failure to the other ranks: %s", store_error
                 )
+            return self._first
 
     def _watch(self) -> None:
         while not self._stopped.wait(self.poll_interval):
@@ -121,6 +134,7 @@ class RankFailureMonitor:
 
 
 _monitor: RankFailureMonitor | None = None
+_stopped_monitor: RankFailureMonitor | None = None
 
 
 def start_failure_monitor(rank: int) -> RankFailureMonitor | None:
@@ -149,16 +163,67 @@ def start_failure_monitor(rank: int) -> RankFailureMonitor | None:
 
 
 def stop_failure_monitor() -> None:
-    global _monitor
+    global _monitor, _stopped_monitor
     if _monitor is not None:
         _monitor.stop()
-        _monitor = None
+        # Still reports: a script's `finally: teardown_training_environment()` runs before
+        # its error reaches the exception hook, which asks whether it was the first failure.
+        _stopped_monitor, _monitor = _monitor, None
 
 
-def report_rank_failure(exc: BaseException) -> None:
-    """Report ``exc`` to the other ranks (no-op when not monitoring)."""
-    if _monitor is not None:
-        _monitor.report(exc)
+def report_rank_failure(exc: BaseException) -> bool:
+    """Report ``exc`` to the other ranks; whether it is the job's first failure (True when
+    not monitoring: a single process's failure is always the one to show)."""
+    monitor = _monitor or _stopped_monitor
+    return monitor.report(exc) if monitor is not None else True
+
+
+def print_uncaught(
+    exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+) -> bool:
+    """Print an uncaught exception the short way, if it is one: returns False otherwise.
+
+    An :class:`OLMoLikeError` (a mistake the user can fix) or a :class:`KeyboardInterrupt`
+    (Ctrl-C; what it cut short is logged) is one line, printed only by the job's first failing
+    rank (every rank usually raises the same one); the failure of a rank that followed
+    another rank's is one line too. Their full tracebacks go to a file, whose
+    path the line gives. Any other error of the first failing rank is a bug: not handled here.
+    """
+    first = report_rank_failure(exc)
+    if first and not isinstance(exc, (OLMoLikeError, KeyboardInterrupt)):
+        return False
+    where = Path(tempfile.gettempdir()) / f"olmolike-traceback-{os.getpid()}.txt"
+    try:
+        where.write_text("".join(traceback.format_exception(exc_type, exc, tb)))
+    except OSError:
+        where = Path("(not written)")
+    if first:
+        kind = "interrupted" if isinstance(exc, KeyboardInterrupt) else "error"
+        sys.stderr.write(f"{kind}: {exc or 'KeyboardInterrupt'}\n(full traceback: {where})\n")
+    elif not isinstance(exc, (OLMoLikeError, KeyboardInterrupt)):  # the first one said why
+        monitor = _monitor or _stopped_monitor
+        rank = f"rank {monitor.rank}" if monitor is not None else "this rank"
+        what = str(exc).splitlines()[0][:200] if str(exc) else ""
+        sys.stderr.write(
+            f"{rank} stopped after another rank's failure: {exc_type.__name__}: {what} "
+            f"(full traceback: {where})\n"
+        )
+    sys.stderr.flush()
+    return True
+
+
+def install_error_hook() -> None:
+    """Print uncaught errors the short way (:func:`print_uncaught`), in a single process."""
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if not print_uncaught(exc_type, exc, tb):
+            previous(exc_type, exc, tb)
+
+    if getattr(previous, "olmolike", False):
+        return
+    hook.olmolike = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 EXIT_HANDLERS_TIMEOUT = 10.0
@@ -182,10 +247,12 @@ def install_exit_on_error() -> None:
         return
     _hook_installed = True
     previous = sys.excepthook
+    if getattr(previous, "olmolike", False):  # install_error_hook's: this one does its work
+        previous = sys.__excepthook__
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        report_rank_failure(exc)
-        previous(exc_type, exc, tb)
+        if not print_uncaught(exc_type, exc, tb):
+            previous(exc_type, exc, tb)
         _exit_without_teardown(1)
 
     sys.excepthook = hook

@@ -210,7 +210,7 @@ def _check_outputs(
     for out in (model_out, optim_out):
         if out is not None and out.exists() and not save_overwrite:
             raise FileExistsError(
-                f"{out} exists; pass save_overwrite=True (--overwrite) to replace it"
+                f"{out} exists; pass --overwrite (save_overwrite=True from Python) to replace it"
             )
     return model_out, optim_out
 

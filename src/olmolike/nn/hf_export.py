@@ -275,8 +275,8 @@ def export_hf(
     )
     if existing and not overwrite:
         raise FileExistsError(
-            f"{out} already holds {', '.join(existing)}; pass overwrite=True (--overwrite) "
-            "to replace them"
+            f"{out} already holds {', '.join(existing)}; pass --overwrite (overwrite=True "
+            "from Python) to replace them"
         )
     for name in set(earlier) - set(shards):
         (out / name).unlink()

@@ -13,6 +13,7 @@ import logging
 import torch.distributed as dist
 
 from ..distributed.failure import (
+    install_error_hook,
     install_exit_on_error,
     start_failure_monitor,
     stop_failure_monitor,
@@ -84,6 +85,8 @@ def prepare_training_environment(
     :param shared_filesystem: whether local checkpoint/work directories are on a drive shared by
         all nodes (e.g. NFS). Ranks of a single node always share their local filesystem.
     """
+    # An OLMoLikeError escaping the script is one line (once per job), not a traceback.
+    install_error_hook()
     if backend is not None and launched_distributed():
         init_distributed(backend, timeout)
         start_failure_monitor(get_rank())

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import signal
 import threading
+import traceback
 from collections.abc import Iterator
 from concurrent.futures import Future
 from types import FrameType
@@ -25,10 +26,11 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from ..distributed.utils import broadcast_object
+from ..distributed.checkpoint_format import latest_checkpoint
+from ..distributed.utils import broadcast_object, get_rank
 from .bookkeeping import BookkeepingRunner
 
-__all__ = ["CancelCoordinator"]
+__all__ = ["CancelCoordinator", "describe_interrupt", "exit_if_signaled"]
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +118,7 @@ class CancelCoordinator:
             name = signal.Signals(signum).name
             if signum == signal.SIGINT and signals_received > 1:
                 raise KeyboardInterrupt(f"second {name}: aborting without a graceful stop")
-            self.request(f"received {name}")
+            self.request(_SIGNAL_REASON.format(name))
 
         previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
@@ -124,6 +126,49 @@ class CancelCoordinator:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+_SIGNAL_REASON = "received {}"
+
+
+def _last_checkpoint(save_folder: str) -> str:
+    try:
+        return f"the last complete checkpoint is {latest_checkpoint(save_folder)}"
+    except (FileNotFoundError, OSError):
+        return f"{save_folder} holds no complete checkpoint"
+
+
+def exit_if_signaled(reason: str | None, step: int, save_folder: str) -> None:
+    """End a run that SIGINT or SIGTERM canceled (on any rank) with a non-zero exit, once it
+    is saved and closed, so the shell or scheduler sees an interrupted job, not a finished one.
+
+    SIGINT raises :class:`KeyboardInterrupt` (exit 130), SIGTERM ``SystemExit(143)``.
+    """
+    signum = next(
+        (s for s in (signal.SIGINT, signal.SIGTERM) if reason == _SIGNAL_REASON.format(s.name)),
+        None,
+    )
+    if signum is None:
+        return
+    message = (
+        f"run canceled at step {step} ({reason}); {_last_checkpoint(save_folder)}: run the "
+        "same command again to resume"
+    )
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt(message)
+    if get_rank() == 0:
+        log.warning(message)
+    raise SystemExit(128 + signum)
+
+
+def describe_interrupt(exc: KeyboardInterrupt, step: int, save_folder: str) -> str:
+    """What a KeyboardInterrupt (a second Ctrl-C) cut short, and what is safe to resume from."""
+    frames = {frame.name for frame in traceback.extract_tb(exc.__traceback__)}
+    saving = bool(
+        frames & {"save", "save_async", "save_checkpoint", "save_checkpoint_async", "_save"}
+    )
+    what = f"a checkpoint save at step {step} (left incomplete)" if saving else f"step {step}"
+    return f"Interrupted during {what}; {_last_checkpoint(save_folder)}"
 
 
 def _agree_on_cancel(

@@ -313,7 +313,7 @@ class Checkpointer:
             check_extra_file_name(name)
         if self.dir_is_checkpoint(target) and not self.save_overwrite:
             raise CheckpointError(
-                f"{target} already holds a checkpoint; set save_overwrite=True to replace it"
+                f"{target} already holds a checkpoint; set --trainer.save_overwrite=true (save_overwrite=True) to replace it"
             )
         remote = io.is_url(target)
         name = target.rsplit("/", 1)[-1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -18,7 +19,7 @@ from ..distributed.utils import (
     is_shared_filesystem,
     new_group,
 )
-from ..io import is_url, local_path
+from ..io import is_url, local_path, url_to_fs
 from ..utils import get_default_device
 from .callbacks.callback import Callback
 from .callbacks.checkpointer import CheckpointerCallback
@@ -246,6 +247,12 @@ class TrainerConfig(Config):
             )
 
     def _check_save_folder(self) -> None:
+        for name in ("save_folder", "work_dir"):
+            folder = getattr(self, name)
+            if folder and not is_url(folder):
+                self._check_writable_directory(name, folder)
+        if is_url(self.save_folder):
+            url_to_fs(self.save_folder)  # a store that cannot be reached fails here, naming it
         holder = current_lease(self.save_folder, for_run=run_id())
         if holder is not None:  # the cause is another run: never advise save_overwrite here
             raise SaveFolderInUseError(in_use_message(self.save_folder, holder))
@@ -259,7 +266,7 @@ class TrainerConfig(Config):
                 "save_folder",
                 f"{self.save_folder!r} already holds checkpoints and load_strategy is 'never', so "
                 "this run would write over them. Use another save_folder, resume from them "
-                "(load_strategy='if_available'), or set save_overwrite=True.",
+                "(load_strategy='if_available'), or set --trainer.save_overwrite=true (save_overwrite=True).",
             )
         if not is_url(self.save_folder) and get_world_size() > 1 and not is_shared_filesystem():
             raise self._invalid(
@@ -268,6 +275,20 @@ class TrainerConfig(Config):
                 "shared filesystem. Use a URL (gs://, s3://), or pass shared_filesystem=True to "
                 "prepare_training_environment() if the directory is on a shared drive.",
             )
+
+    def _check_writable_directory(self, name: str, folder: str) -> None:
+        """A local folder the run will write to is a directory that exists (or is created
+        here) and accepts files: found now, not at the first save."""
+        path = local_path(folder)
+        fix = f"set trainer.{name} to a directory you can write to"
+        if path.exists() and not path.is_dir():
+            raise self._invalid(name, f"{folder!r} is a file, not a directory; {fix}")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise self._invalid(name, f"cannot create {folder!r} ({e.strerror}); {fix}") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise self._invalid(name, f"{folder!r} is not writable (permissions); {fix}")
 
     def _default_work_dir(self) -> Path:
         if not is_url(self.save_folder):

@@ -21,7 +21,7 @@ from ..exceptions import ConfigurationError, DataError
 from ..utils import get_rng_state, move_to_device, set_rng_state
 from .bookkeeping import BookkeepingRunner, build_bookkeeping
 from .callbacks.callback import Callback
-from .cancellation import CancelCoordinator
+from .cancellation import CancelCoordinator, describe_interrupt, exit_if_signaled
 from .checkpoint import Checkpointer
 from .common import Duration, LoadStrategy, MetricMergeStrategy, ReduceType, StepSkipRange
 from .durations import Progress, duration_to_steps, duration_to_tokens, nothing_to_train, stop_step
@@ -365,6 +365,7 @@ class Trainer(TrainerHooks):
                 raise
             finally:
                 self._close()
+        exit_if_signaled(self._cancel.reason, self.global_step, self.save_folder)
 
     def _fit(self) -> None:
         log.info(
@@ -388,7 +389,8 @@ class Trainer(TrainerHooks):
             )
         self._call("post_train")
         self._flush_bookkeeping()  # what post_train recorded or submitted, errors included
-        log.info("Training done at step %d", self.global_step)
+        done = "stopped (canceled)" if self.is_canceled else "done"
+        log.info("Training %s at step %d", done, self.global_step)
 
     def _flush_bookkeeping(self) -> None:
         """Reduce the metrics recorded since the last collection and deliver every result."""
@@ -473,8 +475,17 @@ class Trainer(TrainerHooks):
             method(*args)
 
     def _handle_error(self, exc: BaseException) -> None:
-        report_rank_failure(exc)
-        log.error("Training failed at step %d: %s: %s", self.global_step, type(exc).__name__, exc)
+        first = report_rank_failure(exc)  # a later rank's failure follows from the first's
+        if isinstance(exc, KeyboardInterrupt):
+            log.error(describe_interrupt(exc, self.global_step, self.save_folder))
+        else:
+            log.log(
+                logging.ERROR if first else logging.INFO,
+                "Training failed at step %d: %s: %s",
+                self.global_step,
+                type(exc).__name__,
+                exc,
+            )
         for method in self._hooks["on_error"]:
             try:
                 method(exc)

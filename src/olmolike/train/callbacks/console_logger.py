@@ -1,12 +1,15 @@
-"""Metrics to the log, every few steps, on rank 0."""
+"""Metrics to the log, every few steps, on rank 0: one line per record."""
 
 from __future__ import annotations
 
+import datetime
 import fnmatch
 import logging
+import time
 from dataclasses import dataclass, field
 
 from ...exceptions import ConfigurationError
+from ...utils import format_float
 from .callback import Callback
 
 __all__ = ["ConsoleLoggerCallback"]
@@ -17,18 +20,26 @@ log = logging.getLogger(__name__)
 @dataclass
 class ConsoleLoggerCallback(Callback, name="console_logger"):
     """Logs the metrics of every ``metrics_log_interval``-th step whose names match ``metrics``,
-    and a progress line on the other ``log_interval``-th steps."""
+    and a progress line on the other ``log_interval``-th steps.
+
+    Each record is one line, so a log file can be grepped:
+    ``[step=50/400] train/CE loss=2.3123 optim/LR (decay)=0.0039 throughput/TPS=5,120 eta=0:02:10``
+    (the time to go is measured from the steps of this run so far).
+    """
 
     log_interval: int = 1
     """Steps between log lines (progress, or metrics when the step has them logged)."""
     metrics_log_interval: int | None = None
     """Steps between metric logs; defaults to ``log_interval``. A larger value keeps the log
     short while ``log_interval`` still shows that training moves."""
-    metrics: list[str] = field(default_factory=lambda: ["train/*", "optim/*"])
-    """Glob patterns of metric names to show."""
+    metrics: list[str] = field(default_factory=lambda: ["train/*", "optim/*", "throughput/TPS"])
+    """Glob patterns of metric names to show (``throughput/TPS``: the speed monitor's tokens
+    per second over all ranks)."""
 
     _shown: dict[str, bool] = field(default_factory=dict, init=False, repr=False)
     """Whether a metric name matches ``metrics``, by name: matched once, not every step."""
+    _start: tuple[float, int] | None = field(default=None, init=False, repr=False)
+    """When (monotonic seconds) and at which step this run's training began: for the ETA."""
 
     priority = -1
 
@@ -44,10 +55,24 @@ class ConsoleLoggerCallback(Callback, name="console_logger"):
     def _metrics_step(self, step: int) -> bool:
         return step % (self.metrics_log_interval or self.log_interval) == 0
 
+    def pre_train(self) -> None:
+        self._start = (time.monotonic(), self.step)
+
     def post_step(self) -> None:
         step = self.step
         if step % self.log_interval == 0 and not self._metrics_step(step):
-            log.info("[step=%d/%s,epoch=%d]", step, self._max_steps(), self.trainer.epoch)
+            log.info(
+                "[step=%d/%s,epoch=%d]%s", step, self._max_steps(), self.trainer.epoch, self._eta()
+            )
+
+    def _eta(self) -> str:
+        """`` eta=...``: this run's seconds per step so far times the steps left, or nothing."""
+        max_steps, step = self.trainer.max_steps, self.step
+        if self._start is None or max_steps is None or step <= self._start[1]:
+            return ""
+        per_step = (time.monotonic() - self._start[0]) / (step - self._start[1])
+        left = datetime.timedelta(seconds=round(per_step * max(max_steps - step, 0)))
+        return f" eta={left}"
 
     def _max_steps(self) -> str:
         max_steps = self.trainer.max_steps
@@ -56,10 +81,12 @@ class ConsoleLoggerCallback(Callback, name="console_logger"):
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         if not self._metrics_step(step) or not log.isEnabledFor(logging.INFO):
             return
-        shown = {name: value for name, value in sorted(metrics.items()) if self._is_shown(name)}
-        lines = [f"[step={step}/{self._max_steps()}]"]
-        lines += [f"    {name}={value:.4f}" for name, value in shown.items()]
-        log.info("\n".join(lines))
+        shown = [
+            f"{name}={_format(value)}"
+            for name, value in sorted(metrics.items())
+            if self._is_shown(name)
+        ]
+        log.info("[step=%d/%s] %s%s", step, self._max_steps(), " ".join(shown), self._eta())
 
     def _is_shown(self, name: str) -> bool:
         shown = self._shown.get(name)
@@ -67,3 +94,9 @@ class ConsoleLoggerCallback(Callback, name="console_logger"):
             shown = any(fnmatch.fnmatchcase(name, pattern) for pattern in self.metrics)
             self._shown[name] = shown
         return shown
+
+
+def _format(value: float) -> str:
+    """Losses and learning rates to 4 decimals (runs are compared on them); counts and
+    rates with thousands separators; tiny values in scientific notation."""
+    return f"{value:.4f}" if 1e-3 <= abs(value) < 1000 else format_float(value)

@@ -19,7 +19,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from ...distributed.utils import get_rank
+from ...distributed.utils import get_rank, get_world_size
 from ...exceptions import ConfigurationError
 from .callback import Callback
 
@@ -39,7 +39,10 @@ class ProgressCallback(Callback, name="progress"):
     ``metrics_collect_interval`` steps), so showing it never synchronizes with the device.
 
     When standard output is not a terminal (a batch job's log file, a pipe, CI) it shows
-    nothing at all: a redrawn bar would only fill the file with control codes. While the bar
+    nothing at all: a redrawn bar would only fill the file with control codes. Nor, by
+    default, with several ranks (``torchrun``): the other ranks' warnings and torchrun's own
+    messages come from other processes, which write over a bar's line; the console logger's
+    one-line records (with the time to go) show the progress there instead. While the bar
     is up, log handlers that write to the terminal are routed above it so lines and bar do
     not overwrite each other; they are routed back when training ends.
     """
@@ -48,6 +51,9 @@ class ProgressCallback(Callback, name="progress"):
     """The metric shown as the loss."""
     refresh_per_second: float = 2.0
     """How often the bar is redrawn (by a background thread)."""
+    with_several_ranks: bool = False
+    """Show the bar on rank 0 of a multi-rank job too (when nothing else writes to its
+    terminal, e.g. the other ranks' output goes to files: ``torchrun --redirects 3``)."""
 
     _progress: Progress | None = field(default=None, init=False, repr=False)
     _task: TaskID | None = field(default=None, init=False, repr=False)
@@ -66,6 +72,8 @@ class ProgressCallback(Callback, name="progress"):
 
     def pre_train(self) -> None:
         if get_rank() != 0 or not sys.stdout.isatty():
+            return
+        if get_world_size() > 1 and not self.with_several_ranks:
             return
         self._progress = Progress(
             TextColumn("step"),

@@ -18,6 +18,8 @@ __all__ = ["SpeedMonitorCallback"]
 
 log = logging.getLogger(__name__)
 
+_MFU_NOTED: set[str] = set()
+
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -89,11 +91,14 @@ class SpeedMonitorCallback(Callback, name="speed_monitor"):
         self._peak = self.device_peak_flops
         if self._peak is None:
             self._peak = peak_flops(self.trainer.device, _DTYPES[self.dtype])
-            if self._peak is None:
-                log.info(
+            device = self.trainer.device
+            if self._peak is None and str(device) not in _MFU_NOTED:
+                _MFU_NOTED.add(str(device))  # once per device and process, not every fit()
+                log.log(
+                    logging.DEBUG if device.type == "cpu" else logging.INFO,  # expected on CPU
                     "MFU is not reported: the peak FLOP/s of %s is unknown (set "
                     "device_peak_flops on the speed monitor to report it)",
-                    self.trainer.device,
+                    device,
                 )
 
     def pre_step(self, batch: dict[str, Any]) -> None:

@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ...data.preference import PreferenceDataLoader
 from ...exceptions import ConfigurationError
 from ...nn.functional import DPOLossType, dpo_loss, sequence_log_probs
 from ...utils import get_default_device
 from ..common import ReduceType
-from .reference import ReferenceModel, check_same_architecture
+from .reference import ReferenceModel, cached_reference_logps, check_same_architecture
 from .train_module import labels_from_batch, microbatch_rows
 from .transformer import TransformerTrainModule, TransformerTrainModuleConfig
 
@@ -45,6 +46,17 @@ class DPOTrainModuleConfig(TransformerTrainModuleConfig):
     label_smoothing: float = 0.0
     """Conservative DPO (sigmoid only): the assumed probability that a pair's labels are
     flipped; 0 is plain DPO."""
+    reference: str | None = None
+    """The frozen reference's weights: a Hugging Face model folder or an olmolike checkpoint
+    or save folder (its newest checkpoint), local or remote. It must have the policy's
+    architecture. ``None`` uses the policy's initial weights: those of ``init_weights`` when
+    set, else the policy as built. Only its source and fingerprint go into checkpoints, so a
+    resume must be able to load the same weights again (a different reference is refused)."""
+    precompute_reference_logps: bool = False
+    """Score every pair of the training data with the reference once, before the first step,
+    and cache the result in the work dir (keyed by the reference's and the data's
+    fingerprints, so a resume or a rerun reads it back): each step then runs the policy's
+    forward only. Needs a :class:`~olmolike.data.preference.PreferenceDataLoader`."""
 
     def validate(self) -> None:
         super().validate()
@@ -64,8 +76,9 @@ class DPOTrainModuleConfig(TransformerTrainModuleConfig):
         reference: nn.Module | None = None,
         reference_source: str | None = None,
     ) -> DPOTrainModule:
-        """``reference`` is an unsharded model holding the reference weights (e.g. loaded from
-        an HF folder or a checkpoint); ``None`` snapshots ``model``'s initial weights."""
+        """``reference`` is an unsharded model holding the reference weights, which takes
+        precedence over the ``reference`` field; ``reference_source`` names it in logs and
+        checkpoints."""
         self.validate()
         return DPOTrainModule(
             self,
@@ -94,17 +107,24 @@ class DPOTrainModule(TransformerTrainModule):
             check_same_architecture(model, reference)
         super().__init__(config, model, device, dp_process_group)
         dp = config.dp_config
-        if reference is None:
+        weights = config.reference or config.init_weights
+        if reference is not None:
+            self.reference = ReferenceModel(
+                reference, source=reference_source or "given model", device=device, dp_config=dp
+            )
+        elif weights is not None:
+            # The policy gets `init_weights` only when fit() starts: the reference loads them
+            # now rather than snapshotting the policy's not yet loaded weights.
+            self.reference = ReferenceModel.load(self.model, weights, device=device, dp_config=dp)
+        else:
             self.reference = ReferenceModel.snapshot_of(
                 self.model,
                 source=reference_source or "initial policy",
                 device=device,
                 dp_config=dp,
             )
-        else:
-            self.reference = ReferenceModel(
-                reference, source=reference_source or "given model", device=device, dp_config=dp
-            )
+        self._cached_logps: torch.Tensor | None = None
+        """``(pairs, 2)`` reference log-probs (chosen, rejected) of every training pair."""
 
     # -- checkpoint: the reference is identified, never saved -------------------------------
 
@@ -119,6 +139,16 @@ class DPOTrainModule(TransformerTrainModule):
         if saved is not None:
             self.reference.check_identity(saved)
         super().load_state_dict(state_dict)
+
+    def on_attach(self) -> None:
+        super().on_attach()
+        loader = self.trainer.data_loader
+        if self.config.precompute_reference_logps and not isinstance(loader, PreferenceDataLoader):
+            raise ConfigurationError(
+                "precompute_reference_logps needs a PreferenceDataLoader (whose batches say "
+                f"which pairs they hold), got {type(loader).__name__}; unset it or switch loaders",
+                path="train_module.precompute_reference_logps",
+            )
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -135,6 +165,10 @@ class DPOTrainModule(TransformerTrainModule):
                 path="data_loader",
             )
         per_mb = microbatch_rows(ids, self.config.rank_microbatch_size, "rank_microbatch_size")
+        index = batch.get("index")
+        if self.config.precompute_reference_logps and self._cached_logps is None:
+            # The first step of the run, on every rank alike: the reference's forwards run once.
+            self._cached_logps = self._cached_reference_logps()
         # Each rank holds the same number of pairs, so 1 / pairs per rank, with DDP / FSDP
         # averaging over ranks, gives the mean over the global batch's pairs.
         scale = 1.0 / pairs
@@ -144,7 +178,8 @@ class DPOTrainModule(TransformerTrainModule):
             rows = torch.cat([torch.arange(start, min(start + per_mb, pairs))] * 2)
             rows[len(rows) // 2 :] += pairs
             mb_ids, mb_labels = ids[rows], labels[rows]
-            ref_c, ref_r, lengths = self._reference_log_probs(mb_ids, mb_labels)
+            mb_index = None if index is None else index[start : start + per_mb]
+            ref_c, ref_r, lengths = self._reference_log_probs(mb_ids, mb_labels, mb_index)
             with self._grad_sync(last=i == len(starts) - 1), self._autocast:
                 logits = self._forward_module(mb_ids)
             pol, _ = sequence_log_probs(logits, mb_labels, ignore_index=ignore)
@@ -167,13 +202,26 @@ class DPOTrainModule(TransformerTrainModule):
             self._record(stats * scale)
 
     def _reference_log_probs(
-        self, ids: torch.Tensor, labels: torch.Tensor
+        self, ids: torch.Tensor, labels: torch.Tensor, index: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logps, lengths = self.reference.sequence_log_probs(
-            ids, labels, ignore_index=self.config.label_ignore_index
-        )
-        ref_c, ref_r = logps.chunk(2)
-        return ref_c, ref_r, lengths
+        if self._cached_logps is None or index is None:
+            logps, lengths = self.reference.sequence_log_probs(
+                ids, labels, ignore_index=self.config.label_ignore_index
+            )
+            ref_c, ref_r = logps.chunk(2)
+            return ref_c, ref_r, lengths
+        cached = self._cached_logps[index.cpu()].to(ids.device)
+        lengths = (labels != self.config.label_ignore_index).sum(-1)
+        return cached[:, 0], cached[:, 1], lengths
+
+    def _cached_reference_logps(self) -> torch.Tensor:
+        loader = self.trainer.data_loader
+        assert isinstance(loader, PreferenceDataLoader)  # checked in on_attach
+        micro_pairs = max(1, self.config.rank_microbatch_size // (loader.seq_len // 4))
+        return cached_reference_logps(
+            self.reference, loader, self.trainer.work_dir, micro_pairs,
+            self.config.label_ignore_index,
+        )  # fmt: skip
 
     def _record(self, means: torch.Tensor) -> None:
         names = ("DPO loss", "rewards/chosen", "rewards/rejected", "rewards/accuracy",

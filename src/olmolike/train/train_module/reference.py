@@ -14,17 +14,27 @@ import copy
 import dataclasses
 import hashlib
 import logging
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ...data.preference import PreferenceDataLoader, split_pair_rows
 from ...distributed.parallel import DataParallelConfig, DataParallelType, apply_fsdp
+from ...distributed.utils import broadcast_object, get_rank, get_world_size, is_distributed
 from ...exceptions import CheckpointError, ConfigurationError
 from ...nn.functional import sequence_log_probs
+from ..weights import load_pretrained_weights
 
-__all__ = ["ReferenceModel", "check_same_architecture", "model_fingerprint"]
+__all__ = [
+    "ReferenceModel",
+    "cached_reference_logps",
+    "check_same_architecture",
+    "model_fingerprint",
+]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +85,14 @@ def check_same_architecture(policy: nn.Module, reference: nn.Module) -> None:
         )
 
 
+def _empty_like(policy: nn.Module) -> nn.Module:
+    """A new unsharded model of ``policy``'s architecture on the CPU (its weights are to be
+    overwritten): built from its config when it has one, else a deep copy."""
+    config = getattr(policy, "config", None)
+    build = getattr(config, "build", None)
+    return build(init_device="cpu") if callable(build) else copy.deepcopy(policy)
+
+
 class ReferenceModel:
     """A frozen model, sharded like the policy, that scores responses without gradients."""
 
@@ -108,6 +126,34 @@ class ReferenceModel:
         log.info("reference model from %s, fingerprint %s", source, self.fingerprint)
 
     @classmethod
+    def load(
+        cls,
+        policy: nn.Module,
+        source: str,
+        *,
+        device: torch.device,
+        dp_config: DataParallelConfig | None = None,
+    ) -> ReferenceModel:
+        """A frozen model of ``policy``'s architecture with the weights of ``source``: a
+        Hugging Face model folder or an olmolike checkpoint / save folder, local or remote.
+
+        Every rank must call this (loading runs collectives when distributed).
+
+        :raises ConfigurationError: if the weights are not of the policy's architecture.
+        """
+        model = _empty_like(policy)
+        try:
+            load_pretrained_weights(model, source)
+        except ConfigurationError as e:
+            raise ConfigurationError(
+                f"the reference model must have the policy's architecture, and {source} does "
+                f"not fit it ({e.reason}); or point the reference at weights of the policy's "
+                "architecture, or unset it to use the policy's initial weights",
+                path="reference",
+            ) from None
+        return cls(model, source=source, device=device, dp_config=dp_config)
+
+    @classmethod
     def snapshot_of(
         cls,
         policy: nn.Module,
@@ -121,9 +167,7 @@ class ReferenceModel:
             k: v.full_tensor() if isinstance(v, DTensor) else v
             for k, v in policy.state_dict().items()
         }
-        config = getattr(policy, "config", None)
-        build = getattr(config, "build", None)
-        model = build(init_device="cpu") if callable(build) else copy.deepcopy(policy)
+        model = _empty_like(policy)
         model.load_state_dict({k: v.detach().cpu().clone() for k, v in state.items()})
         return cls(model, source=source, device=device, dp_config=dp_config)
 
@@ -152,3 +196,64 @@ class ReferenceModel:
                 f"(fingerprint {saved.get('fingerprint')}), but this run loaded {self.source!r} "
                 f"(fingerprint {self.fingerprint}): point the reference at the same weights"
             )
+
+
+def cached_reference_logps(
+    reference: ReferenceModel,
+    loader: PreferenceDataLoader,
+    work_dir: Path,
+    micro_pairs: int,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """The reference's summed log-probs ``(pairs, 2)`` (chosen, rejected) of every pair the
+    loader holds, read from ``work_dir`` if a run computed them before, else computed now
+    (each rank scores its share, the shares are gathered) and written there by rank 0.
+
+    The file is named by the reference's and the data's fingerprints, so other weights or
+    other data never read it. Every rank must call this: rank 0 decides whether the file is
+    there and shares what it read, so a node-local ``work_dir`` works too.
+    """
+    path = (
+        Path(work_dir) / f"dpo-reference-logps-{reference.fingerprint}-{loader.fingerprint[:16]}.pt"
+    )
+    cached: torch.Tensor | None = None
+    if get_rank() == 0 and path.is_file():
+        cached = torch.load(path, weights_only=True)
+    if is_distributed():
+        cached = broadcast_object(cached)
+    if cached is not None:
+        log.info("reference log-probs of %d pairs read from %s", cached.shape[0], path)
+        return cached
+    logps = _score_all_pairs(reference, loader.instances, micro_pairs, ignore_index)
+    if get_rank() == 0:
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(logps, tmp)
+        os.replace(tmp, path)
+        log.info("reference log-probs of %d pairs cached in %s", logps.shape[0], path)
+    return logps
+
+
+@torch.no_grad()
+def _score_all_pairs(
+    reference: ReferenceModel, rows: torch.Tensor, micro_pairs: int, ignore_index: int
+) -> torch.Tensor:
+    """Every rank scores a contiguous share of ``rows`` (padded with row 0 so that all ranks
+    run the same forwards, as FSDP's collectives need), then the shares are gathered."""
+    world, rank = get_world_size(), get_rank()
+    total = rows.shape[0]
+    share = -(-total // world)
+    mine = torch.arange(rank * share, (rank + 1) * share).clamp(max=total) % total
+    device = next(reference.model.parameters()).device
+    parts = []
+    for start in range(0, share, micro_pairs):
+        batch = split_pair_rows(rows[mine[start : start + micro_pairs]])
+        logps, _ = reference.sequence_log_probs(
+            batch["input_ids"].to(device), batch["labels"].to(device), ignore_index=ignore_index
+        )
+        parts.append(torch.stack(logps.chunk(2), dim=1).float())
+    local = torch.cat(parts)
+    if world == 1:
+        return local.cpu()
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    torch.distributed.all_gather(gathered, local)
+    return torch.cat(gathered)[:total].cpu()

@@ -126,6 +126,25 @@ class ModelAndOptimTrainModule(TrainModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         apply_model_and_optim_state_dict(self.model, self.optim, state_dict)
 
+    def on_attach(self) -> None:
+        check_vocab_fits(self.model, self.trainer.data_loader)
+
+
+def check_vocab_fits(model: nn.Module, data_loader: Any) -> None:
+    """Token ids the data may hold (its ``vocab_size``, from ``metadata.json``) must have
+    embedding rows in the model: found before step 1, not as an index error inside it."""
+    data_vocab = getattr(getattr(data_loader, "dataset", None), "vocab_size", None)
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if data_vocab is None or embedding is None or data_vocab <= embedding.num_embeddings:
+        return
+    raise ConfigurationError(
+        f"the training data's vocabulary has {data_vocab} token ids (its metadata.json or "
+        f"dataset vocab_size) but the model embeds only {embedding.num_embeddings}; set "
+        f"model.vocab_size to at least {data_vocab} (tokenizer.padded_vocab_size()), or "
+        "prepare the data with the model's tokenizer",
+        path="model.vocab_size",
+    )
+
 
 def microbatch_rows(input_ids: torch.Tensor, rank_microbatch_size: int, path: str) -> int:
     """Sequences per micro-batch; the micro-batch size must be whole sequences."""
@@ -191,6 +210,7 @@ class BasicTrainModule(ModelAndOptimTrainModule):
         return self._ddp if self._ddp is not None else self.model
 
     def on_attach(self) -> None:
+        super().on_attach()
         rank_batch = self.trainer.rank_batch_size
         if rank_batch % self.rank_microbatch_size:
             raise ConfigurationError(

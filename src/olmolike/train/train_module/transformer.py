@@ -149,6 +149,7 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         self._parallelize(model)
         self.optim = config.optim.build(model)
         self.scheduler = config.scheduler
+        self._check_rewarm = False
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._autocast = (
             torch.autocast(device.type, dtype=DType(config.autocast_precision).as_pt())
@@ -230,6 +231,7 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         return self._ddp if self._ddp is not None else self.model
 
     def on_attach(self) -> None:
+        super().on_attach()
         rank_batch = self.trainer.rank_batch_size
         if rank_batch % self.config.rank_microbatch_size:
             raise ConfigurationError(
@@ -239,7 +241,10 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
             )
         if self.scheduler is not None:
             # A schedule that needs the run's length fails here, before any step, not mid-run.
-            self.scheduler.get_lr(1.0, 0, self._schedule_position()[1])
+            try:
+                self.scheduler.get_lr(1.0, 0, self._schedule_position()[1])
+            except ConfigurationError as e:
+                raise e.under("train_module.scheduler") from None
         if self.config.init_weights is not None:
             self.trainer.add_callback(
                 "init_weights", InitWeightsCallback(source=self.config.init_weights)
@@ -318,9 +323,16 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         )
         return ce_loss
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._check_rewarm = "optim" in state_dict
+
     def optim_step(self) -> None:
         if self.scheduler is not None:
             current, t_max = self._schedule_position()
+            if self._check_rewarm:
+                self._check_rewarm = False
+                self._warn_if_rewarmed(self.scheduler, current, t_max)
             self.scheduler.set_lr(self.optim, current, t_max)
         if self.config.max_grad_norm is not None:
             grad_norm = nn.utils.clip_grad_norm_(self._params, self.config.max_grad_norm)
@@ -331,6 +343,28 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
             name = group.get("name", f"group {i}")
             self.record_metric(f"LR ({name})", float(group["lr"]), namespace="optim")
         self.optim.step()
+
+    def _warn_if_rewarmed(self, scheduler: Scheduler, current: int, t_max: int | None) -> None:
+        """Warn when a resumed run's LR jumps up: its schedule was stretched, e.g. by extending
+        ``max_duration`` of a finished run, so a decayed LR climbs back."""
+        group = self.optim.param_groups[0]
+        trained, now = float(group["lr"]), scheduler.get_lr(group["initial_lr"], current, t_max)
+        if now <= trained * 1.05 or now - trained < 1e-3 * group["initial_lr"]:
+            return
+        log.warning(
+            "The learning rate rises from %.3g (the checkpoint's last step) to %.3g at %s %d: "
+            "%s now spans %s %s (max_duration changed), so a decayed LR is warmed up again. "
+            "To extend runs smoothly, use a WSD schedule (train_module.scheduler): it holds the "
+            "peak LR and decays only at the end, so a checkpoint from before the decay resumes "
+            "into a longer run with no jump.",
+            trained,
+            now,
+            scheduler.units.rstrip("s"),
+            current,
+            type(scheduler).__name__,
+            t_max,
+            scheduler.units,
+        )
 
     def _schedule_position(self) -> tuple[int, int | None]:
         trainer = self.trainer

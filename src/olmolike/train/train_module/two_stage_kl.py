@@ -8,7 +8,9 @@ per-token KL over the whole vocabulary (:func:`~olmolike.nn.functional.token_kl_
 The snapshot is part of the run, not an external model: its weights are in the train module's
 state (saved in every checkpoint, with a flag saying whether it was taken), so a resume after
 the boundary gets the snapshot back instead of re-taking it from later weights. The LR
-schedule is the parent's and spans both stages (the trainer's ``max_duration``).
+schedule is the parent's and spans both stages (the trainer's ``max_duration``). Each stage's
+data comes from its own loader through a :class:`~olmolike.data.staged.StagedDataLoader`,
+whose boundary must be ``stage1_steps`` (checked when the trainer is built).
 
 Compared with the approximation ``CE + beta * (nll_policy - stopgrad(nll_reference))``, whose
 gradient is exactly ``(1 + beta)`` times the CE gradient (it only rescales the learning rate),
@@ -25,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ...data.staged import StagedDataLoader
+from ...exceptions import ConfigurationError
 from ...nn.functional import cross_entropy_loss, token_kl_divergence
 from ...utils import get_default_device
 from ..common import ReduceType
@@ -85,6 +89,28 @@ class TwoStageKLTrainModule(TransformerTrainModule):
             self.model, source="policy snapshot", device=device, dp_config=config.dp_config
         )
         self.snapshot_taken = torch.zeros((), dtype=torch.int64)
+
+    def on_attach(self) -> None:
+        super().on_attach()
+        loader = self.trainer.data_loader
+        if not isinstance(loader, StagedDataLoader) or len(loader.stage_steps) != 2:
+            return
+        stage1, stage2 = loader.stage_steps
+        if stage1 != self.config.stage1_steps:
+            raise ConfigurationError(
+                f"the data loader switches to stage 2's data after {stage1} steps but "
+                f"stage1_steps is {self.config.stage1_steps}; make them equal so the snapshot "
+                "is taken where the data changes",
+                path="train_module.stage1_steps",
+            )
+        max_steps = self.trainer.max_steps
+        if stage2 is not None and max_steps is not None and max_steps != stage1 + stage2:
+            raise ConfigurationError(
+                f"the two stages last {stage1} + {stage2} steps but max_duration is {max_steps} "
+                f"steps; set max_duration to {stage1 + stage2} steps so that the LR schedule "
+                "spans both stages exactly (hard_stop stops earlier without changing it)",
+                path="max_duration",
+            )
 
     @property
     def in_stage2(self) -> bool:

@@ -1,4 +1,4 @@
-"""GRPO building blocks: reward functions by name, rollouts, group advantages, the loss."""
+"""GRPO: reward functions by name, rollouts, group advantages, the loss, the train module."""
 
 from .loss import (
     AdvantageStats,
@@ -17,12 +17,15 @@ from .rewards import (
     RewardScores,
     score_completions,
 )
-from .rollout import Rollout, SamplingConfig, completion_logps, rollout
+from .rollout import Rollout, SamplingConfig, check_prompt_lengths, completion_logps, rollout
+from .train_module import GRPOTrainModule, GRPOTrainModuleConfig
 
 __all__ = [
     "AdvantageStats",
     "GRPOLossConfig",
     "GRPOLossStats",
+    "GRPOTrainModule",
+    "GRPOTrainModuleConfig",
     "LossAggregation",
     "RewardConfig",
     "RewardFunction",
@@ -31,6 +34,7 @@ __all__ = [
     "RewardScores",
     "Rollout",
     "SamplingConfig",
+    "check_prompt_lengths",
     "completion_logps",
     "group_advantages",
     "grpo_loss",

@@ -27,7 +27,7 @@ from ....nn.generation import sample
 from .loss import GRPOLossConfig, group_advantages, token_entropy
 from .rewards import RewardConfig, RewardRegistry, score_completions
 
-__all__ = ["Rollout", "SamplingConfig", "completion_logps", "rollout"]
+__all__ = ["Rollout", "SamplingConfig", "check_prompt_lengths", "completion_logps", "rollout"]
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def rollout(
     """
     group = loss.group_size
     prompt_ids = [tokenizer.encode(r.prompt) for r in records for _ in range(group)]
-    _check_lengths(model, records, prompt_ids[::group], sampling.max_new_tokens)
+    check_prompt_lengths(model, records, prompt_ids[::group], sampling.max_new_tokens)
     started = time.perf_counter()
     out = sample(
         model,
@@ -151,9 +151,11 @@ def rollout(
     )
 
 
-def _check_lengths(
-    model: nn.Module, records: Sequence[PromptRecord], ids: list[list[int]], max_new: int
+def check_prompt_lengths(
+    model: nn.Module, records: Sequence[PromptRecord], ids: Sequence[Sequence[int]], max_new: int
 ) -> None:
+    """Raise :class:`DataError` for the first record whose prompt ``ids`` plus ``max_new``
+    sampled tokens exceed ``model``'s context (a model without ``config`` is not checked)."""
     context = getattr(getattr(model, "config", None), "max_sequence_length", None)
     if context is None:
         return
@@ -178,11 +180,24 @@ def _pack(prompts: list[list[int]], completions: Tensor, pad: int) -> tuple[Tens
 
 
 def completion_logps(
-    model: nn.Module, batch: Rollout, *, with_entropy: bool = False
+    model: nn.Module,
+    batch: Rollout,
+    *,
+    with_entropy: bool = False,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probabilities (N, C) of the completion tokens under ``model`` (with gradient when
-    enabled), and the mean entropy of its next-token distributions over them if asked."""
+    enabled), and the mean entropy of its next-token distributions over them if asked.
+
+    ``temperature`` divides the logits and ``vocab_size`` drops the ids at and above it (a
+    model's padded vocabulary), as :func:`rollout` sampled: the log-probabilities are then those
+    of the distribution the completions were drawn from."""
     logits = model(batch.input_ids)
+    if vocab_size is not None:
+        logits = logits[..., :vocab_size]
+    if temperature != 1.0:
+        logits = logits / temperature
     width = batch.completion_ids.shape[1]
     # The logits that predict completion token j sit at position start + j - 1.
     positions = batch.completion_start[:, None] - 1 + torch.arange(width, device=logits.device)

@@ -1,0 +1,139 @@
+"""Training from a config file, without a script: ``olmolike train CONFIG.yaml [--overrides]``.
+
+An :class:`ExperimentConfig` holds what the ``train_lm`` example builds: the model, the train
+module, the dataset and its loader, and the trainer with its callbacks. The file is the
+example's ``--dry-run`` output, a :meth:`~olmolike.config.Config.to_yaml` of this class, or
+written by hand; dotted overrides on the command line change any field. Under ``torchrun``
+(``torchrun --nproc-per-node=N -m olmolike train CONFIG.yaml``) every rank reads the same file
+and the model is sharded or replicated as ``train_module.dp_config`` says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass, field
+
+import yaml
+
+from . import io
+from .config import Config
+from .data.numpy_data_loader import NumpyDataLoaderConfig
+from .data.numpy_dataset import NumpyDatasetConfig
+from .data.tokenizer import TokenizerConfig
+from .distributed.utils import get_rank
+from .exceptions import ConfigurationError
+from .nn import TransformerConfig
+from .train import Trainer, TrainerConfig
+from .train.callbacks import ConfigSaverCallback
+from .train.train_module import TransformerTrainModuleConfig
+
+__all__ = ["ExperimentConfig", "add_train_command", "load_experiment", "train"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ExperimentConfig(Config):
+    """Everything one language-model training run is built from."""
+
+    run_name: str
+    """A name for the run (logs and the saved config); where it is saved is
+    ``trainer.save_folder``."""
+    model: TransformerConfig
+    dataset: NumpyDatasetConfig
+    """The training tokens (``olmolike prepare-data`` output)."""
+    data_loader: NumpyDataLoaderConfig
+    train_module: TransformerTrainModuleConfig
+    trainer: TrainerConfig
+    """Where the run is saved, how long it trains, and its callbacks (evaluation included)."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """Saved with the run so that ``olmolike generate`` decodes what the model writes."""
+    init_seed: int = 12536
+    """Seeds Python, NumPy and torch before the model is built: the same seed, the same run."""
+
+    def validate(self) -> None:
+        seq_len = self.dataset.sequence_length
+        if seq_len > self.model.max_sequence_length:
+            raise self._invalid(
+                "dataset.sequence_length",
+                f"{seq_len} is longer than the model's max_sequence_length "
+                f"({self.model.max_sequence_length}); raise --model.max_sequence_length",
+            )
+
+
+def load_experiment(path: str, overrides: list[str]) -> ExperimentConfig:
+    """Read a YAML or JSON experiment file and apply dotted overrides.
+
+    The file's own top-level ``_CLASS_`` (``__main__.ExperimentConfig`` in the example's
+    ``--dry-run`` output) is not needed: the file is read as an :class:`ExperimentConfig`.
+    """
+    try:
+        text = io.read_bytes(path).decode()
+    except FileNotFoundError:
+        raise ConfigurationError(f"no config file at {path}") from None
+    try:
+        data = yaml.safe_load(text)  # JSON is YAML too
+    except yaml.YAMLError as e:
+        raise ConfigurationError(f"{path} is not valid YAML or JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigurationError(f"{path} must hold a mapping at the top level")
+    data.pop(Config.CLASS_NAME_FIELD, None)
+    return ExperimentConfig.from_dict(data).merge(overrides)
+
+
+def train(config: ExperimentConfig) -> Trainer:
+    """Build the run's parts in the ``train_lm`` example's order and train; returns the trainer."""
+    # Built on the meta device: the train module shards it (if asked), then materialises it.
+    model = config.model.build(init_device="meta")
+    train_module = config.train_module.build(model)
+    data_loader = config.data_loader.build(config.dataset.build())
+    saver = ConfigSaverCallback(config=config.as_config_dict())  # for generate, evaluate
+    trainer = config.trainer.with_callback("config_saver", saver).build(train_module, data_loader)
+    log.info(
+        "%s: %s parameters, %s tokens per step, %s steps",
+        config.run_name,
+        f"{config.model.num_params():,d}",
+        f"{trainer.global_batch_size:,d}",
+        trainer.max_steps,
+    )
+    trainer.fit()
+    return trainer
+
+
+def _train_command(args: argparse.Namespace) -> int:
+    from .train import prepare_training_environment, teardown_training_environment
+    from .utils import seed_all
+
+    # First: a mistake in the file or the overrides is then one line, once per job.
+    prepare_training_environment()
+    try:
+        overrides = [o for o in args.overrides if o != "--dry-run"]
+        config = load_experiment(args.config, overrides)
+        if args.dry_run or len(overrides) < len(args.overrides):
+            if get_rank() == 0:
+                print(config.to_yaml(), end="")
+            return 0
+        seed_all(config.init_seed)
+        train(config)
+    finally:
+        teardown_training_environment()
+    return 0
+
+
+def add_train_command(commands: argparse._SubParsersAction) -> None:
+    """Register ``olmolike train`` on the CLI's subcommands."""
+    cmd = commands.add_parser(
+        "train",
+        help="train from an experiment config file (YAML or JSON) with dotted overrides; under "
+        "torchrun: torchrun --nproc-per-node=N -m olmolike train CONFIG.yaml",
+        description="Train a language model from an experiment config file: model, "
+        "train_module, dataset, data_loader, trainer (the train_lm example's sections; its "
+        "--dry-run prints one). Any field can be overridden: --trainer.max_duration.value=100.",
+    )
+    cmd.add_argument("config", help="the experiment config file (.yaml, .yml or .json)")
+    cmd.add_argument(
+        "--dry-run", action="store_true", help="print the config with the overrides; train nothing"
+    )
+    cmd.add_argument("overrides", nargs=argparse.REMAINDER, help="--dotted.key=value ...")
+    cmd.set_defaults(run=_train_command)

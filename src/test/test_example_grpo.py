@@ -1,0 +1,43 @@
+"""The GRPO example runs end to end, as one process and under torchrun (a few steps)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "examples" / "grpo" / "train.py"
+
+
+def run(out: Path, *launcher: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [*(launcher or (sys.executable,)), str(SCRIPT), str(out), "2", "3"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=280, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_grpo_example_reports_accuracy_and_writes_metrics(tmp_path: Path) -> None:
+    result = run(tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "held-out greedy accuracy" in result.stdout
+    figures = json.loads((tmp_path / "accuracy.json").read_text())
+    assert 0 <= figures["before"] <= 1 and 0 <= figures["after"] <= 1
+    lines = (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()
+    assert "train/reward/exact_answer/mean" in json.loads(lines[-1])["metrics"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_grpo_example_runs_under_torchrun(tmp_path: Path) -> None:
+    from testutils import free_port
+
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                f"--master-port={free_port()}")  # fmt: skip
+    result = run(tmp_path, *launcher)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 rank(s)" in result.stderr and "held-out greedy accuracy" in result.stdout
