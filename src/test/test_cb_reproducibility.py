@@ -282,7 +282,8 @@ def checked_trainer(
         fsdp=fsdp,
         max_duration=Duration.steps(steps),
         callbacks={
-            "checkpointer": CheckpointerCallback(save_interval=2),
+            # Synchronous, as the tampering below replaces the synchronous save.
+            "checkpointer": CheckpointerCallback(save_interval=2, save_async=False),
             "reproducibility_check": check,
         },
     )
@@ -355,7 +356,8 @@ def lm_trainer(folder: str, dp: DataParallelConfig, check: ReproducibilityCheckC
         max_duration=Duration.steps(4),
         device="cpu",
         callbacks={
-            "checkpointer": CheckpointerCallback(save_interval=2),
+            # Synchronous, as the tampering below replaces the synchronous save.
+            "checkpointer": CheckpointerCallback(save_interval=2, save_async=False),
             "reproducibility_check": check,
         },
     )

@@ -315,6 +315,20 @@ def test_load_path_over_http_as_an_archive(tmp_path: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(params(trainer), params(source)))
 
 
+def test_checkpointer_write_file_is_olmo_cores_and_respects_save_overwrite(
+    tmp_path: Path,
+) -> None:
+    checkpointer = Checkpointer(work_dir=tmp_path / "work")
+    path = checkpointer.write_file(str(tmp_path), "notes.txt", "one")
+    assert Path(path).read_text() == "one"
+    with pytest.raises(FileExistsError):
+        checkpointer.write_file(str(tmp_path), "notes.txt", "two")
+    Checkpointer(work_dir=tmp_path / "work", save_overwrite=True).write_file(
+        str(tmp_path), "notes.txt", b"two"
+    )
+    assert Path(path).read_text() == "two"
+
+
 def test_model_and_optim_helpers_round_trip(tmp_path: Path) -> None:
     from olmolike.distributed.checkpoint import (
         load_model_and_optim_state,

@@ -10,6 +10,7 @@ import pytest
 import testutils
 import torch
 import torch.nn as nn
+from remote_servers import RemoteStore, gcs_bucket, gcs_server
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 import olmolike.distributed.checkpoint as api
@@ -27,6 +28,8 @@ from olmolike.distributed.checkpoint import (
 )
 from olmolike.distributed.checkpoint_format import MARKER, MODEL_AND_OPTIM
 from olmolike.exceptions import CheckpointError
+
+__all__ = ["gcs_bucket", "gcs_server"]  # fixtures, found by name
 
 OLMO_CORE_NAMES = {
     "save_state_dict",
@@ -95,9 +98,49 @@ def test_save_refuses_a_non_empty_folder_unless_overwrite(tmp_path: Path) -> Non
     assert_same_state(fresh, other)
 
 
-def test_saving_to_a_url_names_the_way_out(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match=r"local directories only.*Checkpointer"):
-        save_model_and_optim_state("gs://bucket/ckpt", nn.Linear(2, 2))
+@pytest.mark.parametrize("run_async", [False, True], ids=["sync", "async"])
+def test_saving_to_a_url_uploads_and_refuses_a_non_empty_prefix(
+    tmp_path: Path, run_async: bool
+) -> None:
+    url = f"memory://saves-{run_async}/c"
+    model, optim = stepped()
+    if run_async:
+        async_save_model_and_optim_state(url, model, optim, throttle_uploads=True).result()
+    else:
+        save_model_and_optim_state(url, model, optim, throttle_uploads=True)
+    fs = fsspec.filesystem("memory")
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.find(f"/saves-{run_async}/c")) == [
+        ".metadata",
+        "__0_0.distcp",
+    ]
+    fresh, fresh_optim = stepped(seed=1)
+    load_model_and_optim_state(url, fresh, fresh_optim)
+    assert_same_state(fresh, model)
+    with pytest.raises(FileExistsError, match="save_overwrite=True"):
+        save_model_and_optim_state(url, fresh, fresh_optim)
+    save_model_and_optim_state(url, fresh, save_overwrite=True)  # the model alone now
+    assert "optim" not in {
+        k.split(".")[0] for k in get_checkpoint_metadata(url).state_dict_metadata
+    }
+
+
+def _save_to_store(url: str, settings: dict[str, Any], throttle: bool) -> None:
+    fsspec.config.conf.update(settings)
+    model, optim = stepped(seed=0)
+    save_model_and_optim_state(url, model, optim, throttle_uploads=throttle)
+
+
+@pytest.mark.parametrize("throttle", [False, True], ids=["together", "throttled"])
+def test_two_ranks_save_to_an_object_store(request: pytest.FixtureRequest, throttle: bool) -> None:
+    store: RemoteStore = request.getfixturevalue("gcs_bucket")
+    url = store.url("c")
+    settings = {key: dict(value) for key, value in fsspec.config.conf.items()}
+    testutils.run_distributed_test(_save_to_store, 2, args=(url, settings, throttle), timeout=120)
+    assert store.objects("c") == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    model, _ = stepped(seed=0)
+    fresh, fresh_optim = stepped(seed=1)
+    load_model_and_optim_state(url, fresh, fresh_optim)
+    assert_same_state(fresh, model)
 
 
 def _save_and_load_sharded(dir: str, run_async: bool) -> dict[str, Any]:

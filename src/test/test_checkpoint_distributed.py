@@ -122,6 +122,8 @@ def killed_run(save: str) -> None:
     trainer = build_trainer(save, num_instances=48, fsdp=True, max_duration=Duration.steps(STEPS))
     trainer.add_callback("die", KillAfter(step_to_die=6))
     trainer.callbacks["checkpointer"].save_interval = 4  # type: ignore[attr-defined]
+    # Synchronous: step 4's checkpoint is complete before step 5 starts, whatever the load.
+    trainer.callbacks["checkpointer"].save_async = False  # type: ignore[attr-defined]
     trainer.fit()
 
 

@@ -8,18 +8,15 @@ The functions of OLMo-core's ``olmo_core.distributed.checkpoint`` are here with 
 signatures and meaning: save and load model and optimizer state (sync or async, optionally
 with a flattened optimizer state, renamed parameters or a partial load), read a checkpoint's
 metadata or chosen keys in a plain process, unshard it into plain files, and edit nested state
-dicts by dotted keys. Differences, all on the safe side: saving writes *local* directories
-only (object stores have no rename, which DCP's writer needs; the trainer's
-:class:`~olmolike.train.Checkpointer` stages and uploads instead, so ``throttle_uploads``
-matters there), and non-tensor values are read with ``weights_only=True``.
+dicts by dotted keys. A save to a URL is written locally, then uploaded (object stores have
+no rename, which DCP's writer needs). Non-tensor values are read with ``weights_only=True``:
+reading a checkpoint never runs code from it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
-import socket
 import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
@@ -49,9 +46,10 @@ from ..exceptions import CheckpointError, ConfigurationError
 from .checkpoint_download import local_copy
 from .checkpoint_format import dcp_dir_of, dcp_reader, read_metadata
 from .checkpoint_reader import load_keys
+from .save_target import after_async_save, save_target
 from .state_dict_keys import merge_state_dicts, prune_state_dict, swap_param_keys
 from .unshard import UnshardStrategy, UnshardStrategyType, unshard_checkpoint
-from .utils import all_agree, get_rank, get_world_size, is_distributed
+from .utils import is_distributed
 
 __all__ = [
     "ReusedBufferStager",
@@ -61,7 +59,6 @@ __all__ = [
     "async_save_model_and_optim_state",
     "async_save_state_dict",
     "check_checkpoint_backend",
-    "checkpoint_keys",
     "get_checkpoint_metadata",
     "load_keys",
     "load_model_and_optim_state",
@@ -146,48 +143,8 @@ def check_checkpoint_backend(backend: str) -> None:
     )
 
 
-def _writer(dir: str | Path, thread_count: int | None) -> FileSystemWriter:
-    if io.is_url(dir):
-        raise CheckpointError(
-            f"DCP writes to local directories only, got {dir}: save locally and upload, or "
-            "save with the trainer's Checkpointer, which does both"
-        )
+def _writer(dir: Path, thread_count: int | None) -> FileSystemWriter:
     return FileSystemWriter(str(dir), thread_count=thread_count or 1, sync_files=True)
-
-
-def _prepare_dir(
-    dir: str | Path, process_group: dist.ProcessGroup | None, save_overwrite: bool
-) -> Path:
-    """Make ``dir`` an empty local directory on every rank, or raise on every rank.
-
-    Without ``save_overwrite`` a non-empty ``dir`` is a :class:`FileExistsError`; with it, the
-    lowest rank of each host that sees ``dir`` clears it. Every rank passes an agreement (a
-    barrier) before any writes, so no rank writes into a folder another is still clearing.
-    """
-    _writer(dir, None)  # refuse a URL before any collective
-    path = io.local_path(dir)
-    error: str | None = None
-    if save_overwrite:
-        if _lowest_rank_seeing(path, process_group):
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-    elif path.exists() and (not path.is_dir() or any(path.iterdir())):
-        error = f"{path} exists and is not empty; pass save_overwrite=True to replace it"
-    if not all_agree(error is None, process_group):
-        raise FileExistsError(error or f"{path} exists and is not empty on another rank")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def _lowest_rank_seeing(path: Path, group: dist.ProcessGroup | None) -> bool:
-    if not is_distributed():
-        return True
-    where = (socket.gethostname(), str(path.resolve()))
-    places: list[Any] = [None] * get_world_size(group)
-    dist.all_gather_object(places, where, group=group)
-    return places.index(where) == get_rank(group)
 
 
 def save_state_dict(
@@ -199,19 +156,19 @@ def save_state_dict(
     thread_count: int | None = None,
     throttle_uploads: bool = False,
 ) -> None:
-    """Save every rank's shards of ``state_dict`` into the local directory ``dir``.
+    """Save every rank's shards of ``state_dict`` into ``dir``, a local directory or a URL.
 
-    ``dir`` must be empty or missing unless ``save_overwrite``. ``throttle_uploads`` is
-    OLMo-core's switch for uploads to object stores; a local directory uploads nothing.
+    ``dir`` must be empty or missing unless ``save_overwrite``. A URL is written locally
+    first, then uploaded (see :mod:`.save_target`), one rank after another with
+    ``throttle_uploads``.
     """
-    del throttle_uploads  # local directories only: nothing is uploaded
-    path = _prepare_dir(dir, process_group, save_overwrite)
-    dcp.save(
-        state_dict,
-        storage_writer=_writer(path, thread_count),
-        process_group=process_group,
-        no_dist=not is_distributed(),
-    )
+    with save_target(dir, process_group, save_overwrite, throttle_uploads) as local:
+        dcp.save(
+            state_dict,
+            storage_writer=_writer(local, thread_count),
+            process_group=process_group,
+            no_dist=not is_distributed(),
+        )
 
 
 class ReusedBufferStager(AsyncStager):
@@ -272,19 +229,22 @@ def async_save_state_dict(
 
     When this returns, later optimizer steps can no longer change what is saved. The
     ``process_group`` must support CPU tensors (gloo); use one that training does not use.
-    Pass a :class:`ReusedBufferStager` kept across saves to avoid re-allocating the copy.
+    Pass a :class:`ReusedBufferStager` kept across saves to avoid re-allocating the copy. A
+    URL's future completes once the files are uploaded too.
     """
-    del throttle_uploads  # local directories only: nothing is uploaded
-    path = _prepare_dir(dir, process_group, save_overwrite)
-    future = dcp.async_save(
-        state_dict,
-        storage_writer=_writer(path, thread_count),
-        process_group=process_group,
-        async_stager=stager,
-        no_dist=not is_distributed(),
-    )
-    assert isinstance(future, Future)
-    return future
+
+    def start(local: Path) -> Future[Any]:
+        future = dcp.async_save(
+            state_dict,
+            storage_writer=_writer(local, thread_count),
+            process_group=process_group,
+            async_stager=stager,
+            no_dist=not is_distributed(),
+        )
+        assert isinstance(future, Future)
+        return future
+
+    return after_async_save(dir, process_group, save_overwrite, throttle_uploads, start)
 
 
 @contextlib.contextmanager
@@ -338,11 +298,6 @@ def _load(
     )
 
 
-def checkpoint_keys(dir: str | Path) -> set[str]:
-    """Top-level names saved in a DCP checkpoint (e.g. ``{"model", "optim"}``)."""
-    return {key.split(".", 1)[0] for key in get_checkpoint_metadata(dir).state_dict_metadata}
-
-
 def get_checkpoint_metadata(dir: str | Path) -> Metadata:
     """DCP's metadata of a checkpoint (a DCP directory or a train checkpoint folder): every
     saved key with its shape and dtype, without reading any tensor."""
@@ -360,7 +315,7 @@ def save_model_and_optim_state(
     thread_count: int | None = None,
     throttle_uploads: bool = False,
 ) -> None:
-    """Save model (and optimizer) shards of every rank into the local directory ``dir``.
+    """Save model (and optimizer) shards of every rank into ``dir`` (local or a URL).
 
     :raises FileExistsError: if ``dir`` is not empty and ``save_overwrite`` is false.
     """

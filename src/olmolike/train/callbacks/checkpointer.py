@@ -1,24 +1,67 @@
-"""Saves checkpoints at intervals and at the end of training; removes old ones by rule."""
+"""Saves checkpoints at intervals, at fixed steps and at the end of training; removes old ones
+by rule (OLMo-core 3.0's ``CheckpointerCallback`` fields and meaning)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from ...distributed.utils import get_rank
-from ...exceptions import ConfigurationError
+from ...config import StrEnum
+from ...distributed.utils import backend_supports_cpu, get_rank, is_distributed
+from ...exceptions import CheckpointError, ConfigurationError
 from ..checkpoint import Checkpointer
 from .callback import Callback
 
-__all__ = ["CheckpointerCallback"]
+__all__ = ["CheckpointRemovalStrategy", "CheckpointerCallback", "checkpoints_to_remove"]
 
 log = logging.getLogger(__name__)
 
 
+class CheckpointRemovalStrategy(StrEnum):
+    """Which checkpoints of earlier runs, found in the save folder, a checkpointer removes."""
+
+    ephemeral_only = "ephemeral_only"
+    """Only ephemeral checkpoints (the default)."""
+
+    all_non_permanent = "all_non_permanent"
+    """Ephemeral checkpoints and any other that is not at a multiple of ``save_interval`` or
+    at one of ``fixed_steps`` (e.g. left by a run with other settings)."""
+
+    never = "never"
+    """None: old checkpoints stay. This run's own ephemeral checkpoints are still replaced."""
+
+
+def checkpoints_to_remove(
+    strategy: CheckpointRemovalStrategy,
+    found: Iterable[tuple[int, str, bool]],
+    *,
+    save_interval: int | None,
+    fixed_steps: Iterable[int] = (),
+    keep: Iterable[str] = (),
+) -> list[str]:
+    """The paths a strategy removes among ``found`` checkpoints ``(step, path, ephemeral)``.
+
+    ``keep`` (e.g. the checkpoint just saved) is never removed; neither is step 0's.
+    """
+    kept, fixed = set(keep), set(fixed_steps)
+    out = []
+    for step, path, ephemeral in sorted(found):
+        if path in kept or step == 0 or strategy == CheckpointRemovalStrategy.never:
+            continue
+        permanent_step = step in fixed or (save_interval is not None and step % save_interval == 0)
+        if ephemeral or (
+            strategy == CheckpointRemovalStrategy.all_non_permanent and not permanent_step
+        ):
+            out.append(path)
+    return out
+
+
 @dataclass
 class CheckpointerCallback(Callback, name="checkpointer"):
-    """Saves a checkpoint every ``save_interval`` steps and when training ends.
+    """Saves a checkpoint every ``save_interval`` steps, at ``fixed_steps`` and when training
+    ends.
 
     Ephemeral checkpoints (every ``ephemeral_save_interval`` steps) are for resuming after a
     preemption: only the newest is kept, and it is removed once a newer checkpoint of any kind
@@ -26,16 +69,35 @@ class CheckpointerCallback(Callback, name="checkpointer"):
     without a marker by a killed removal or save are removed after the next save.
     """
 
-    save_interval: int = 250
-    """Steps between permanent checkpoints."""
+    save_interval: int | None = 250
+    """Steps between permanent checkpoints; ``None`` saves only at ``fixed_steps`` and at the
+    end."""
     ephemeral_save_interval: int | None = None
-    """Steps between ephemeral checkpoints (only the newest is kept)."""
+    """Steps between ephemeral checkpoints (only the newest is kept): cheap insurance against
+    preemption between two permanent checkpoints."""
     pre_train_checkpoint: bool | None = None
     """Save a checkpoint before the first step; by default only when not resuming."""
-    save_async: bool = False
-    """Write checkpoints in the background; training waits only for the copy to CPU memory."""
+    save_async: bool | None = None
+    """Write checkpoints in the background; training waits only for the copy to CPU memory.
+
+    ``None`` (OLMo-core's default) means: in the background when the checkpointer's process
+    group can run CPU collectives (gloo), which the background writer needs; decided when
+    training starts.
+    """
+    remove: CheckpointRemovalStrategy = CheckpointRemovalStrategy.ephemeral_only
+    """Which checkpoints of earlier runs in the save folder to remove (once this run's next
+    checkpoint is complete)."""
+    ephemeral_cooldown: int | None = None
+    """Steps after any checkpoint during which no ephemeral one is saved, so that a permanent
+    checkpoint is not followed at once by a redundant ephemeral one."""
+    fixed_steps: list[int] | None = None
+    """Steps at which to save permanent checkpoints in addition to ``save_interval`` (e.g. the
+    end of a learning-rate schedule's stable phase)."""
     max_checkpoints: int | None = None
-    """Keep at most this many permanent checkpoints (the newest); ``None`` keeps them all."""
+    """Keep at most this many permanent checkpoints (the newest); ``None`` keeps them all.
+
+    OLMo-core 3.0 defaults to 3; olmolike never deletes a permanent checkpoint unless asked.
+    """
     enabled: bool = True
     """``False`` saves no checkpoint at all (nor does the trainer's ``no_checkpoints=True``)."""
 
@@ -45,26 +107,32 @@ class CheckpointerCallback(Callback, name="checkpointer"):
     _last_saved_step: int | None = field(default=None, init=False, repr=False)
     _failed: bool = field(default=False, init=False, repr=False)
     _staging_prepared: bool = field(default=False, init=False, repr=False)
+    _own_ephemeral: list[str] = field(default_factory=list, init=False, repr=False)
+    _old_to_remove: list[str] = field(default_factory=list, init=False, repr=False)
 
     priority = 1
 
     def validate(self) -> None:
-        if self.save_interval < 1:
+        if self.save_interval is not None and self.save_interval < 1:
             raise ConfigurationError(
-                f"must be >= 1, got {self.save_interval}", path="save_interval"
+                f"must be >= 1 (or None), got {self.save_interval}", path="save_interval"
             )
-        if (
-            self.ephemeral_save_interval is not None
-            and not 1 <= self.ephemeral_save_interval < self.save_interval
+        if self.ephemeral_save_interval is not None and not (
+            1 <= self.ephemeral_save_interval < (self.save_interval or float("inf"))
         ):
             raise ConfigurationError(
                 f"must be >= 1 and below save_interval ({self.save_interval}), "
                 f"got {self.ephemeral_save_interval}",
                 path="ephemeral_save_interval",
             )
-        if self.max_checkpoints is not None and self.max_checkpoints < 1:
+        for name in ("max_checkpoints", "ephemeral_cooldown"):
+            value, least = getattr(self, name), 1 if name == "max_checkpoints" else 0
+            if value is not None and value < least:
+                raise ConfigurationError(f"must be >= {least} if set, got {value}", path=name)
+        if self.fixed_steps is not None and any(step < 1 for step in self.fixed_steps):
             raise ConfigurationError(
-                f"must be >= 1 if set, got {self.max_checkpoints}", path="max_checkpoints"
+                f"steps must be >= 1 (step 0 is pre_train_checkpoint), got {self.fixed_steps}",
+                path="fixed_steps",
             )
 
     @property
@@ -76,14 +144,38 @@ class CheckpointerCallback(Callback, name="checkpointer"):
         """The step of the newest checkpoint this callback started saving in this process."""
         return self._last_saved_step
 
+    @property
+    def checkpoint_pending(self) -> bool:
+        """Whether a background save has not been collected yet."""
+        return bool(self._pending)
+
     def pre_train(self) -> None:
         if not self.active:
             return
+        if self.save_async is None:
+            group = self.trainer.checkpointer.process_group
+            self.save_async = is_distributed() and backend_supports_cpu(group)
+        if get_rank() == 0:
+            self._old_to_remove = self._find_old_to_remove()
         wanted = self.pre_train_checkpoint
         if wanted is None:
             wanted = not self.trainer.checkpoint_loaded
         if wanted and self.trainer.global_step == 0:
             self._save(ephemeral=False)
+
+    def _find_old_to_remove(self) -> list[str]:
+        """Checkpoints of earlier runs (up to this step) that ``remove`` says to remove."""
+        found = [
+            (step, path, _is_ephemeral(path))
+            for step, path in Checkpointer.find_checkpoints(self.trainer.save_folder)
+            if step <= self.trainer.global_step
+        ]
+        old = checkpoints_to_remove(
+            self.remove, found, save_interval=self.save_interval, fixed_steps=self.fixed_steps or ()
+        )
+        for path in old:
+            log.info("Found %s from an earlier run; removing it after the next save", path)
+        return old
 
     def post_step(self) -> None:
         if not self.active:
@@ -95,14 +187,27 @@ class CheckpointerCallback(Callback, name="checkpointer"):
             self._staging_prepared = True
         if self.trainer.training_complete:
             return  # post_train saves the final checkpoint, and as a permanent one
-        if step % self.save_interval == 0:
+        if self._permanent_due(step):
             self._save(ephemeral=False)
-        elif (
-            self.ephemeral_save_interval
-            and step % self.ephemeral_save_interval == 0
-            and not self.trainer.block_ephemeral_checkpoints
-        ):
+        elif self._ephemeral_due(step):
             self._save(ephemeral=True)
+
+    def saves_at(self, step: int) -> bool:
+        """Whether the end of ``step`` saves a checkpoint (before the last step)."""
+        return self.active and (self._permanent_due(step) or self._ephemeral_due(step))
+
+    def _permanent_due(self, step: int) -> bool:
+        return bool(self.fixed_steps and step in self.fixed_steps) or (
+            self.save_interval is not None and step % self.save_interval == 0
+        )
+
+    def _ephemeral_due(self, step: int) -> bool:
+        if not self.ephemeral_save_interval or step % self.ephemeral_save_interval != 0:
+            return False
+        if self.trainer.block_ephemeral_checkpoints:
+            return False
+        last, cooldown = self._last_saved_step, self.ephemeral_cooldown
+        return cooldown is None or last is None or step - last >= cooldown
 
     def post_train(self) -> None:
         if not self.active:
@@ -131,6 +236,8 @@ class CheckpointerCallback(Callback, name="checkpointer"):
         else:
             path = trainer.save_checkpoint(ephemeral=ephemeral)
             self._after_save(path, ephemeral)
+        if ephemeral:
+            self._own_ephemeral.append(path)
         self._last_saved_step = trainer.global_step
 
     def _collect_finished(self, *, wait: bool) -> None:
@@ -142,18 +249,27 @@ class CheckpointerCallback(Callback, name="checkpointer"):
     def _after_save(self, path: str, ephemeral: bool) -> None:
         """Retention, by rank 0, once the checkpoint at ``path`` is complete.
 
-        Ephemeral checkpoints of earlier steps than ``path`` are removed, so a newer one is
-        never removed in favour of an older one (two async saves may be collected at once).
-        Step folders without a marker (a removal or save killed half-way) are removed too,
-        except those of saves still in progress.
+        Ephemeral checkpoints of earlier steps than ``path`` are removed (with ``remove=never``
+        only this run's own), so a newer one is never removed in favour of an older one (two
+        async saves may be collected at once); so are the checkpoints of earlier runs that
+        ``remove`` names. Step folders without a marker (a removal or save killed half-way)
+        are removed too, except those of saves still in progress.
         """
         if get_rank() != 0:
             return
         folder = self.trainer.save_folder
         saved_step = _step_of(path)
         for step, old in Checkpointer.find_checkpoints(folder, ephemeral=True):
-            if step < saved_step:
+            own = old in self._own_ephemeral
+            if step < saved_step and (own or self.remove != CheckpointRemovalStrategy.never):
                 log.info("Removing ephemeral checkpoint %s", old)
+                Checkpointer.remove_checkpoint(old)
+                if own:
+                    self._own_ephemeral.remove(old)
+        old_runs, self._old_to_remove = self._old_to_remove, []
+        for old in old_runs:
+            if Checkpointer.dir_is_checkpoint(old):
+                log.info("Removing checkpoint %s (remove=%s)", old, self.remove)
                 Checkpointer.remove_checkpoint(old)
         in_progress = [pending for pending, _, _ in self._pending]
         Checkpointer.remove_abandoned(folder, keep=[path, *in_progress])
@@ -163,6 +279,13 @@ class CheckpointerCallback(Callback, name="checkpointer"):
         for _, old in permanent[: max(0, len(permanent) - self.max_checkpoints)]:
             log.info("Removing checkpoint %s (max_checkpoints=%d)", old, self.max_checkpoints)
             Checkpointer.remove_checkpoint(old)
+
+
+def _is_ephemeral(path: str) -> bool:
+    try:
+        return bool(Checkpointer.checkpoint_metadata(path)["ephemeral"])
+    except CheckpointError:  # a malformed marker: of neither kind, as find_checkpoints treats it
+        return False
 
 
 def _step_of(path: str) -> int:

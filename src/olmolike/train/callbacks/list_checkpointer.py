@@ -1,14 +1,12 @@
-"""Checkpoints at a list of exact steps, and the strategies for removing old checkpoints."""
+"""Checkpoints at a list of exact steps."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ...config import StrEnum
 from ...exceptions import ConfigurationError
-from .checkpointer import CheckpointerCallback
+from .checkpointer import CheckpointerCallback, CheckpointRemovalStrategy, checkpoints_to_remove
 
 __all__ = ["CheckpointRemovalStrategy", "ListCheckpointerCallback", "checkpoints_to_remove"]
 
@@ -53,41 +51,3 @@ class ListCheckpointerCallback(CheckpointerCallback, name="list_checkpointer"):
             and not self.trainer.training_complete  # post_train saves the last step
         ):
             self._save(ephemeral=False)
-
-
-class CheckpointRemovalStrategy(StrEnum):
-    """Which old checkpoints found in the save folder a checkpointer may remove."""
-
-    ephemeral_only = "ephemeral_only"
-    """Only ephemeral checkpoints (the default)."""
-
-    all_non_permanent = "all_non_permanent"
-    """Ephemeral checkpoints and any other that is not at a multiple of ``save_interval``
-    (e.g. left by a run with other settings)."""
-
-    never = "never"
-    """None: old checkpoints stay."""
-
-
-def checkpoints_to_remove(
-    strategy: CheckpointRemovalStrategy,
-    found: Iterable[tuple[int, str, bool]],
-    *,
-    save_interval: int | None,
-    keep: Iterable[str] = (),
-) -> list[str]:
-    """The paths a strategy removes among ``found`` checkpoints ``(step, path, ephemeral)``.
-
-    ``keep`` (e.g. the checkpoint just saved) is never removed; neither is step 0's.
-    """
-    kept = set(keep)
-    out = []
-    for step, path, ephemeral in sorted(found):
-        if path in kept or strategy == CheckpointRemovalStrategy.never:
-            continue
-        permanent_step = step == 0 or (save_interval is not None and step % save_interval == 0)
-        if ephemeral or (
-            strategy == CheckpointRemovalStrategy.all_non_permanent and not permanent_step
-        ):
-            out.append(path)
-    return out

@@ -314,11 +314,7 @@ class StabilityMonitorCallback(SpikeScore, Callback, name="stability_monitor"):
 
     def _checkpoint_due(self) -> bool:
         step = self.trainer.global_step
-        return any(
-            step % cb.save_interval == 0
-            or (cb.ephemeral_save_interval and step % cb.ephemeral_save_interval == 0)
-            for cb in self._active_checkpointers()
-        )
+        return any(cb.saves_at(step) for cb in self._active_checkpointers())
 
     def _guard(self, when: str) -> None:
         loss = self._last_loss

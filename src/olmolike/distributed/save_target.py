@@ -1,0 +1,172 @@
+"""Where a DCP save writes: an empty local directory, or a local staging directory whose files
+are then uploaded to an object store (``gs://``, ``s3://``, ...).
+
+DCP's writer renames files, which object stores cannot do; so a save to a URL writes every
+rank's files into a temporary local directory first, then each rank uploads what it wrote,
+DCP's ``.metadata`` last (a reader takes a folder with ``.metadata`` for complete). With
+``throttle_uploads`` the ranks upload one after another, for stores that limit request rates.
+Every step that can fail on one rank ends in an agreement of all ranks, so a failure raises on
+every rank instead of leaving the others waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import tempfile
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from .. import io
+from ..exceptions import CheckpointError
+from ..threads import DaemonThreadPool
+from .checkpoint_format import DCP_METADATA
+from .utils import all_agree, barrier, get_rank, get_world_size, is_distributed
+
+__all__ = ["after_async_save", "prepare_local_dir", "save_target"]
+
+
+def prepare_local_dir(
+    dir: str | Path, group: dist.ProcessGroup | None, save_overwrite: bool
+) -> Path:
+    """Make ``dir`` an empty local directory on every rank, or raise on every rank.
+
+    Without ``save_overwrite`` a non-empty ``dir`` is a :class:`FileExistsError`; with it, the
+    lowest rank of each host that sees ``dir`` clears it. Every rank passes an agreement (a
+    barrier) before any writes, so no rank writes into a folder another is still clearing.
+    """
+    path = io.local_path(dir)
+    error: str | None = None
+    if save_overwrite:
+        if _lowest_rank_seeing(path, group):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+    elif path.exists() and (not path.is_dir() or any(path.iterdir())):
+        error = f"{path} exists and is not empty; pass save_overwrite=True to replace it"
+    if not all_agree(error is None, group):
+        raise FileExistsError(error or f"{path} exists and is not empty on another rank")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _lowest_rank_seeing(path: Path, group: dist.ProcessGroup | None) -> bool:
+    if not is_distributed():
+        return True
+    where = (socket.gethostname(), str(path.resolve()))
+    places: list[Any] = [None] * get_world_size(group)
+    dist.all_gather_object(places, where, group=group)
+    return places.index(where) == get_rank(group)
+
+
+def _prepare_remote_dir(url: str, group: dist.ProcessGroup | None, save_overwrite: bool) -> None:
+    """Rank 0 checks (or, with ``save_overwrite``, clears) the prefix; every rank agrees."""
+    error: str | None = None
+    if get_rank(group) == 0:
+        try:
+            if save_overwrite:
+                if io.exists(url):
+                    io.remove(url, recursive=True)
+            elif io.exists(url) and io.list_dir(url):
+                error = f"{url} is not empty; pass save_overwrite=True to replace it"
+        except Exception as e:  # every rank raises, not only this one
+            error = f"cannot prepare {url}: {e}"
+    if not all_agree(error is None, group):
+        raise FileExistsError(error or f"{url} could not be prepared on rank 0")
+
+
+@contextlib.contextmanager
+def save_target(
+    dir: str | Path, group: dist.ProcessGroup | None, save_overwrite: bool, throttle: bool
+) -> Iterator[Path]:
+    """The local directory a synchronous save writes into; uploaded after it if ``dir`` is a
+    URL (only when the save succeeded)."""
+    if not io.is_url(dir):
+        yield prepare_local_dir(dir, group, save_overwrite)
+        return
+    _prepare_remote_dir(str(dir), group, save_overwrite)
+    with tempfile.TemporaryDirectory(prefix="olmolike-save-") as staging:
+        yield Path(staging)
+        _upload(Path(staging), str(dir), group, throttle)
+
+
+def after_async_save(
+    dir: str | Path,
+    group: dist.ProcessGroup | None,
+    save_overwrite: bool,
+    throttle: bool,
+    start: Callable[[Path], Future[Any]],
+) -> Future[Any]:
+    """Run ``start(local_dir)`` (an async DCP save) into the right local directory; for a URL,
+    the returned future completes once the files are uploaded too."""
+    if not io.is_url(dir):
+        return start(prepare_local_dir(dir, group, save_overwrite))
+    _prepare_remote_dir(str(dir), group, save_overwrite)
+    staging = Path(tempfile.mkdtemp(prefix="olmolike-save-"))
+    try:
+        written = start(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+    def upload() -> None:
+        try:
+            written.result()
+            _upload(staging, str(dir), group, throttle)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    pool = DaemonThreadPool(1, "checkpoint-upload")
+    future = pool.submit(upload)
+    pool.shutdown(wait=False)
+    return future
+
+
+def _upload(staging: Path, url: str, group: dist.ProcessGroup | None, throttle: bool) -> None:
+    """Every rank uploads the files it wrote, then rank 0 DCP's ``.metadata``."""
+    files = sorted(p.relative_to(staging) for p in staging.rglob("*") if p.is_file())
+    shards = [f for f in files if f.name != DCP_METADATA]
+    _agreeing(lambda: _upload_files(staging, url, shards, group, throttle), group, url)
+    metadata = [f for f in files if f.name == DCP_METADATA]
+    _agreeing(lambda: _upload_files(staging, url, metadata, None, False), group, url)
+
+
+def _upload_files(
+    staging: Path, url: str, files: list[Path], group: dist.ProcessGroup | None, throttle: bool
+) -> None:
+    def upload() -> None:
+        for name in files:
+            io.persist(staging, url, name, overwrite=True)
+
+    if not throttle or not is_distributed():
+        upload()
+        return
+    error: Exception | None = None
+    for turn in range(get_world_size(group)):
+        if turn == get_rank(group):
+            try:
+                upload()
+            except Exception as e:  # keep joining the barriers, or the others hang
+                error = e
+        barrier(group)
+    if error is not None:
+        raise error
+
+
+def _agreeing(step: Callable[[], None], group: dist.ProcessGroup | None, url: str) -> None:
+    error: Exception | None = None
+    try:
+        step()
+    except Exception as e:
+        error = e
+    if not all_agree(error is None, group):
+        raise CheckpointError(
+            f"uploading the checkpoint to {url} failed on at least one rank"
+            + (f" (this rank: {type(error).__name__}: {error})" if error else "")
+        )
