@@ -16,7 +16,8 @@ The commit protocol never lets a reader see a partial checkpoint:
   writes into a staging folder of its own under ``work_dir`` and uploads the files it wrote;
   once all ranks report success, rank 0 uploads the marker last.
 
-Removing a checkpoint deletes its marker first. A save that fails raises
+Removing a checkpoint deletes its marker first; :meth:`Checkpointer.purge_checkpoint` deletes
+the rest in the background (:mod:`.checkpoint_purge`). A save that fails raises
 :class:`~olmolike.exceptions.CheckpointError` on every rank and removes its staging folder.
 Loading first checks that the checkpoint is intact (:mod:`.checkpoint_format`). Trainer state
 is saved with ``torch.save`` and loaded with ``weights_only=True``: loading never runs code
@@ -31,7 +32,7 @@ import logging
 import shutil
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,7 @@ from ..distributed.utils import (
 )
 from ..exceptions import CheckpointError
 from ..threads import DaemonThreadPool
+from . import checkpoint_purge
 from .lease import DEFAULT_TIMEOUT, SaveFolderLease, acquire_lease
 
 if TYPE_CHECKING:
@@ -201,6 +203,7 @@ class Checkpointer:
     def release_lease(self) -> None:
         """Release the lease: the next run on the folder may start at once."""
         lease, self.lease = self.lease, None
+        checkpoint_purge.wait_for_purges()  # the next run must not find half-removed folders
         if lease is not None:
             lease.release()
 
@@ -305,6 +308,8 @@ class Checkpointer:
 
     def _begin(self, dir: str, extra_files: Mapping[str, str | bytes] | None) -> _SavePlan:
         target = str(dir).rstrip("/")
+        if checkpoint_purge.in_flight([target]):  # saving a step again that is being removed
+            checkpoint_purge.wait_for_purges()
         extra = {
             name: data.encode() if isinstance(data, str) else bytes(data)
             for name, data in (extra_files or {}).items()
@@ -541,7 +546,16 @@ class Checkpointer:
     latest_checkpoint = staticmethod(latest_checkpoint)
     checkpoint_metadata = staticmethod(read_marker)
     remove_checkpoint = staticmethod(remove_checkpoint)
-    remove_abandoned = staticmethod(remove_abandoned)
+    purge_checkpoint = staticmethod(checkpoint_purge.purge)
+    """Like :meth:`remove_checkpoint`, but only the marker is removed before it returns: the
+    files go in the background (retention that never holds up training)."""
+    wait_for_purges = staticmethod(checkpoint_purge.wait_for_purges)
+
+    @staticmethod
+    def remove_abandoned(folder: str, keep: Collection[str] = ()) -> list[str]:
+        """Delete step folders without a marker, except those in ``keep`` and those being
+        purged (see :func:`~olmolike.distributed.checkpoint_format.remove_abandoned`)."""
+        return remove_abandoned(folder, keep=[*keep, *checkpoint_purge.in_flight()])
 
     # -- collectives -------------------------------------------------------------------------
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 from ..exceptions import ConfigurationError
-from .common import Duration, DurationUnit
+from .common import Duration, DurationUnit, TrainingProgress
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -20,6 +21,7 @@ __all__ = [
     "duration_to_tokens",
     "nothing_to_train",
     "stop_step",
+    "training_progress",
 ]
 
 log = logging.getLogger(__name__)
@@ -111,3 +113,23 @@ def nothing_to_train(trainer: Trainer) -> bool:
         field,
     )
     return True
+
+
+def training_progress(
+    step: int, tokens: int, total: int | None, callbacks: Iterable[Any]
+) -> TrainingProgress:
+    """Where the run stands, with speed figures from the speed monitor among ``callbacks``."""
+    speed = next((cb for cb in callbacks if hasattr(cb, "bps_avg")), None)
+    bps = getattr(speed, "bps_avg", None)
+    remaining = None
+    if bps and total is not None and total > step:
+        remaining = timedelta(minutes=1 + int((total - step) / bps // 60))
+    return TrainingProgress(
+        current_step=step,
+        current_tokens=tokens,
+        total_steps=total,
+        time_remaining=remaining,
+        bps=bps,
+        tps=getattr(speed, "tps_avg", None),
+        mfu=getattr(speed, "mfu_avg", None),
+    )

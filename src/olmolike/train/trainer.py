@@ -1,12 +1,13 @@
-"""The training loop and its state. Metrics, bookkeeping, cancellation, duration math and file
-I/O live in their own modules; this file wires them into the loop."""
+"""The training loop and its state. Metrics, bookkeeping, cancellation, duration math and
+checkpoints live in components of their own; this file wires them into the loop."""
 
 from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,14 +21,34 @@ from ..distributed.utils import get_rank, get_world_size, is_distributed, set_gr
 from ..exceptions import ConfigurationError, DataError
 from ..utils import get_rng_state, move_to_device, set_rng_state
 from .bookkeeping import BookkeepingRunner, build_bookkeeping
-from .callbacks.callback import Callback
+from .callbacks.callback import CALLBACK_HOOKS, Callback
+from .callbacks.hooks import EXTRA_HOOKS, check_hook_names, hook_table
 from .cancellation import CancelCoordinator, describe_interrupt, exit_if_signaled
 from .checkpoint import Checkpointer
-from .common import Duration, LoadStrategy, MetricMergeStrategy, ReduceType, StepSkipRange
-from .durations import Progress, duration_to_steps, duration_to_tokens, nothing_to_train, stop_step
+from .common import (
+    Duration,
+    LoadStrategy,
+    MetricMergeStrategy,
+    ReduceType,
+    StepSkipRange,
+    TrainingProgress,
+)
+from .durations import (
+    Progress,
+    duration_to_steps,
+    duration_to_tokens,
+    nothing_to_train,
+    stop_step,
+    training_progress,
+)
 from .metrics import MetricBuffer, MetricReducer, StepMetrics, metric_name
 from .train_module import TrainModule
-from .trainer_hooks import TrainerHooks
+from .trainer_checkpoints import (
+    TrainerCheckpoints,
+    checkpoint_step,
+    evaluator_callbacks,
+    reset_optimizer_states,
+)
 
 __all__ = ["Trainer", "TrainerStateDict"]
 
@@ -35,10 +56,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 TrainerStateDict = dict[str, Any]
+ALL_HOOKS = CALLBACK_HOOKS + EXTRA_HOOKS
 
 
 @dataclass
-class Trainer(TrainerHooks):
+class Trainer:
     """Language model trainer. Build it with :class:`~olmolike.train.TrainerConfig`."""
 
     work_dir: Path
@@ -91,8 +113,8 @@ class Trainer(TrainerHooks):
     )
     _flops_per_token: dict[int, int | None] = field(default_factory=dict, init=False, repr=False)
     _error: BaseException | None = field(default=None, init=False, repr=False)
-    _checkpoint_loaded: bool = field(default=False, init=False, repr=False)
-    _checkpoint_files: dict[str, str | bytes] = field(default_factory=dict, init=False, repr=False)
+    _blocking_ephemeral_checkpoints: set[str] = field(default_factory=set, init=False, repr=False)
+    _files: TrainerCheckpoints = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.work_dir = Path(self.work_dir)
@@ -100,6 +122,17 @@ class Trainer(TrainerHooks):
         self._check_settings()
         self._set_up_bookkeeping()
         self._cancel = CancelCoordinator(rank=get_rank(), world_size=get_world_size())
+        self._files = TrainerCheckpoints(
+            checkpointer=self.checkpointer,
+            train_module=self.train_module,
+            save_folder=self.save_folder,
+            work_dir=self.work_dir,
+            save_overwrite=self.save_overwrite,
+            load_path=self.load_path,
+            load_strategy=self.load_strategy,
+            load_trainer_state=self.load_trainer_state,
+            load_optim_state=self.load_optim_state,
+        )
         self.train_module._attach_trainer(self)
         self._attach_callbacks(self.callbacks)
 
@@ -134,7 +167,8 @@ class Trainer(TrainerHooks):
     def _attach_callbacks(self, callbacks: dict[str, Callback]) -> None:
         for callback in callbacks.values():
             callback.trainer = self
-        self._hooks = self._hook_table()  # checks hook names; only overridden hooks are called
+        check_hook_names(self.callbacks.values(), ALL_HOOKS)
+        self._hooks = hook_table(self.callbacks.values(), ALL_HOOKS, Callback)  # overridden ones
         for callback in callbacks.values():
             callback.post_attach()
 
@@ -144,6 +178,18 @@ class Trainer(TrainerHooks):
             raise ConfigurationError(f"a callback named {name!r} already exists", path="callbacks")
         self.callbacks[name] = callback
         self._attach_callbacks({name: callback})
+
+    def get_callback_name(self, callback: Callback) -> str:
+        """The name under which ``callback`` is attached."""
+        names = [name for name, attached in self.callbacks.items() if attached is callback]
+        if not names:
+            raise ValueError(f"{type(callback).__name__} is not attached to this trainer")
+        return names[0]
+
+    @property
+    def block_ephemeral_checkpoints(self) -> bool:
+        """Whether some callback blocks ephemeral checkpoints right now (OLMo-core's name)."""
+        return bool(self._blocking_ephemeral_checkpoints)
 
     # -- sizes and durations -----------------------------------------------------------------
 
@@ -197,6 +243,16 @@ class Trainer(TrainerHooks):
     @property
     def training_complete(self) -> bool:
         return self._cancel.canceled or self.global_step >= self._stop_step()
+
+    @property
+    def training_progress(self) -> TrainingProgress:
+        """Where the run stands, with speed figures from the speed monitor if there is one."""
+        try:
+            total: int | None = max(self._stop_step(), self.global_step)
+        except ConfigurationError:
+            total = None
+        step, tokens = self.global_step, self.global_train_tokens_seen
+        return training_progress(step, tokens, total, self.callbacks.values())
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -272,7 +328,7 @@ class Trainer(TrainerHooks):
             self._bookkeeping,
             self.bookkeeping_pg,
             self.bookkeeping_device,
-            saves_done=self._saves_done(),
+            saves_done=self._files.saves_done(),
         )
 
     # -- metrics -----------------------------------------------------------------------------
@@ -349,23 +405,152 @@ class Trainer(TrainerHooks):
             if name in self.callbacks:
                 self.callbacks[name].load_state_dict(cb_state)
 
+    # -- checkpoints and files ---------------------------------------------------------------
+
+    @property
+    def checkpoint_loaded(self) -> bool:
+        """Whether a checkpoint has been loaded."""
+        return self._files.loaded
+
+    def _step_dir(self) -> str:
+        return self._files.step_dir(self.global_step)
+
+    def add_checkpoint_file(self, name: str, contents: str | bytes) -> None:
+        """Include a file named ``name`` in every checkpoint saved from now on.
+
+        Rank 0 writes it into the checkpoint folder before the completion marker, so a copied
+        checkpoint folder carries it. Adding a name again replaces its contents.
+        """
+        self._files.add_file(name, contents)
+
+    def save_checkpoint(self, ephemeral: bool = False) -> str:
+        """Save a checkpoint of the current step to the save folder; returns its path."""
+        path = self._files.save(self.global_step, self.state_dict(), ephemeral)
+        self._call("post_checkpoint_saved", path)
+        return path
+
+    def save_checkpoint_async(self, ephemeral: bool = False) -> tuple[str, Future[None]]:
+        """Start saving a checkpoint of the current step; the future completes when it is whole."""
+        return self._files.save_async(self.global_step, self.state_dict(), ephemeral)
+
+    def _deliver_checkpoint_events(self, upto: int | None = None, *, wait: bool = False) -> None:
+        """``post_checkpoint_saved`` for finished background saves (see ``take_finished``)."""
+        for path in self._files.take_finished(upto, wait=wait):
+            self._call("post_checkpoint_saved", path)
+
+    def load_checkpoint(
+        self,
+        dir: str | Path,
+        *,
+        load_trainer_state: bool | None = None,
+        load_optim_state: bool | None = None,
+        reset_optimizer_states_on_load: bool = False,
+    ) -> None:
+        """Load a checkpoint, or the latest one in a folder of checkpoints.
+
+        :param reset_optimizer_states_on_load: after loading, start the optimizer's
+            per-parameter state (moments, step counts) afresh while keeping its settings and
+            the model's weights: e.g. to continue a run on new data without its old momentum.
+        """
+        path = self._files.load(
+            dir,
+            self.load_state_dict,
+            load_trainer_state=load_trainer_state,
+            load_optim_state=load_optim_state,
+        )
+        log.info("Loaded checkpoint %s (resuming at step %d)", path, self.global_step)
+        if reset_optimizer_states_on_load:
+            reset_optimizer_states(self.train_module)
+        self._call("post_checkpoint_loaded", path)
+
+    def maybe_load_checkpoint(
+        self,
+        dir: str | Path | None = None,
+        *,
+        load_trainer_state: bool | None = None,
+        load_optim_state: bool | None = None,
+        reset_optimizer_states_on_load: bool = False,
+    ) -> bool:
+        """Like :meth:`load_checkpoint`, but does nothing if ``dir`` (default: the save folder)
+        holds no checkpoint. Returns whether one was loaded."""
+        dir = self.save_folder if dir is None else dir
+        if not Checkpointer.contains_checkpoint(dir):
+            return False
+        self.load_checkpoint(
+            dir,
+            load_trainer_state=load_trainer_state,
+            load_optim_state=load_optim_state,
+            reset_optimizer_states_on_load=reset_optimizer_states_on_load,
+        )
+        return True
+
+    def _load_on_start(self) -> None:
+        self._files.resume(self.load_checkpoint)
+
+    def write_file(self, name: str, contents: str | bytes, dir: str | Path | None = None) -> str:
+        """Write ``contents`` to ``name`` under ``dir`` (default: the save folder)."""
+        return self._files.write_file(name, contents, dir)
+
+    def persist_working_file(self, name: str | Path) -> str:
+        """Copy ``work_dir/name`` to ``save_folder/name`` (nothing to do if they are the same)."""
+        return self._files.persist(name, directory=False)
+
+    def persist_working_subdir(self, name: str | Path) -> str:
+        """Copy the directory ``work_dir/name`` to ``save_folder/name``."""
+        return self._files.persist(name, directory=True)
+
     # -- the loop ----------------------------------------------------------------------------
 
     def fit(self) -> None:
         """Train until ``max_duration`` or ``hard_stop`` is reached or the run is canceled."""
-        self._error = None
-        with self._cancel.signals_cancel():
-            try:
-                self._load_on_start()
-                self._stop_step()  # an unknown step count is a clear error now, not mid-run
-                self._fit()
-            except BaseException as exc:
-                self._error = exc
-                self._handle_error(exc)
-                raise
-            finally:
-                self._close()
+        with self._cancel.signals_cancel(), self._running():
+            self._load_on_start()
+            self._stop_step()  # an unknown step count is a clear error now, not mid-run
+            self._fit()
         exit_if_signaled(self._cancel.reason, self.global_step, self.save_folder)
+
+    def eval_checkpoints(self, checkpoints: Sequence[str] | None = None) -> None:
+        """Evaluate each checkpoint (default: ``checkpoints_to_eval``) with every evaluator
+        callback, instead of training.
+
+        Each checkpoint's model is loaded (not its optimizer or trainer state; a folder of
+        checkpoints means its latest), evaluated, and its metrics are logged at the
+        checkpoint's step to the logger callbacks. Every callback except the evaluators gets
+        ``pre_train`` first and ``post_train`` last, as around training, so loggers open and
+        close their runs. Build the trainer with ``build(..., eval_only=True)``: no checkpoint
+        is saved and nothing is resumed from the save folder.
+        """
+        paths = list(self.checkpoints_to_eval or ()) if checkpoints is None else list(checkpoints)
+        evaluators = evaluator_callbacks(paths, self.callbacks.values())
+        with self._running():
+            self._call_except("pre_train", evaluators)
+            for path in paths:
+                self.load_checkpoint(path, load_trainer_state=False, load_optim_state=False)
+                self.global_step = checkpoint_step(path)
+                log.info("Evaluating the checkpoint of step %d (%s)", self.global_step, path)
+                self._metrics.begin_step(self.global_step)
+                for evaluator in evaluators:
+                    evaluator.perform_eval()
+                self._flush_bookkeeping()
+            self._call_except("post_train", evaluators)
+
+    def _call_except(self, hook: str, callbacks: list[Callback]) -> None:
+        for method in self._hooks[hook]:
+            if not any(getattr(method, "__self__", None) is cb for cb in callbacks):
+                method()
+
+    @contextmanager
+    def _running(self) -> Iterator[None]:
+        """Around ``fit()`` or ``eval_checkpoints()``: errors are reported, callbacks closed."""
+        self._error = None
+        try:
+            yield
+        except BaseException as exc:
+            self._error = exc
+            self._handle_error(exc)
+            raise
+        finally:
+            self._close()
 
     def _fit(self) -> None:
         log.info(
@@ -504,7 +689,7 @@ class Trainer(TrainerHooks):
                 if self._error is None:
                     raise
                 log.exception("A callback's close hook failed")
-        self._release_save_folder()  # after the last save: the next run may start
+        self._files.release()  # after the last save: the next run may start
         if self._error is None:
             self._flush_bookkeeping()  # what close hooks submitted; their errors are raised
             self._bookkeeping.shutdown(wait=True)

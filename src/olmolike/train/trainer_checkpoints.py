@@ -1,0 +1,258 @@
+"""What the trainer does with files: a component the trainer builds from its settings and owns.
+
+:class:`TrainerCheckpoints` saves and loads the trainer's checkpoints (through the
+:class:`~olmolike.train.checkpoint.Checkpointer`), resumes at the start of ``fit()``, keeps the
+background saves whose ``post_checkpoint_saved`` is not delivered yet, and copies working files
+to the save folder. It never touches the trainer: the trainer passes in the step and its state,
+and fires the callback hooks itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .. import io
+from ..distributed.checkpoint_format import DamagedCheckpointError, mark_damaged
+from ..distributed.utils import broadcast_object, get_rank
+from ..exceptions import CheckpointError, ConfigurationError
+from .checkpoint import Checkpointer, CheckpointMetadata, check_extra_file_name
+from .common import LoadStrategy
+
+if TYPE_CHECKING:
+    from .callbacks.callback import Callback
+    from .train_module import TrainModule
+
+__all__ = ["TrainerCheckpoints"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerCheckpoints:
+    """The trainer's checkpoints and run files (see the module docstring)."""
+
+    checkpointer: Checkpointer
+    train_module: TrainModule
+    save_folder: str
+    work_dir: Path
+    save_overwrite: bool
+    load_path: str | None
+    load_strategy: LoadStrategy
+    load_trainer_state: bool | None
+    """Default of :meth:`load`'s flag; ``None``: load it if the checkpoint has it."""
+    load_optim_state: bool | None
+    extra_files: dict[str, str | bytes] = field(default_factory=dict)
+    """Files written into every checkpoint saved from now on (name to contents)."""
+    loaded: bool = False
+    """Whether a checkpoint has been loaded."""
+    pending: list[tuple[str, Future[None]]] = field(default_factory=list)
+    """Background saves whose ``post_checkpoint_saved`` has not been delivered, in order."""
+    delivered: int = 0
+    """How many background saves were taken off ``pending`` (delivered, or failed)."""
+
+    def step_dir(self, step: int) -> str:
+        return io.join_path(self.save_folder, Checkpointer.checkpoint_dirname(step))
+
+    def add_file(self, name: str, contents: str | bytes) -> None:
+        check_extra_file_name(name)
+        self.extra_files[name] = contents
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any], ephemeral: bool) -> str:
+        path = self.step_dir(step)
+        self.checkpointer.save(
+            path, self.train_module, state, ephemeral=ephemeral, extra_files=self.extra_files
+        )
+        return path
+
+    def save_async(
+        self, step: int, state: dict[str, Any], ephemeral: bool
+    ) -> tuple[str, Future[None]]:
+        path = self.step_dir(step)
+        future = self.checkpointer.save_async(
+            path, self.train_module, state, ephemeral=ephemeral, extra_files=self.extra_files
+        )
+        self.pending.append((path, future))
+        return path, future
+
+    def saves_done(self) -> int:
+        """How many background saves of this run have finished on this rank so far."""
+        done = self.delivered
+        for _, future in self.pending:
+            if not future.done():
+                break
+            done += 1
+        return done
+
+    def take_finished(self, upto: int | None = None, *, wait: bool = False) -> list[str]:
+        """The paths of finished background saves to announce, in order (failed ones skipped).
+
+        ``upto`` is how many saves every rank has seen finish (agreed by the periodic cancel
+        check), so a hook that issues collectives runs at the same step on every rank;
+        ``None`` (one process, or the end of training) takes every finished one. ``wait``
+        first waits for the saves still running.
+        """
+        if wait:
+            futures_wait([future for _, future in self.pending])
+        paths = []
+        while self.pending and self.pending[0][1].done():
+            if upto is not None and self.delivered >= upto:
+                break
+            path, future = self.pending.pop(0)
+            self.delivered += 1
+            if not future.cancelled() and future.exception() is None:
+                paths.append(path)
+        return paths
+
+    # -- loading -----------------------------------------------------------------------------
+
+    def load(
+        self,
+        dir: str | Path,
+        restore: Callable[[dict[str, Any]], None],
+        *,
+        load_trainer_state: bool | None = None,
+        load_optim_state: bool | None = None,
+    ) -> str:
+        """Load a checkpoint, or the latest one in a folder of checkpoints; returns its path.
+
+        ``restore`` receives the trainer state, when it is loaded.
+        """
+        path = str(dir)
+        if not Checkpointer.dir_is_checkpoint(path):
+            if not Checkpointer.contains_checkpoint(path):
+                raise CheckpointError(
+                    f"{path} is not a complete checkpoint (it has no marker) and holds none"
+                )
+            path = Checkpointer.latest_checkpoint(path)
+        log.info("Loading checkpoint %s", path)
+        trainer_state = self.checkpointer.load(
+            path,
+            self.train_module,
+            load_trainer_state=_default(load_trainer_state, self.load_trainer_state),
+            load_optim_state=_default(load_optim_state, self.load_optim_state),
+            current_config=self.extra_files.get("config.json"),
+        )
+        if trainer_state is not None:
+            restore(trainer_state)
+        self.loaded = True
+        return path
+
+    def resume(self, load: Callable[[str], None]) -> None:
+        """What ``fit()`` does first: take the save folder's lease (one writer per folder),
+        then ``load`` the save folder's latest checkpoint, else ``load_path``'s.
+
+        A checkpoint that turns out damaged (missing, truncated or unreadable files) is skipped
+        with a warning, and the next older complete one is loaded (the save folder's, then
+        ``load_path``'s); a damaged one in the save folder loses its marker (the reason is
+        kept in ``.olmolike-damaged.json``), so the steps trained again can be saved there.
+        Other load errors (a model of another shape, say) are raised as they are.
+        """
+        self.checkpointer.acquire_lease(self.save_folder)
+        if self.load_strategy == LoadStrategy.never:
+            return
+        # Rank 0 looks, everyone loads the same paths: listings can differ between nodes.
+        paths = broadcast_object(self._checkpoints_to_load() if get_rank() == 0 else None)
+        for i, path in enumerate(paths):
+            try:
+                load(path)
+                return
+            except DamagedCheckpointError as e:
+                if i + 1 == len(paths):
+                    raise
+                log.warning("Cannot resume from %s; trying %s instead. %s", path, paths[i + 1], e)
+                if get_rank() == 0 and path.startswith(self.save_folder.rstrip("/") + "/"):
+                    # This run holds the folder: the steps it trains again may be saved anew.
+                    mark_damaged(path, str(e))
+        if self.load_strategy == LoadStrategy.always:
+            raise CheckpointError(
+                f"load_strategy is 'always' but there is no checkpoint in the save folder "
+                f"({self.save_folder}) or at load_path ({self.load_path})"
+            )
+
+    def _checkpoints_to_load(self) -> list[str]:
+        """Complete checkpoints to try, best first: the save folder's, newest first, then
+        ``load_path`` (itself if it is one, else the ones it holds, newest first)."""
+        load_path = self.load_path
+        if load_path is not None:
+            load_path = io.resolve_download_url(load_path, self.work_dir / "downloads")
+        paths: list[str] = []
+        for candidate in (self.save_folder, load_path):
+            if candidate is None:
+                continue
+            if Checkpointer.dir_is_checkpoint(candidate):
+                paths.append(str(candidate))
+            else:
+                found = Checkpointer.find_checkpoints(candidate)
+                paths += [path for _, path in reversed(list(found))]
+        return paths
+
+    def release(self) -> None:
+        """Let the next run on the save folder start at once (after the last save)."""
+        self.checkpointer.release_lease()
+
+    # -- run files ---------------------------------------------------------------------------
+
+    def write_file(self, name: str, contents: str | bytes, dir: str | Path | None = None) -> str:
+        return io.write_file(dir or self.save_folder, name, contents, overwrite=self.save_overwrite)
+
+    def persist(self, name: str | Path, *, directory: bool) -> str:
+        """Copy ``work_dir/name`` (a file, or a directory) to ``save_folder/name``."""
+        source = self.work_dir / name
+        if directory and not source.is_dir():
+            raise NotADirectoryError(f"{source} is not a directory")
+        if not directory and not source.is_file():
+            raise FileNotFoundError(f"{source} is not a file")
+        return io.persist(self.work_dir, self.save_folder, name, overwrite=self.save_overwrite)
+
+
+def reset_optimizer_states(train_module: TrainModule) -> None:
+    """Start the optimizers' per-parameter state afresh, keeping their settings."""
+    optims: Any = getattr(train_module, "optimizers", None) or [
+        getattr(train_module, "optim", None)
+    ]
+    if not all(hasattr(o, "state") for o in optims):
+        raise CheckpointError(
+            f"reset_optimizer_states_on_load needs a train module with a torch optimizer "
+            f"(an 'optim' attribute); {type(train_module).__name__} has none"
+        )
+    for optim in optims:
+        optim.state.clear()  # rebuilt lazily, as for a new optimizer, at the next step
+    log.info("Optimizer states reset after loading (reset_optimizer_states_on_load)")
+
+
+def evaluator_callbacks(paths: list[str], callbacks: Iterable[Callback]) -> list[Any]:
+    """The callbacks that evaluate ``paths``; raises if there is nothing to do."""
+    if not paths:
+        raise ConfigurationError(
+            "lists no checkpoint; set it, or pass the checkpoints to eval_checkpoints()",
+            path="checkpoints_to_eval",
+        )
+    evaluators = [cb for cb in callbacks if hasattr(cb, "perform_eval")]
+    if not evaluators:
+        raise ConfigurationError(
+            "has no evaluator callback (e.g. LMEvaluatorCallbackConfig) to run on the checkpoints",
+            path="callbacks",
+        )
+    return evaluators
+
+
+def checkpoint_step(dir: str) -> int:
+    """The step of the checkpoint ``dir`` (or of the latest one it holds)."""
+    if not Checkpointer.dir_is_checkpoint(dir) and Checkpointer.contains_checkpoint(dir):
+        dir = Checkpointer.latest_checkpoint(dir)
+    step = CheckpointMetadata.read(dir).step
+    if step is None:
+        raise CheckpointError(f"{dir} does not record its step; cannot log its metrics")
+    return step
+
+
+def _default(value: bool | None, default: bool | None) -> bool | None:
+    return default if value is None else value
