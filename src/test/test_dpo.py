@@ -275,7 +275,8 @@ def test_two_ranks_match_one_and_resume_exactly(tmp_path: Path, dp: str, precomp
 
 
 @pytest.mark.timeout(300)
-def test_dpo_example_runs_and_reports_accuracy() -> None:
+def test_dpo_example_runs_and_reports_accuracy(tmp_path: Path) -> None:
+    """One process (test_example_post_training.py runs it under torchrun)."""
     import os
     import subprocess
     import sys
@@ -283,8 +284,8 @@ def test_dpo_example_runs_and_reports_accuracy() -> None:
     script = Path(__file__).parents[1] / "examples" / "dpo" / "train.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [sys.executable, str(script), "3", "1"], capture_output=True, text=True, timeout=280,
-        env=env, check=True,
+        [sys.executable, str(script), "--trainer.max_duration.value=3", "--pretrain_steps=1"],
+        capture_output=True, text=True, timeout=280, env=env, check=True, cwd=tmp_path,
     )  # fmt: skip
     assert "held-out preference accuracy" in out.stdout
     assert "before DPO 0.500" in out.stdout
