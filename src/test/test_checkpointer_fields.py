@@ -101,6 +101,9 @@ def test_never_keeps_an_earlier_runs_ephemeral_checkpoint(
 def test_save_async_none_is_synchronous_in_one_process(tmp_path: Path) -> None:
     callback, _ = run(tmp_path, 1)
     assert callback.save_async is False
+    # OLMo-core's shortcuts for subclasses
+    assert callback.checkpointer is callback.trainer.checkpointer
+    assert callback.save_folder == str(tmp_path) and not callback.checkpoint_pending
 
 
 def _default_saves_async(save: str) -> bool | None:

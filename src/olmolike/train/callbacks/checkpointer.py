@@ -145,6 +145,16 @@ class CheckpointerCallback(Callback, name="checkpointer"):
         return self._last_saved_step
 
     @property
+    def checkpointer(self) -> Checkpointer:
+        """The trainer's checkpointer (OLMo-core's shortcut, for subclasses)."""
+        return self.trainer.checkpointer
+
+    @property
+    def save_folder(self) -> str:
+        """The trainer's save folder (OLMo-core's shortcut, for subclasses)."""
+        return self.trainer.save_folder
+
+    @property
     def checkpoint_pending(self) -> bool:
         """Whether a background save has not been collected yet."""
         return bool(self._pending)
