@@ -41,17 +41,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from .. import io
 from ..config import Config
 from ..distributed.checkpoint import (
-    ReusedBufferStager,
     async_save_state_dict,
     check_checkpoint_backend,
-    load_state_dict,
     save_state_dict,
 )
-from ..distributed.checkpoint_download import local_copy
 from ..distributed.checkpoint_format import (
     FORMAT_VERSION,
     MARKER,
@@ -59,23 +57,20 @@ from ..distributed.checkpoint_format import (
     STEP_DIR,
     TRAIN_STATE,
     CheckpointMetadata,
-    DamagedCheckpointError,
     contains_checkpoint,
     describe_error,
-    describe_shape_mismatch,
     dir_is_checkpoint,
     find_checkpoints,
     fsync_dir,
     latest_checkpoint,
-    load_train_state,
     read_marker,
-    read_metadata,
     remove_abandoned,
     remove_checkpoint,
-    verify_checkpoint,
     write_synced,
 )
 from ..distributed.utils import (
+    all_agree,
+    barrier,
     broadcast_object,
     get_rank,
     get_world_size,
@@ -85,6 +80,7 @@ from ..distributed.utils import (
 from ..exceptions import CheckpointError
 from ..threads import DaemonThreadPool
 from . import checkpoint_purge
+from .checkpoint_load import CheckpointLoad
 from .lease import DEFAULT_TIMEOUT, SaveFolderLease, acquire_lease
 
 if TYPE_CHECKING:
@@ -191,7 +187,16 @@ class Checkpointer:
         self.throttle_uploads = throttle_uploads
         self._writer: DaemonThreadPool | None = None
         self._pending: Future[Any] | None = None
-        self._stager = ReusedBufferStager()
+        # torch's public stager, copying synchronously into CPU buffers it allocates on first
+        # use and reuses afterwards (fresh memory costs page faults on every save).
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=torch.cuda.is_available(),
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=False,
+            )
+        )
         self.lease_timeout = lease_timeout
         self.lease: SaveFolderLease | None = None
         """The lease on the save folder while a run trains (held by rank 0 only)."""
@@ -457,70 +462,17 @@ class Checkpointer:
         ``current_config`` (this run's ``config.json``) lets a shape mismatch name the config
         fields that differ.
         """
-        dir = str(dir).rstrip("/")
-        trainer_state, optim_state, config = load_trainer_state, load_optim_state, current_config
-        error: tuple[bool, str] | None = None
-        if get_rank() == 0:
-            try:
-                verify_checkpoint(dir)
-            except Exception as e:  # every rank raises, not only this one
-                error = (isinstance(e, DamagedCheckpointError), str(e))
-        error = self._broadcast(error)
-        if error is not None:
-            raise (DamagedCheckpointError if error[0] else CheckpointError)(error[1])
-        if not (io.is_url(dir) and self.pre_download):
-            return self._load_from(dir, dir, train_module, trainer_state, optim_state, config)
-        with local_copy(
-            dir,
-            self.work_dir,
-            process_group=self.process_group,
-            thread_count=self.load_thread_count,
-        ) as source:
-            return self._load_from(dir, source, train_module, trainer_state, optim_state, config)
-
-    def _load_from(
-        self,
-        dir: str,
-        source: str,
-        train_module: TrainModule,
-        load_trainer_state: bool | None,
-        load_optim_state: bool | None,
-        current_config: str | bytes | None,
-    ) -> dict[str, Any] | None:
-        dcp_dir = io.join_path(source, MODEL_AND_OPTIM)
-        metadata = read_metadata(dcp_dir)
-        has_optim = any(key.startswith("optim.") for key in metadata.state_dict_metadata)
-        if load_optim_state and not has_optim:
-            raise CheckpointError(f"{dir} holds no optimizer state; set load_optim_state=False")
-        state = train_module.state_dict_to_load(
-            optim=has_optim if load_optim_state is None else load_optim_state
+        load = CheckpointLoad(
+            str(dir).rstrip("/"),
+            train_module,
+            self.process_group,
+            load_trainer_state,
+            load_optim_state,
+            current_config,
         )
-        mismatch = describe_shape_mismatch(dir, metadata, state.get("model", {}), current_config)
-        if mismatch is not None:
-            raise CheckpointError(mismatch)
-        try:
-            load_state_dict(dcp_dir, state, process_group=self.process_group)
-        except (Exception, CheckpointException) as e:  # raised on every rank alike
-            raise CheckpointError(f"loading checkpoint {dir} failed: {describe_error(e)}") from None
-        train_module.load_state_dict(state)
-        if load_trainer_state is False:
-            return None
-        return self._load_train_state(source, dir)
-
-    def _load_train_state(self, source: str, dir: str) -> dict[str, Any]:
-        error: str | None = None
-        state: dict[str, Any] = {}
-        rank = get_rank()
-        # A checkpoint of fewer ranks: a new rank starts from rank 0's state.
-        has_own = io.exists(io.join_path(source, f"{TRAIN_STATE}/rank{rank}.pt"))
-        try:
-            state = load_train_state(source, rank if has_own else 0)
-        except CheckpointError as e:
-            error = str(e).replace(source, dir)
-        if not self._all_agree(error is None):
-            raise DamagedCheckpointError(
-                error or f"checkpoint {dir}: a rank's trainer state is bad"
-            )
+        state: dict[str, Any] | None = load.run(
+            self.work_dir, self.pre_download, self.load_thread_count
+        )
         return state
 
     # -- finding and removing ----------------------------------------------------------------
@@ -560,21 +512,12 @@ class Checkpointer:
     # -- collectives -------------------------------------------------------------------------
 
     def _all_agree(self, ok: bool) -> bool:
-        if not is_distributed():
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
         with using_group(self.process_group, "checkpointer"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group)
-        return bool(flag.item())
+            return all_agree(ok, self.process_group)
 
     def _broadcast(self, obj: Any) -> Any:
         with using_group(self.process_group, "checkpointer"):
             return broadcast_object(obj, group=self.process_group)
-
-    def _barrier(self) -> None:
-        if is_distributed():
-            with using_group(self.process_group, "checkpointer"):
-                dist.barrier(group=self.process_group)
 
     def _take_turns(self, upload: Any) -> None:
         error: Exception | None = None
@@ -584,7 +527,8 @@ class Checkpointer:
                     upload()
                 except Exception as e:  # keep joining the barriers, or the others hang
                     error = e
-            self._barrier()
+            with using_group(self.process_group, "checkpointer"):
+                barrier(self.process_group)
         if error is not None:
             raise error
 

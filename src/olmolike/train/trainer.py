@@ -20,9 +20,10 @@ from ..distributed.failure import report_rank_failure
 from ..distributed.utils import get_rank, get_world_size, is_distributed, set_group_timeouts
 from ..exceptions import ConfigurationError, DataError
 from ..utils import get_rng_state, move_to_device, set_rng_state
+from . import durations
 from .bookkeeping import BookkeepingRunner, build_bookkeeping
 from .callbacks.callback import CALLBACK_HOOKS, Callback
-from .callbacks.hooks import EXTRA_HOOKS, check_hook_names, hook_table
+from .callbacks.hooks import EXTRA_HOOKS, HookCaller
 from .cancellation import CancelCoordinator, describe_interrupt, exit_if_signaled
 from .checkpoint import Checkpointer
 from .common import (
@@ -32,14 +33,6 @@ from .common import (
     ReduceType,
     StepSkipRange,
     TrainingProgress,
-)
-from .durations import (
-    Progress,
-    duration_to_steps,
-    duration_to_tokens,
-    nothing_to_train,
-    stop_step,
-    training_progress,
 )
 from .metrics import MetricBuffer, MetricReducer, StepMetrics, metric_name
 from .train_module import TrainModule
@@ -108,9 +101,7 @@ class Trainer:
     _bookkeeping: BookkeepingRunner = field(init=False, repr=False)
     _bookkeeping_pg: dist.ProcessGroup | None = field(default=None, init=False, repr=False)
     _cancel: CancelCoordinator = field(init=False, repr=False)
-    _hooks: dict[str, list[Callable[..., None]]] = field(
-        default_factory=dict, init=False, repr=False
-    )
+    _hooks: HookCaller = field(init=False, repr=False)
     _flops_per_token: dict[int, int | None] = field(default_factory=dict, init=False, repr=False)
     _error: BaseException | None = field(default=None, init=False, repr=False)
     _blocking_ephemeral_checkpoints: set[str] = field(default_factory=set, init=False, repr=False)
@@ -167,8 +158,7 @@ class Trainer:
     def _attach_callbacks(self, callbacks: dict[str, Callback]) -> None:
         for callback in callbacks.values():
             callback.trainer = self
-        check_hook_names(self.callbacks.values(), ALL_HOOKS)
-        self._hooks = hook_table(self.callbacks.values(), ALL_HOOKS, Callback)  # overridden ones
+        self._hooks = HookCaller(self.callbacks.values(), ALL_HOOKS, Callback)
         for callback in callbacks.values():
             callback.post_attach()
 
@@ -213,8 +203,8 @@ class Trainer:
         return None if steps is None else steps * self.global_batch_size
 
     @property
-    def _progress(self) -> Progress:
-        return Progress(
+    def _progress(self) -> durations.Progress:
+        return durations.Progress(
             self.global_step,
             self.global_train_tokens_seen,
             self.global_batch_size,
@@ -223,7 +213,7 @@ class Trainer:
 
     def convert_duration_to_steps(self, duration: Duration) -> int:
         """The global step at which ``duration`` is reached."""
-        return duration_to_steps(duration, self._progress)
+        return durations.duration_to_steps(duration, self._progress)
 
     @property
     def max_steps(self) -> int | None:
@@ -235,10 +225,10 @@ class Trainer:
 
     @property
     def max_tokens(self) -> int | None:
-        return duration_to_tokens(self.max_duration, self._progress)
+        return durations.duration_to_tokens(self.max_duration, self._progress)
 
     def _stop_step(self) -> int:
-        return stop_step(self.max_duration, self.hard_stop, lambda: self._progress)
+        return durations.stop_step(self.max_duration, self.hard_stop, lambda: self._progress)
 
     @property
     def training_complete(self) -> bool:
@@ -252,7 +242,7 @@ class Trainer:
         except ConfigurationError:
             total = None
         step, tokens = self.global_step, self.global_train_tokens_seen
-        return training_progress(step, tokens, total, self.callbacks.values())
+        return durations.training_progress(step, tokens, total, self.callbacks.values())
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -371,9 +361,9 @@ class Trainer:
 
     def _log_metrics(self, metrics: StepMetrics) -> None:
         for step in sorted(metrics):
-            self._call("pre_log_metrics", step, metrics[step])
-            self._call("log_metrics", step, metrics[step])
-        self._call("post_log_metrics")
+            self._hooks("pre_log_metrics", step, metrics[step])
+            self._hooks("log_metrics", step, metrics[step])
+        self._hooks("post_log_metrics")
 
     # -- state -------------------------------------------------------------------------------
 
@@ -426,7 +416,7 @@ class Trainer:
     def save_checkpoint(self, ephemeral: bool = False) -> str:
         """Save a checkpoint of the current step to the save folder; returns its path."""
         path = self._files.save(self.global_step, self.state_dict(), ephemeral)
-        self._call("post_checkpoint_saved", path)
+        self._hooks("post_checkpoint_saved", path)
         return path
 
     def save_checkpoint_async(self, ephemeral: bool = False) -> tuple[str, Future[None]]:
@@ -436,7 +426,7 @@ class Trainer:
     def _deliver_checkpoint_events(self, upto: int | None = None, *, wait: bool = False) -> None:
         """``post_checkpoint_saved`` for finished background saves (see ``take_finished``)."""
         for path in self._files.take_finished(upto, wait=wait):
-            self._call("post_checkpoint_saved", path)
+            self._hooks("post_checkpoint_saved", path)
 
     def load_checkpoint(
         self,
@@ -461,7 +451,7 @@ class Trainer:
         log.info("Loaded checkpoint %s (resuming at step %d)", path, self.global_step)
         if reset_optimizer_states_on_load:
             reset_optimizer_states(self.train_module)
-        self._call("post_checkpoint_loaded", path)
+        self._hooks("post_checkpoint_loaded", path)
 
     def maybe_load_checkpoint(
         self,
@@ -523,7 +513,7 @@ class Trainer:
         paths = list(self.checkpoints_to_eval or ()) if checkpoints is None else list(checkpoints)
         evaluators = evaluator_callbacks(paths, self.callbacks.values())
         with self._running():
-            self._call_except("pre_train", evaluators)
+            self._hooks.call_except("pre_train", evaluators)
             for path in paths:
                 self.load_checkpoint(path, load_trainer_state=False, load_optim_state=False)
                 self.global_step = checkpoint_step(path)
@@ -532,12 +522,7 @@ class Trainer:
                 for evaluator in evaluators:
                     evaluator.perform_eval()
                 self._flush_bookkeeping()
-            self._call_except("post_train", evaluators)
-
-    def _call_except(self, hook: str, callbacks: list[Callback]) -> None:
-        for method in self._hooks[hook]:
-            if not any(getattr(method, "__self__", None) is cb for cb in callbacks):
-                method()
+            self._hooks.call_except("post_train", evaluators)
 
     @contextmanager
     def _running(self) -> Iterator[None]:
@@ -560,8 +545,8 @@ class Trainer:
             f"{self.global_batch_size:,d}",
             get_world_size(),
         )
-        nothing_to_train(self)  # warns, naming the field to change
-        self._call("pre_train")
+        durations.nothing_to_train(self)  # warns, naming the field to change
+        self._hooks("pre_train")
         while not self.training_complete:
             self._fit_epoch()
         self._flush_bookkeeping()
@@ -572,7 +557,7 @@ class Trainer:
                 self._cancel.canceling_rank,
                 self._cancel.reason,
             )
-        self._call("post_train")
+        self._hooks("post_train")
         self._flush_bookkeeping()  # what post_train recorded or submitted, errors included
         done = "stopped (canceled)" if self.is_canceled else "done"
         log.info("Training %s at step %d", done, self.global_step)
@@ -584,13 +569,13 @@ class Trainer:
 
     def _fit_epoch(self) -> None:
         self.data_loader.reshuffle(epoch=self.epoch)
-        self._call("pre_epoch")
+        self._hooks("pre_epoch")
         batches = iter(self.data_loader)
         trained_before = self.global_step
         exhausted = False
         # A loader that knows the epoch is over is not asked for another batch.
         while not self.training_complete and not self.data_loader.epoch_finished:
-            self._call("pre_load_batch")
+            self._hooks("pre_load_batch")
             batch = next(batches, None)
             if batch is None:
                 exhausted = True
@@ -603,7 +588,7 @@ class Trainer:
         ):
             raise DataError(f"the data loader produced no batches in epoch {self.epoch}")
         if exhausted or self.data_loader.epoch_finished:
-            self._call("post_epoch")
+            self._hooks("post_epoch")
             self.epoch += 1
             self.data_loader.reset()
 
@@ -613,7 +598,7 @@ class Trainer:
         self.global_train_tokens_seen += self.global_batch_size
         self._metrics.begin_step(self.global_step)
         batch = move_to_device(batch, self.device)
-        self._call("pre_step", batch)
+        self._hooks("pre_step", batch)
         if self._skipping(self.global_step):
             log.info(
                 "Skipping step %d (steps_to_skip): its batch is consumed, not trained on",
@@ -621,12 +606,12 @@ class Trainer:
             )
         else:
             self.train_module.train_batch(batch)
-            self._call("pre_optim_step")
+            self._hooks("pre_optim_step")
             self.train_module.optim_step()
             self.train_module.zero_grads()
             self._count_flops(batch)
-        self._call("post_train_batch")
-        self._call("post_step")
+        self._hooks("post_train_batch")
+        self._hooks("post_step")
         self._end_of_step_bookkeeping()
 
     def _skipping(self, step: int) -> bool:
@@ -655,10 +640,6 @@ class Trainer:
             self._timeouts_shortened = True
             set_group_timeouts(datetime.timedelta(seconds=self.train_timeout_seconds))
 
-    def _call(self, hook: str, *args: Any) -> None:
-        for method in self._hooks[hook]:
-            method(*args)
-
     def _handle_error(self, exc: BaseException) -> None:
         first = report_rank_failure(exc)  # a later rank's failure follows from the first's
         if isinstance(exc, KeyboardInterrupt):
@@ -671,24 +652,14 @@ class Trainer:
                 type(exc).__name__,
                 exc,
             )
-        for method in self._hooks["on_error"]:
-            try:
-                method(exc)
-            except Exception:
-                log.exception("A callback's on_error hook failed")
+        self._hooks.call_each("on_error", exc, raise_errors=False)
         # A collective stuck on a dead peer must not keep this process alive.
         self._bookkeeping.shutdown(wait=False)
 
     def _close(self) -> None:
         if self._error is None:
             self._deliver_checkpoint_events(wait=True)  # every rank is here: nothing to agree
-        for method in self._hooks["close"]:
-            try:
-                method()
-            except Exception:
-                if self._error is None:
-                    raise
-                log.exception("A callback's close hook failed")
+        self._hooks.call_each("close", raise_errors=self._error is None)
         self._files.release()  # after the last save: the next run may start
         if self._error is None:
             self._flush_bookkeeping()  # what close hooks submitted; their errors are raised

@@ -19,6 +19,7 @@ class's ``helper_methods``.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -28,7 +29,9 @@ from ...exceptions import ConfigurationError
 if TYPE_CHECKING:
     from ..trainer import Trainer
 
-__all__ = ["EXTRA_HOOKS", "CallbackHooks", "check_hook_names", "hook_table"]
+__all__ = ["EXTRA_HOOKS", "CallbackHooks", "HookCaller", "check_hook_names", "hook_table"]
+
+log = logging.getLogger(__name__)
 
 EXTRA_HOOKS = ("post_checkpoint_loaded", "pre_log_metrics", "post_checkpoint_saved")
 """Hooks added to the base set, with OLMo-core's names and arguments."""
@@ -107,3 +110,37 @@ def hook_table(
         ]
         for hook in hooks
     }
+
+
+class HookCaller:
+    """Calls a hook on the callbacks that override it, highest priority first.
+
+    Built by the trainer whenever its callbacks change; the hook names are checked then.
+    """
+
+    def __init__(self, callbacks: Iterable[Any], hooks: Iterable[str], base: type) -> None:
+        callbacks, hooks = list(callbacks), list(hooks)
+        check_hook_names(callbacks, hooks)
+        self.table = hook_table(callbacks, hooks, base)
+
+    def __call__(self, hook: str, *args: Any) -> None:
+        for method in self.table[hook]:
+            method(*args)
+
+    def call_except(self, hook: str, excluded: Iterable[Any]) -> None:
+        """Call ``hook`` (without arguments) on every callback but those in ``excluded``."""
+        excluded = list(excluded)
+        for method in self.table[hook]:
+            if not any(getattr(method, "__self__", None) is cb for cb in excluded):
+                method()
+
+    def call_each(self, hook: str, *args: Any, raise_errors: bool) -> None:
+        """Call ``hook`` on every callback even if one fails (the failure is logged), unless
+        ``raise_errors``: then the first failure is raised."""
+        for method in self.table[hook]:
+            try:
+                method(*args)
+            except Exception:
+                if raise_errors:
+                    raise
+                log.exception("A callback's %s hook failed", hook)
