@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
@@ -52,7 +51,6 @@ from .unshard import UnshardStrategy, UnshardStrategyType, unshard_checkpoint
 from .utils import is_distributed
 
 __all__ = [
-    "ReusedBufferStager",
     "UnshardStrategy",
     "UnshardStrategyType",
     "apply_model_and_optim_state_dict",
@@ -171,50 +169,6 @@ def save_state_dict(
         )
 
 
-class ReusedBufferStager(AsyncStager):
-    """Copies the state into CPU buffers allocated on first use and reused afterwards.
-
-    Filling freshly allocated memory costs page faults that, on some machines, take an order
-    of magnitude longer than the copy itself; reusing the buffers keeps the part of an async
-    save that blocks training short. The caller must not stage again before the previous
-    write has finished (the checkpointer never overlaps saves). Buffers are re-allocated when
-    the state's structure changes (e.g. once the optimizer has state).
-    """
-
-    _synchronize_after_execute = False
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, Any] | None = None
-        self._signature: list[tuple[str, tuple[int, ...], torch.dtype]] = []
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        signature = _tensor_signature(state_dict)
-        if self._buffers is None or signature != self._signature:
-            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
-            self._signature = signature
-        return _copy_state_dict(state_dict, self._buffers)
-
-    def synchronize_staging(self) -> None:
-        """Nothing to wait for: :meth:`stage` copies synchronously."""
-
-    def close(self) -> None:
-        self._buffers = None
-
-
-def _tensor_signature(
-    state: Any, prefix: str = ""
-) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    if isinstance(state, torch.Tensor):
-        return [(prefix, tuple(state.shape), state.dtype)]
-    if isinstance(state, dict):
-        return [item for k, v in state.items() for item in _tensor_signature(v, f"{prefix}.{k}")]
-    if isinstance(state, (list, tuple)):
-        return [
-            item for i, v in enumerate(state) for item in _tensor_signature(v, f"{prefix}[{i}]")
-        ]
-    return [(f"{prefix}={state!r}", (), torch.float32)]
-
-
 def async_save_state_dict(
     dir: str | Path,
     state_dict: dict[str, Any],
@@ -229,8 +183,9 @@ def async_save_state_dict(
 
     When this returns, later optimizer steps can no longer change what is saved. The
     ``process_group`` must support CPU tensors (gloo); use one that training does not use.
-    Pass a :class:`ReusedBufferStager` kept across saves to avoid re-allocating the copy. A
-    URL's future completes once the files are uploaded too.
+    Pass a stager kept across saves (torch's ``DefaultStager``, as the trainer's checkpointer
+    does) to reuse its CPU buffers instead of re-allocating the copy. A URL's future completes
+    once the files are uploaded too.
     """
 
     def start(local: Path) -> Future[Any]:

@@ -263,7 +263,9 @@ class CheckpointerCallback(Callback, name="checkpointer"):
         only this run's own), so a newer one is never removed in favour of an older one (two
         async saves may be collected at once); so are the checkpoints of earlier runs that
         ``remove`` names. Step folders without a marker (a removal or save killed half-way)
-        are removed too, except those of saves still in progress.
+        are removed too, except those of saves still in progress. Removal deletes a marker at
+        once and the files in the background (:meth:`Checkpointer.purge_checkpoint`), so a
+        large checkpoint never holds up the training thread.
         """
         if get_rank() != 0:
             return
@@ -273,14 +275,14 @@ class CheckpointerCallback(Callback, name="checkpointer"):
             own = old in self._own_ephemeral
             if step < saved_step and (own or self.remove != CheckpointRemovalStrategy.never):
                 log.info("Removing ephemeral checkpoint %s", old)
-                Checkpointer.remove_checkpoint(old)
+                Checkpointer.purge_checkpoint(old)
                 if own:
                     self._own_ephemeral.remove(old)
         old_runs, self._old_to_remove = self._old_to_remove, []
         for old in old_runs:
             if Checkpointer.dir_is_checkpoint(old):
                 log.info("Removing checkpoint %s (remove=%s)", old, self.remove)
-                Checkpointer.remove_checkpoint(old)
+                Checkpointer.purge_checkpoint(old)
         in_progress = [pending for pending, _, _ in self._pending]
         Checkpointer.remove_abandoned(folder, keep=[path, *in_progress])
         if ephemeral or self.max_checkpoints is None:
@@ -288,7 +290,7 @@ class CheckpointerCallback(Callback, name="checkpointer"):
         permanent = list(Checkpointer.find_checkpoints(folder, ephemeral=False))
         for _, old in permanent[: max(0, len(permanent) - self.max_checkpoints)]:
             log.info("Removing checkpoint %s (max_checkpoints=%d)", old, self.max_checkpoints)
-            Checkpointer.remove_checkpoint(old)
+            Checkpointer.purge_checkpoint(old)
 
 
 def _is_ephemeral(path: str) -> bool:
