@@ -93,6 +93,7 @@ bench: install
 	$(PY) src/benchmarks/data_loader.py
 	$(PY) src/benchmarks/gpu_throughput.py
 	$(PY) src/benchmarks/generation.py
+	$(PY) src/benchmarks/cli_startup.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
