@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,8 +25,8 @@ from .preference import PreferencePair, encode_preference_pairs, parse_preferenc
 from .prepare import (
     FORMAT_VERSION,
     SPLITS,
-    WORK_DIR,
-    _claim_output,
+    _begin_output,
+    _finish_output,
     _in_validation,
     _write_atomically,
 )
@@ -91,15 +90,9 @@ def prepare_preference_data(
         "seed": seed,
         "sources": [{"path": s.name, "bytes": s.size} for s in sources],
     }
-    finished = _claim_output(out, arguments, overwrite)
+    finished = _begin_output(out, arguments, overwrite)
     if finished is not None:
-        log.info("%s already holds this data; nothing to do", out)
         return finished
-    (out / WORK_DIR).mkdir(parents=True, exist_ok=True)
-    _write_atomically(
-        out / WORK_DIR / "args.json",
-        lambda f: f.write(json.dumps({"arguments": arguments}).encode()),
-    )
     splits: dict[str, list[PreferencePair]] = {name: [] for name in SPLITS}
     for source in sources:
         for number, pair in _read_pairs(source.path, source.name):
@@ -131,11 +124,7 @@ def prepare_preference_data(
         "splits": stats,
         "arguments": arguments,
     }
-    _write_atomically(
-        out / METADATA_FILE, lambda f: f.write(json.dumps(metadata, indent=2).encode())
-    )
-    shutil.rmtree(out / WORK_DIR)
-    return metadata
+    return _finish_output(out, metadata)
 
 
 def load_preference_rows(folder: str | Path, split: str = "train") -> torch.Tensor:

@@ -317,6 +317,30 @@ def _claim_output(out: Path, arguments: dict[str, Any], overwrite: bool) -> dict
     return None
 
 
+def _begin_output(out: Path, arguments: dict[str, Any], overwrite: bool) -> dict[str, Any] | None:
+    """Claim ``out`` for a one-pass preparation (SFT, preference pairs) and record its
+    arguments; the finished metadata instead if ``out`` already holds this data."""
+    finished = _claim_output(out, arguments, overwrite)
+    if finished is not None:
+        log.info("%s already holds this data; nothing to do", out)
+        return finished
+    (out / WORK_DIR).mkdir(parents=True, exist_ok=True)
+    _write_atomically(
+        out / WORK_DIR / "args.json",
+        lambda f: f.write(json.dumps({"arguments": arguments}).encode()),
+    )
+    return None
+
+
+def _finish_output(out: Path, metadata: dict[str, Any]) -> dict[str, Any]:
+    """Write ``metadata`` (the mark of a finished folder) and drop the work folder."""
+    _write_atomically(
+        out / METADATA_FILE, lambda f: f.write(json.dumps(metadata, indent=2).encode())
+    )
+    shutil.rmtree(out / WORK_DIR)
+    return metadata
+
+
 def _clean_temporaries(out: Path) -> None:
     """Remove half-written files that a killed run left under temporary names."""
     for directory in (out, out / WORK_DIR, out / WORK_DIR / "parts", *(out / s for s in SPLITS)):

@@ -25,7 +25,6 @@ import argparse
 import bisect
 import json
 import logging
-import shutil
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -41,8 +40,8 @@ from .numpy_dataset import METADATA_FILE
 from .prepare import (
     FORMAT_VERSION,
     SPLITS,
-    WORK_DIR,
-    _claim_output,
+    _begin_output,
+    _finish_output,
     _in_validation,
     _write_atomically,
 )
@@ -291,15 +290,9 @@ def prepare_sft_data(
         "seed": seed,
         "sources": [{"path": s.name, "bytes": s.size} for s in sources],
     }
-    finished = _claim_output(out, arguments, overwrite)
+    finished = _begin_output(out, arguments, overwrite)
     if finished is not None:
-        log.info("%s already holds this data; nothing to do", out)
         return finished
-    (out / WORK_DIR).mkdir(parents=True, exist_ok=True)
-    _write_atomically(
-        out / WORK_DIR / "args.json",
-        lambda f: f.write(json.dumps({"arguments": arguments}).encode()),
-    )
     splits = {name: _Split() for name in SPLITS}
     for source in sources:
         for line_number, messages in read_examples(source):
@@ -327,11 +320,7 @@ def prepare_sft_data(
         "splits": stats,
         "arguments": arguments,
     }
-    _write_atomically(
-        out / "metadata.json", lambda f: f.write(json.dumps(metadata, indent=2).encode())
-    )
-    shutil.rmtree(out / WORK_DIR)
-    return metadata
+    return _finish_output(out, metadata)
 
 
 def _template(tokenizer: Tokenizer, path: str | None) -> ChatTemplate:
