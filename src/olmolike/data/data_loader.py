@@ -55,6 +55,23 @@ class DataLoaderBase(ABC):
         self.epoch: int | None = None
         self.global_batch_size = global_batch_size
 
+    def check_data_parallel(self, dp_rank: int, dp_world_size: int) -> None:
+        """Refuse to serve a trainer whose data-parallel group differs from this loader's."""
+        if self.dp_rank != dp_rank:
+            raise ConfigurationError(
+                f"the data loader serves data-parallel rank {self.dp_rank}, but this process is "
+                f"rank {dp_rank} of the data-parallel group; build the loader with "
+                f"dp_rank={dp_rank}",
+                path="data_loader.dp_rank",
+            )
+        if self.dp_world_size != dp_world_size:
+            raise ConfigurationError(
+                f"the data loader splits batches over {self.dp_world_size} ranks but the "
+                f"data-parallel group has {dp_world_size}; build the loader with "
+                f"dp_world_size={dp_world_size}",
+                path="data_loader.dp_world_size",
+            )
+
     @property
     def global_batch_size(self) -> int:
         return self._global_batch_size

@@ -30,7 +30,7 @@ from ..distributed.checkpoint_format import latest_checkpoint
 from ..distributed.utils import broadcast_object, get_rank
 from .bookkeeping import BookkeepingRunner
 
-__all__ = ["CancelCoordinator", "describe_interrupt", "exit_if_signaled"]
+__all__ = ["CancelCoordinator", "describe_interrupt", "exit_if_signaled", "log_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +169,16 @@ def describe_interrupt(exc: KeyboardInterrupt, step: int, save_folder: str) -> s
     )
     what = f"a checkpoint save at step {step} (left incomplete)" if saving else f"step {step}"
     return f"Interrupted during {what}; {_last_checkpoint(save_folder)}"
+
+
+def log_failure(exc: BaseException, step: int, save_folder: str, *, first: bool) -> None:
+    """Log why training stopped: a Ctrl-C says what it interrupted; a later rank's failure
+    (one that follows from the first rank's) is logged at info level only."""
+    if isinstance(exc, KeyboardInterrupt):
+        log.error(describe_interrupt(exc, step, save_folder))
+        return
+    level = logging.ERROR if first else logging.INFO
+    log.log(level, "Training failed at step %d: %s: %s", step, type(exc).__name__, exc)
 
 
 def _agree_on_cancel(

@@ -24,7 +24,7 @@ from . import durations
 from .bookkeeping import BookkeepingRunner, build_bookkeeping
 from .callbacks.callback import CALLBACK_HOOKS, Callback
 from .callbacks.hooks import EXTRA_HOOKS, HookCaller
-from .cancellation import CancelCoordinator, describe_interrupt, exit_if_signaled
+from .cancellation import CancelCoordinator, exit_if_signaled, log_failure
 from .checkpoint import Checkpointer
 from .common import (
     Duration,
@@ -133,21 +133,8 @@ class Trainer:
         for name in ("metrics_collect_interval", "cancel_check_interval"):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"must be >= 1, got {getattr(self, name)}", path=name)
-        dp_size, dp_rank = get_world_size(self.dp_process_group), get_rank(self.dp_process_group)
-        if self.data_loader.dp_rank != dp_rank:
-            raise ConfigurationError(
-                f"the data loader serves data-parallel rank {self.data_loader.dp_rank}, but this "
-                f"process is rank {dp_rank} of the data-parallel group; build the loader with "
-                f"dp_rank={dp_rank}",
-                path="data_loader.dp_rank",
-            )
-        if self.data_loader.dp_world_size != dp_size:
-            raise ConfigurationError(
-                f"the data loader splits batches over {self.data_loader.dp_world_size} ranks but "
-                f"the data-parallel group has {dp_size}; build the loader with "
-                f"dp_world_size={dp_size}",
-                path="data_loader.dp_world_size",
-            )
+        group = self.dp_process_group
+        self.data_loader.check_data_parallel(get_rank(group), get_world_size(group))
 
     def _set_up_bookkeeping(self) -> None:
         self._bookkeeping, self.async_bookkeeping = build_bookkeeping(
@@ -642,16 +629,7 @@ class Trainer:
 
     def _handle_error(self, exc: BaseException) -> None:
         first = report_rank_failure(exc)  # a later rank's failure follows from the first's
-        if isinstance(exc, KeyboardInterrupt):
-            log.error(describe_interrupt(exc, self.global_step, self.save_folder))
-        else:
-            log.log(
-                logging.ERROR if first else logging.INFO,
-                "Training failed at step %d: %s: %s",
-                self.global_step,
-                type(exc).__name__,
-                exc,
-            )
+        log_failure(exc, self.global_step, self.save_folder, first=first)
         self._hooks.call_each("on_error", exc, raise_errors=False)
         # A collective stuck on a dead peer must not keep this process alive.
         self._bookkeeping.shutdown(wait=False)
