@@ -61,7 +61,7 @@ def _delay_reduction_on_rank(trainer: Any, rank: int, at_step: int, seconds: flo
     """Make this rank's bookkeeping thread sit ``seconds`` on the result of one reduction."""
     if get_rank() != rank:
         return
-    submit = trainer.run_bookkeeping_op
+    submit = trainer._bookkeeping.submit
 
     def run_bookkeeping_op(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("op_name") == "reduce_metrics" and trainer.global_step == at_step:
@@ -74,7 +74,7 @@ def _delay_reduction_on_rank(trainer: Any, rank: int, at_step: int, seconds: flo
             return submit(late, *args, **kwargs)
         return submit(op, *args, **kwargs)
 
-    trainer.run_bookkeeping_op = run_bookkeeping_op
+    trainer._bookkeeping.submit = run_bookkeeping_op
 
 
 def _nan_seen_late_on_rank_1(folder: str) -> tuple[list[tuple[int, int]], list[int]]:

@@ -3,7 +3,6 @@ checkpoints live in components of their own; this file wires them into the loop.
 
 from __future__ import annotations
 
-import datetime
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future
@@ -17,7 +16,7 @@ import torch.distributed as dist
 
 from ..data.data_loader import DataLoaderBase
 from ..distributed.failure import report_rank_failure
-from ..distributed.utils import get_rank, get_world_size, is_distributed, set_group_timeouts
+from ..distributed.utils import get_rank, get_world_size, is_distributed
 from ..exceptions import ConfigurationError, DataError
 from ..utils import get_rng_state, move_to_device, set_rng_state
 from . import durations
@@ -34,13 +33,13 @@ from .common import (
     StepSkipRange,
     TrainingProgress,
 )
-from .metrics import MetricBuffer, MetricReducer, StepMetrics, metric_name
+from .metrics import metric_name
+from .step_bookkeeping import StepBookkeeping
 from .train_module import TrainModule
 from .trainer_checkpoints import (
     TrainerCheckpoints,
     checkpoint_step,
     evaluator_callbacks,
-    reset_optimizer_states,
 )
 
 __all__ = ["Trainer", "TrainerStateDict"]
@@ -48,6 +47,7 @@ __all__ = ["Trainer", "TrainerStateDict"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+CPU = torch.device("cpu")
 TrainerStateDict = dict[str, Any]
 ALL_HOOKS = CALLBACK_HOOKS + EXTRA_HOOKS
 
@@ -95,11 +95,8 @@ class Trainer:
     checkpoints_to_eval: list[str] | None = None
     """Checkpoints :meth:`eval_checkpoints` evaluates (OLMo-core 3.0)."""
 
-    _metrics: MetricBuffer = field(default_factory=MetricBuffer, init=False, repr=False)
-    _reducer: MetricReducer = field(default_factory=MetricReducer, init=False, repr=False)
-    _timeouts_shortened: bool = field(default=False, init=False, repr=False)
     _bookkeeping: BookkeepingRunner = field(init=False, repr=False)
-    _bookkeeping_pg: dist.ProcessGroup | None = field(default=None, init=False, repr=False)
+    _steps: StepBookkeeping = field(init=False, repr=False)
     _cancel: CancelCoordinator = field(init=False, repr=False)
     _hooks: HookCaller = field(init=False, repr=False)
     _flops_per_token: dict[int, int | None] = field(default_factory=dict, init=False, repr=False)
@@ -111,8 +108,11 @@ class Trainer:
         self.work_dir = Path(self.work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._check_settings()
-        self._set_up_bookkeeping()
+        self._bookkeeping, self.async_bookkeeping = build_bookkeeping(
+            self.async_bookkeeping, self.device, self.bookkeeping_soft_timeout
+        )
         self._cancel = CancelCoordinator(rank=get_rank(), world_size=get_world_size())
+        self._hooks = HookCaller(self.callbacks.values(), ALL_HOOKS, Callback)
         self._files = TrainerCheckpoints(
             checkpointer=self.checkpointer,
             train_module=self.train_module,
@@ -123,6 +123,17 @@ class Trainer:
             load_strategy=self.load_strategy,
             load_trainer_state=self.load_trainer_state,
             load_optim_state=self.load_optim_state,
+            hooks=self._hooks,
+        )
+        self._steps = StepBookkeeping(
+            runner=self._bookkeeping,
+            cancel=self._cancel,
+            files=self._files,
+            hooks=self._hooks,
+            device=self.device if is_distributed() and not self.async_bookkeeping else CPU,
+            metrics_collect_interval=self.metrics_collect_interval,
+            cancel_check_interval=self.cancel_check_interval,
+            train_timeout_seconds=self.train_timeout_seconds,
         )
         self.train_module._attach_trainer(self)
         self._attach_callbacks(self.callbacks)
@@ -136,16 +147,10 @@ class Trainer:
         group = self.dp_process_group
         self.data_loader.check_data_parallel(get_rank(group), get_world_size(group))
 
-    def _set_up_bookkeeping(self) -> None:
-        self._bookkeeping, self.async_bookkeeping = build_bookkeeping(
-            self.async_bookkeeping, self.device, self.bookkeeping_soft_timeout
-        )
-        self._bookkeeping_pg = self._bookkeeping.group
-
     def _attach_callbacks(self, callbacks: dict[str, Callback]) -> None:
         for callback in callbacks.values():
             callback.trainer = self
-        self._hooks = HookCaller(self.callbacks.values(), ALL_HOOKS, Callback)
+        self._hooks.rebuild(self.callbacks.values())
         for callback in callbacks.values():
             callback.post_attach()
 
@@ -236,13 +241,12 @@ class Trainer:
     @property
     def bookkeeping_device(self) -> torch.device:
         """Where bookkeeping collectives run: the CPU with gloo, else the training device."""
-        return (
-            torch.device("cpu") if self.async_bookkeeping or not is_distributed() else self.device
-        )
+        return self._steps.device
 
     @property
     def bookkeeping_pg(self) -> dist.ProcessGroup | None:
-        return self._bookkeeping_pg
+        """The bookkeeping thread's own process group, used by no other thread."""
+        return self._bookkeeping.group
 
     @property
     def multi_thread_pool(self) -> Executor:
@@ -300,13 +304,7 @@ class Trainer:
 
     def check_if_canceled(self) -> None:
         """Start a check whether any rank canceled; all ranks must call it at the same step."""
-        self._cancel.submit_check(
-            self.global_step,
-            self._bookkeeping,
-            self.bookkeeping_pg,
-            self.bookkeeping_device,
-            saves_done=self._files.saves_done(),
-        )
+        self._steps.check_if_canceled(self.global_step)
 
     # -- metrics -----------------------------------------------------------------------------
 
@@ -319,7 +317,7 @@ class Trainer:
         merge_strategy: MetricMergeStrategy = MetricMergeStrategy.warn,
     ) -> None:
         """Record a metric for the current step. Tensors stay on the device (no sync)."""
-        self._metrics.record(
+        self._steps.metrics.record(
             self.global_step, metric_name(name, namespace), value, reduce_type, merge_strategy
         )
 
@@ -330,27 +328,7 @@ class Trainer:
 
     def get_metric(self, name: str, namespace: str | None = None) -> torch.Tensor | None:
         """A metric recorded in the current step. Reading its value syncs with the device."""
-        return self._metrics.get(self.global_step, metric_name(name, namespace))
-
-    def _collect_metrics(self) -> None:
-        # Every rank joins the reduction, even with nothing recorded since the last one: a
-        # rank-local metric (say rank 0's, in post_epoch) must not start a one-sided collective.
-        if not self._metrics and not self._bookkeeping.distributed:
-            return
-        self.run_bookkeeping_op(
-            self._reducer,
-            self._metrics.collect(),
-            self.bookkeeping_pg,
-            self.bookkeeping_device,
-            cb=self._log_metrics,
-            op_name="reduce_metrics",
-        )
-
-    def _log_metrics(self, metrics: StepMetrics) -> None:
-        for step in sorted(metrics):
-            self._hooks("pre_log_metrics", step, metrics[step])
-            self._hooks("log_metrics", step, metrics[step])
-        self._hooks("post_log_metrics")
+        return self._steps.metrics.get(self.global_step, metric_name(name, namespace))
 
     # -- state -------------------------------------------------------------------------------
 
@@ -402,18 +380,11 @@ class Trainer:
 
     def save_checkpoint(self, ephemeral: bool = False) -> str:
         """Save a checkpoint of the current step to the save folder; returns its path."""
-        path = self._files.save(self.global_step, self.state_dict(), ephemeral)
-        self._hooks("post_checkpoint_saved", path)
-        return path
+        return self._files.save(self.global_step, self.state_dict(), ephemeral)
 
     def save_checkpoint_async(self, ephemeral: bool = False) -> tuple[str, Future[None]]:
         """Start saving a checkpoint of the current step; the future completes when it is whole."""
         return self._files.save_async(self.global_step, self.state_dict(), ephemeral)
-
-    def _deliver_checkpoint_events(self, upto: int | None = None, *, wait: bool = False) -> None:
-        """``post_checkpoint_saved`` for finished background saves (see ``take_finished``)."""
-        for path in self._files.take_finished(upto, wait=wait):
-            self._hooks("post_checkpoint_saved", path)
 
     def load_checkpoint(
         self,
@@ -434,11 +405,9 @@ class Trainer:
             self.load_state_dict,
             load_trainer_state=load_trainer_state,
             load_optim_state=load_optim_state,
+            reset_optimizer_states_on_load=reset_optimizer_states_on_load,
         )
         log.info("Loaded checkpoint %s (resuming at step %d)", path, self.global_step)
-        if reset_optimizer_states_on_load:
-            reset_optimizer_states(self.train_module)
-        self._hooks("post_checkpoint_loaded", path)
 
     def maybe_load_checkpoint(
         self,
@@ -505,10 +474,10 @@ class Trainer:
                 self.load_checkpoint(path, load_trainer_state=False, load_optim_state=False)
                 self.global_step = checkpoint_step(path)
                 log.info("Evaluating the checkpoint of step %d (%s)", self.global_step, path)
-                self._metrics.begin_step(self.global_step)
+                self._steps.metrics.begin_step(self.global_step)
                 for evaluator in evaluators:
                     evaluator.perform_eval()
-                self._flush_bookkeeping()
+                self._steps.flush()
             self._hooks.call_except("post_train", evaluators)
 
     @contextmanager
@@ -536,7 +505,7 @@ class Trainer:
         self._hooks("pre_train")
         while not self.training_complete:
             self._fit_epoch()
-        self._flush_bookkeeping()
+        self._steps.flush()
         if self.is_canceled:
             log.warning(
                 "Run canceled at step %d by rank %s: %s",
@@ -545,14 +514,9 @@ class Trainer:
                 self._cancel.reason,
             )
         self._hooks("post_train")
-        self._flush_bookkeeping()  # what post_train recorded or submitted, errors included
+        self._steps.flush()  # what post_train recorded or submitted, errors included
         done = "stopped (canceled)" if self.is_canceled else "done"
         log.info("Training %s at step %d", done, self.global_step)
-
-    def _flush_bookkeeping(self) -> None:
-        """Reduce the metrics recorded since the last collection and deliver every result."""
-        self._collect_metrics()
-        self._bookkeeping.wait_all()
 
     def _fit_epoch(self) -> None:
         self.data_loader.reshuffle(epoch=self.epoch)
@@ -581,9 +545,8 @@ class Trainer:
 
     def _train_step(self, batch: dict[str, Any]) -> None:
         self.global_step += 1
-        self._bookkeeping.step = self.global_step
         self.global_train_tokens_seen += self.global_batch_size
-        self._metrics.begin_step(self.global_step)
+        self._steps.begin_step(self.global_step)
         batch = move_to_device(batch, self.device)
         self._hooks("pre_step", batch)
         if self._skipping(self.global_step):
@@ -599,7 +562,7 @@ class Trainer:
             self._count_flops(batch)
         self._hooks("post_train_batch")
         self._hooks("post_step")
-        self._end_of_step_bookkeeping()
+        self._steps.end_step(self.global_step)
 
     def _skipping(self, step: int) -> bool:
         return bool(self.steps_to_skip) and any(step in r for r in self.steps_to_skip or ())
@@ -612,21 +575,6 @@ class Trainer:
         if per_token is not None:
             self.global_train_petaflops += per_token * self.global_batch_size / 1e15
 
-    def _end_of_step_bookkeeping(self) -> None:
-        step = self.global_step
-        if step % self.metrics_collect_interval == 0:
-            self._collect_metrics()
-        saves_done_everywhere = self._cancel.resolve(step)
-        if step % self.cancel_check_interval == 0:
-            self.check_if_canceled()
-        self._bookkeeping.poll(step)
-        if saves_done_everywhere is not None or not is_distributed():
-            self._deliver_checkpoint_events(saves_done_everywhere)
-        if not self._timeouts_shortened and self.train_timeout_seconds is not None:
-            # The first step (compiling, allocating, loading) may legitimately take long.
-            self._timeouts_shortened = True
-            set_group_timeouts(datetime.timedelta(seconds=self.train_timeout_seconds))
-
     def _handle_error(self, exc: BaseException) -> None:
         first = report_rank_failure(exc)  # a later rank's failure follows from the first's
         log_failure(exc, self.global_step, self.save_folder, first=first)
@@ -636,9 +584,9 @@ class Trainer:
 
     def _close(self) -> None:
         if self._error is None:
-            self._deliver_checkpoint_events(wait=True)  # every rank is here: nothing to agree
+            self._files.deliver_finished(wait=True)  # every rank is here: nothing to agree
         self._hooks.call_each("close", raise_errors=self._error is None)
         self._files.release()  # after the last save: the next run may start
         if self._error is None:
-            self._flush_bookkeeping()  # what close hooks submitted; their errors are raised
+            self._steps.flush()  # what close hooks submitted; their errors are raised
             self._bookkeeping.shutdown(wait=True)

@@ -2,9 +2,9 @@
 
 :class:`TrainerCheckpoints` saves and loads the trainer's checkpoints (through the
 :class:`~olmolike.train.checkpoint.Checkpointer`), resumes at the start of ``fit()``, keeps the
-background saves whose ``post_checkpoint_saved`` is not delivered yet, and copies working files
-to the save folder. It never touches the trainer: the trainer passes in the step and its state,
-and fires the callback hooks itself.
+background saves whose ``post_checkpoint_saved`` is not delivered yet, fires the checkpoint
+hooks, and copies working files to the save folder. It never touches the trainer: the trainer
+passes in the step and its state, and the :class:`HookCaller` it keeps up to date.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from .common import LoadStrategy
 
 if TYPE_CHECKING:
     from .callbacks.callback import Callback
+    from .callbacks.hooks import HookCaller
     from .train_module import TrainModule
 
 __all__ = ["TrainerCheckpoints"]
@@ -47,6 +48,8 @@ class TrainerCheckpoints:
     load_trainer_state: bool | None
     """Default of :meth:`load`'s flag; ``None``: load it if the checkpoint has it."""
     load_optim_state: bool | None
+    hooks: HookCaller
+    """Fires ``post_checkpoint_saved`` and ``post_checkpoint_loaded`` on the callbacks."""
     extra_files: dict[str, str | bytes] = field(default_factory=dict)
     """Files written into every checkpoint saved from now on (name to contents)."""
     loaded: bool = False
@@ -70,6 +73,7 @@ class TrainerCheckpoints:
         self.checkpointer.save(
             path, self.train_module, state, ephemeral=ephemeral, extra_files=self.extra_files
         )
+        self.hooks("post_checkpoint_saved", path)
         return path
 
     def save_async(
@@ -91,8 +95,9 @@ class TrainerCheckpoints:
             done += 1
         return done
 
-    def take_finished(self, upto: int | None = None, *, wait: bool = False) -> list[str]:
-        """The paths of finished background saves to announce, in order (failed ones skipped).
+    def deliver_finished(self, upto: int | None = None, *, wait: bool = False) -> None:
+        """``post_checkpoint_saved`` for finished background saves, in order (failed ones
+        skipped).
 
         ``upto`` is how many saves every rank has seen finish (agreed by the periodic cancel
         check), so a hook that issues collectives runs at the same step on every rank;
@@ -101,15 +106,13 @@ class TrainerCheckpoints:
         """
         if wait:
             futures_wait([future for _, future in self.pending])
-        paths = []
         while self.pending and self.pending[0][1].done():
             if upto is not None and self.delivered >= upto:
                 break
             path, future = self.pending.pop(0)
             self.delivered += 1
             if not future.cancelled() and future.exception() is None:
-                paths.append(path)
-        return paths
+                self.hooks("post_checkpoint_saved", path)
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -120,6 +123,7 @@ class TrainerCheckpoints:
         *,
         load_trainer_state: bool | None = None,
         load_optim_state: bool | None = None,
+        reset_optimizer_states_on_load: bool = False,
     ) -> str:
         """Load a checkpoint, or the latest one in a folder of checkpoints; returns its path.
 
@@ -143,6 +147,9 @@ class TrainerCheckpoints:
         if trainer_state is not None:
             restore(trainer_state)
         self.loaded = True
+        if reset_optimizer_states_on_load:
+            reset_optimizer_states(self.train_module)
+        self.hooks("post_checkpoint_loaded", path)
         return path
 
     def resume(self, load: Callable[[str], None]) -> None:

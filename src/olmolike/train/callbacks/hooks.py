@@ -115,13 +115,19 @@ def hook_table(
 class HookCaller:
     """Calls a hook on the callbacks that override it, highest priority first.
 
-    Built by the trainer whenever its callbacks change; the hook names are checked then.
+    The trainer builds one and rebuilds it whenever its callbacks change; the hook names are
+    checked then.
     """
 
     def __init__(self, callbacks: Iterable[Any], hooks: Iterable[str], base: type) -> None:
-        callbacks, hooks = list(callbacks), list(hooks)
-        check_hook_names(callbacks, hooks)
-        self.table = hook_table(callbacks, hooks, base)
+        self.hooks, self.base = list(hooks), base
+        self.rebuild(callbacks)
+
+    def rebuild(self, callbacks: Iterable[Any]) -> None:
+        """Follow a change of the callbacks (components holding this caller see it too)."""
+        callbacks = list(callbacks)
+        check_hook_names(callbacks, self.hooks)
+        self.table = hook_table(callbacks, self.hooks, self.base)
 
     def __call__(self, hook: str, *args: Any) -> None:
         for method in self.table[hook]:

@@ -1,0 +1,95 @@
+"""What the trainer does around each step besides training: a component the trainer owns.
+
+:class:`StepBookkeeping` keeps the metrics recorded during the steps, hands their reduction to
+the :class:`~olmolike.train.bookkeeping.BookkeepingRunner` every ``metrics_collect_interval``
+steps, runs the periodic cancel check, and at the end of every step delivers what is due then:
+reduced metrics to the ``log_metrics`` hooks and finished background saves to
+``post_checkpoint_saved``, both at steps every rank agrees on (see ``docs/callbacks.md``). After
+the first step it shortens every process group's timeout. It never touches the trainer: the
+trainer passes in the step.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+import torch
+
+from ..distributed.utils import is_distributed, set_group_timeouts
+from .bookkeeping import BookkeepingRunner
+from .callbacks.hooks import HookCaller
+from .cancellation import CancelCoordinator
+from .metrics import MetricBuffer, MetricReducer, StepMetrics
+from .trainer_checkpoints import TrainerCheckpoints
+
+__all__ = ["StepBookkeeping"]
+
+
+@dataclass
+class StepBookkeeping:
+    """Per-step metric collection, cancel checks and result delivery (see the module doc)."""
+
+    runner: BookkeepingRunner
+    cancel: CancelCoordinator
+    files: TrainerCheckpoints
+    hooks: HookCaller
+    device: torch.device
+    """Where bookkeeping collectives run: the CPU with gloo, else the training device."""
+    metrics_collect_interval: int
+    cancel_check_interval: int
+    train_timeout_seconds: int | None
+    """After the first step, every process group's timeout drops to this (``None``: keep)."""
+    metrics: MetricBuffer = field(default_factory=MetricBuffer)
+    """The metrics recorded since the last collection."""
+    reducer: MetricReducer = field(default_factory=MetricReducer)
+    timeouts_shortened: bool = False
+
+    def begin_step(self, step: int) -> None:
+        self.runner.step = step
+        self.metrics.begin_step(step)
+
+    def end_step(self, step: int) -> None:
+        if step % self.metrics_collect_interval == 0:
+            self.collect_metrics()
+        saves_done_everywhere = self.cancel.resolve(step)
+        if step % self.cancel_check_interval == 0:
+            self.check_if_canceled(step)
+        self.runner.poll(step)
+        if saves_done_everywhere is not None or not is_distributed():
+            self.files.deliver_finished(saves_done_everywhere)
+        if not self.timeouts_shortened and self.train_timeout_seconds is not None:
+            # The first step (compiling, allocating, loading) may legitimately take long.
+            self.timeouts_shortened = True
+            set_group_timeouts(datetime.timedelta(seconds=self.train_timeout_seconds))
+
+    def check_if_canceled(self, step: int) -> None:
+        saves_done = self.files.saves_done()
+        self.cancel.submit_check(
+            step, self.runner, self.runner.group, self.device, saves_done=saves_done
+        )
+
+    def collect_metrics(self) -> None:
+        # Every rank joins the reduction, even with nothing recorded since the last one: a
+        # rank-local metric (say rank 0's, in post_epoch) must not start a one-sided collective.
+        if not self.metrics and not self.runner.distributed:
+            return
+        self.runner.submit(
+            self.reducer,
+            self.metrics.collect(),
+            self.runner.group,
+            self.device,
+            cb=self._log_metrics,
+            op_name="reduce_metrics",
+        )
+
+    def _log_metrics(self, metrics: StepMetrics) -> None:
+        for step in sorted(metrics):
+            self.hooks("pre_log_metrics", step, metrics[step])
+            self.hooks("log_metrics", step, metrics[step])
+        self.hooks("post_log_metrics")
+
+    def flush(self) -> None:
+        """Reduce the metrics recorded since the last collection and deliver every result."""
+        self.collect_metrics()
+        self.runner.wait_all()
