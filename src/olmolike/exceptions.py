@@ -7,6 +7,7 @@ __all__ = [
     "CheckpointError",
     "ConfigurationError",
     "DataError",
+    "DistributedContextError",
     "MetricError",
     "NetworkError",
     "OLMoLikeError",
@@ -39,6 +40,11 @@ class ConfigurationError(OLMoLikeError, ValueError):
 
 class CheckpointError(OLMoLikeError):
     """A checkpoint could not be saved, found, or loaded."""
+
+
+class DistributedContextError(OLMoLikeError, RuntimeError):
+    """A single-process operation (unsharding a checkpoint, say) was called from a process of a
+    distributed run. A ``RuntimeError`` too, as OLMo-core raises for the same mistake."""
 
 
 class NetworkError(OLMoLikeError):

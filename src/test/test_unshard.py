@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from olmolike.cli import main
 from olmolike.distributed.checkpoint import save_model_and_optim_state, save_state_dict
 from olmolike.distributed.unshard import UnshardStrategy, UnshardStrategyType, unshard_checkpoint
-from olmolike.exceptions import CheckpointError, ConfigurationError
+from olmolike.exceptions import CheckpointError, ConfigurationError, DistributedContextError
 from olmolike.testing import TinyCausalLM
 from olmolike.train import BasicTrainModule, Duration
 
@@ -258,6 +258,24 @@ def test_a_checkpoint_sharded_by_fsdp_on_two_ranks_unshards_whole(tmp_path: Path
     assert optim_path is not None
     assert_same(load_model_output(model_path), full["model"])
     assert_same(torch.load(optim_path, weights_only=True), full["optim"])
+
+
+def _unshard_on_every_rank(checkpoint: str, out: str) -> str:
+    with pytest.raises(RuntimeError) as raised:  # OLMo-core's type for the same mistake
+        unshard_checkpoint(checkpoint, Path(out) / f"rank{dist.get_rank()}")
+    assert isinstance(raised.value, DistributedContextError)
+    return str(raised.value)
+
+
+def test_a_process_of_a_distributed_run_is_refused_before_writing(
+    trained: Trained, tmp_path: Path
+) -> None:
+    messages = testutils.run_distributed_test(
+        _unshard_on_every_rank, 2, args=(str(trained.checkpoint), str(tmp_path))
+    )
+    assert "rank 1 of a distributed run of 2" in messages[1]
+    assert "olmolike unshard" in messages[0]
+    assert not list(tmp_path.iterdir())  # nothing written
 
 
 # -- the optimizer state -----------------------------------------------------------------------

@@ -55,7 +55,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .. import io
 from ..config import Config, StrEnum
-from ..exceptions import CheckpointError
+from ..exceptions import CheckpointError, DistributedContextError
 from .checkpoint_reader import CheckpointSource, SavedTensor, StatePath, nest, open_checkpoint
 
 __all__ = ["UnshardStrategy", "UnshardStrategyType", "unshard_checkpoint"]
@@ -130,6 +130,16 @@ class UnshardStrategy(Config):
         return cls(name=UnshardStrategyType.chunks, chunk_size_bytes=chunk_size_in_bytes)
 
 
+def _check_single_process() -> None:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise DistributedContextError(
+            f"unshard_checkpoint runs in one process, but this one is rank "
+            f"{dist.get_rank()} of a distributed run of {dist.get_world_size()}: call it after training, outside torchrun, "
+            f"e.g. `olmolike unshard CHECKPOINT OUT` (or after dist.destroy_process_group())"
+        )
+
+
 def unshard_checkpoint(
     dir: str | Path,
     target_dir: str | Path,
@@ -153,7 +163,10 @@ def unshard_checkpoint(
 
     :raises CheckpointError: if ``dir`` is not a checkpoint or lacks the requested state.
     :raises FileExistsError: if an output exists and ``save_overwrite`` is false.
+    :raises DistributedContextError: if called from a process of a distributed run of more
+        than one rank (every rank would write the same files at once).
     """
+    _check_single_process()
     strategy = unshard_strategy or UnshardStrategy.one_file()
     target = _local(target_dir, "the output directory")
     with open_checkpoint(dir, pre_download=pre_download, work_dir=work_dir) as source:
