@@ -11,7 +11,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["TinyCausalLM", "random_token_instances", "run_distributed_test"]  # and BACKENDS
+__all__ = [
+    "TinyCausalLM",
+    "busy_machine_factor",
+    "random_token_instances",
+    "run_distributed_test",
+]  # and BACKENDS
 
 
 class TinyCausalLM(nn.Module):
@@ -67,6 +72,21 @@ def random_token_instances(
     return torch.where(noise, random_tokens, tokens)
 
 
+def busy_machine_factor() -> float:
+    """How many times slower than on a quiet machine work runs here now: the 1-minute load
+    average per CPU, between 1 and 8.
+
+    Test timeouts are stretched by it (:func:`run_distributed_test` does), so other work on
+    the machine (data workers, other jobs, a parallel test run) makes a test slower, not
+    failed, while a hang still fails, only later.
+    """
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        return 1.0
+    return min(8.0, max(1.0, load / (os.cpu_count() or 1)))
+
+
 def run_distributed_test(
     func: Callable[..., Any],
     world_size: int = 2,
@@ -82,8 +102,9 @@ def run_distributed_test(
     """Run ``func(*func_args, **func_kwargs)`` on ``world_size`` local processes joined in a
     process group (OLMo-core's ``olmo_core.testing.run_distributed_test``).
 
-    Raises if any rank fails. Never hangs: ranks still running after ``timeout`` seconds are
-    killed and the call raises ``TimeoutError``. ``start_method`` defaults to ``fork`` for
+    Raises if any rank fails. Never hangs: ranks still running after ``timeout`` seconds
+    (stretched by :func:`busy_machine_factor` on a busy machine) are killed and the call
+    raises ``TimeoutError``. ``start_method`` defaults to ``fork`` for
     gloo (``func`` may then be a local function) and ``spawn`` otherwise.
     """
     import torch.multiprocessing as mp
@@ -106,6 +127,7 @@ def run_distributed_test(
         start_method=method,
         join=False,
     )
+    timeout *= busy_machine_factor()
     deadline = time.monotonic() + timeout
     while not context.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
         if time.monotonic() >= deadline:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from testutils import patient
 
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 
@@ -29,7 +30,7 @@ def test_benchmark_smoke(script: str, expected: str, tmp_path: Path) -> None:
         [sys.executable, str(BENCHMARKS / script), "--quick"],
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=patient(280),
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from testutils import build_trainer
+from testutils import build_trainer, patient
 
 from olmolike.exceptions import ConfigurationError
 from olmolike.train import Duration, Trainer
@@ -121,7 +121,7 @@ class LookupsAnswerInTime(Callback):
     def post_step(self) -> None:
         assert self.wandb is not None
         if self.wandb._tag_lookup is not None:
-            self.wandb._tag_lookup.result(timeout=60)
+            self.wandb._tag_lookup.result(timeout=patient(60))
 
 
 @pytest.mark.timeout(600)  # a hang guard: W&B starts slowly on a busy machine

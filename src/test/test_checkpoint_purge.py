@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from testutils import build_trainer
+from testutils import build_trainer, patient
 
 from olmolike import io
 from olmolike.train import Callback, Checkpointer, Duration
@@ -45,13 +45,13 @@ def test_a_slow_purge_does_not_hold_up_training(
     def slow_remove(path: Any, *, recursive: bool = False) -> None:
         if recursive:  # the files of a checkpoint: blocked until the test lets it go
             started.set()
-            assert release.wait(timeout=60)
+            assert release.wait(timeout=patient(60))
         original(path, recursive=recursive)
 
     monkeypatch.setattr(io, "remove", slow_remove)
     step1 = str(tmp_path / "step1")
     future = Checkpointer.purge_checkpoint(step1)
-    assert started.wait(timeout=60)
+    assert started.wait(timeout=patient(60))
     # The removal is stuck, yet the checkpoint is gone for every reader at once...
     assert not Checkpointer.dir_is_checkpoint(step1)
     assert [step for step, _ in Checkpointer.find_checkpoints(tmp_path)] == [0, 2]
@@ -66,7 +66,7 @@ def test_a_slow_purge_does_not_hold_up_training(
     resumed.fit()  # it waits for the purge only when it gives up the folder, after post_train
     assert at_end.purge_was_running
     assert Checkpointer.dir_is_checkpoint(tmp_path / "step3")
-    future.result(timeout=60)
+    future.result(timeout=patient(60))
     assert not Path(step1).exists()
     assert not list(tmp_path.glob(".purging-*"))
 
@@ -94,6 +94,6 @@ def test_a_half_removed_purge_is_cleaned_up_by_the_next(tmp_path: Path) -> None:
     trainer.fit()
     leftover = tmp_path / ".purging-step0-killed"  # a process died while purging step0
     (tmp_path / "step0").rename(leftover)
-    Checkpointer.purge_checkpoint(str(tmp_path / "step1")).result(timeout=60)
+    Checkpointer.purge_checkpoint(str(tmp_path / "step1")).result(timeout=patient(60))
     assert not leftover.exists()
     assert [step for step, _ in Checkpointer.find_checkpoints(tmp_path)] == [2]

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from testutils import SEQ_LEN, VOCAB, build_trainer, run_distributed
+from testutils import SEQ_LEN, VOCAB, build_trainer, patient, run_distributed
 
 from olmolike import io
 from olmolike.data import TokenTensorDataLoader
@@ -126,7 +126,7 @@ def test_a_removal_killed_half_way_is_cleaned_up_by_the_next_save(tmp_path: Path
     def launch(mode: str, steps: int) -> int:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, str(script), str(save), mode, str(steps)]
-        return subprocess.run(cmd, timeout=240, env=env).returncode
+        return subprocess.run(cmd, timeout=patient(240), env=env).returncode
 
     # Removing step 2 (max_checkpoints=1, once step 4 is complete) is killed after its marker.
     assert launch("kill", 6) == -9

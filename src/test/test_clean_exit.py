@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from testutils import free_port
+from testutils import free_port, patient
 
 RUNS = int(os.environ.get("OLMOLIKE_CLEAN_EXIT_RUNS", "10"))
 """How many times the finished run is repeated (set it to 100 for a soak run)."""
@@ -45,7 +45,7 @@ def _torchrun(tmp_path: Path, *, crash: bool) -> subprocess.CompletedProcess[str
         [*torchrun, f"--master-port={free_port()}", str(script), str(tmp_path / "run")],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=patient(180),
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from testutils import patient
 
 from olmolike.cli import COMMANDS, build_parser, main
 
@@ -39,7 +40,11 @@ def test_top_level_help_imports_no_torch_and_has_no_markup() -> None:
         "except SystemExit:\n    pass\nprint('torch imported:', 'torch' in sys.modules)"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=patient(60),
+        check=True,
     )
     assert result.stdout.rstrip().endswith("torch imported: False")
     assert "``" not in result.stdout and ":class:" not in result.stdout

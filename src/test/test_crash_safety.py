@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testutils import patient
 
 from olmolike.train.checkpoint import MARKER, Checkpointer
 
@@ -105,7 +106,7 @@ def launch(script: Path, kill_point: str, mode: str, save: Path, out: Path) -> i
         [sys.executable, str(script), kill_point, mode, str(save), str(out)],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=patient(180),
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     if result.returncode not in (0, -9):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from testutils import patient
 
 REPO = Path(__file__).parents[2]
 DOCS = REPO / "docs"
@@ -154,7 +155,7 @@ def run(command: str, cwd: Path, env: dict[str, str], where: str) -> None:
     )
     start = time.monotonic()
     try:
-        out, _ = proc.communicate(timeout=240)
+        out, _ = proc.communicate(timeout=patient(240))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from testutils import run_distributed_test
+from testutils import patient, run_distributed_test
 from torch.distributed.tensor import DTensor
 
 from olmolike.data.preference import (
@@ -285,7 +285,7 @@ def test_dpo_example_runs_and_reports_accuracy(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
         [sys.executable, str(script), "--trainer.max_duration.value=3", "--pretrain_steps=1"],
-        capture_output=True, text=True, timeout=280, env=env, check=True, cwd=tmp_path,
+        capture_output=True, text=True, timeout=patient(280), env=env, check=True, cwd=tmp_path,
     )  # fmt: skip
     assert "held-out preference accuracy" in out.stdout
     assert "before DPO 0.500" in out.stdout

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from testutils import patient
 
 SCRIPT = Path(__file__).parents[1] / "examples" / "grpo" / "train.py"
 
@@ -16,7 +17,7 @@ SCRIPT = Path(__file__).parents[1] / "examples" / "grpo" / "train.py"
 def run(out: Path, *launcher: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [*(launcher or (sys.executable,)), str(SCRIPT), str(out), "2", "3"]
-    return subprocess.run(command, capture_output=True, text=True, timeout=280, env=env)
+    return subprocess.run(command, capture_output=True, text=True, timeout=patient(280), env=env)
 
 
 @pytest.mark.slow

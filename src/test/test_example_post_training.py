@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 from test_examples import run_in_own_session
-from testutils import free_port
+from testutils import free_port, patient
 
 from olmolike.exceptions import ConfigurationError
 
@@ -64,7 +64,9 @@ def test_two_stage_example_names_the_fix_for_stages_that_disagree() -> None:
 def test_dpo_example_dry_run_prints_the_config(tmp_path: Path) -> None:
     command = [sys.executable, str(EXAMPLES / "dpo" / "train.py"), "demo", "--dry-run",
                "--train_module.reference=runs/base"]  # fmt: skip
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, timeout=patient(120)
+    )
     assert result.returncode == 0, result.stderr
     assert "reference: runs/base" in result.stdout and not (tmp_path / "runs").exists()
 
@@ -75,7 +77,7 @@ def torchrun(script: Path, *args: str, cwd: Path) -> str:
         f"--master-port={free_port()}", str(script), *args,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = run_in_own_session(command, cwd=cwd, env=env, timeout=280)
+    result = run_in_own_session(command, cwd=cwd, env=env, timeout=patient(280))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 rank(s)" in result.stderr
     return result.stdout

@@ -10,6 +10,7 @@ from types import ModuleType
 
 import pytest
 from test_examples import olmolike, prepared_corpus, run_in_own_session, run_train_lm  # noqa: F401
+from testutils import patient
 
 SFT = Path(__file__).parents[1] / "examples" / "sft" / "train.py"
 
@@ -72,7 +73,7 @@ def run_sft(base: Path, functions: Path, out: Path, *launcher: str) -> str:
     ]
     command = [*(launcher or (sys.executable,)), str(SFT), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = run_in_own_session(command, cwd=out.parent, env=env, timeout=500)
+    result = run_in_own_session(command, cwd=out.parent, env=env, timeout=patient(500))
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 

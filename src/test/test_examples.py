@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from testutils import patient
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
@@ -21,7 +22,7 @@ def test_quickstart_trains_and_takes_overrides(tmp_path: Path) -> None:
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=110,
+        timeout=patient(110),
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Training done at step 10" in result.stderr
@@ -53,7 +54,7 @@ def olmolike(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=200,
+        timeout=patient(200),
     )
 
 
@@ -88,7 +89,7 @@ def run_train_lm(
     ]
     command = [*(launcher or (sys.executable,)), str(TRAIN_LM), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return run_in_own_session(command, cwd=run_dir.parent, env=env, timeout=280)
+    return run_in_own_session(command, cwd=run_dir.parent, env=env, timeout=patient(280))
 
 
 def run_in_own_session(
@@ -158,7 +159,7 @@ def dry_run(cwd: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=patient(60),
     )
 
 

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from testutils import patient
 
 import olmolike
 
@@ -148,6 +149,10 @@ def test_checkpoint_tools_load_without_the_trainer() -> None:
         "print(sorted(m for m in sys.modules if m.startswith('olmolike.train')))\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=patient(120),
     )
     assert out.stdout.strip() == "[]", out.stdout

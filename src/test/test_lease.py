@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from remote_servers import RemoteStore, gcs_bucket, gcs_server, s3_bucket, s3_server
-from testutils import build_trainer
+from testutils import build_trainer, patient
 
 from olmolike.exceptions import CheckpointError
 from olmolike.train import Callback, Duration
@@ -74,7 +74,7 @@ def test_runs_starting_together_get_exactly_one_winner(folder: str) -> None:
     outcomes: dict[str, str] = {}
 
     def contend(lease: SaveFolderLease) -> None:
-        start.wait(timeout=60)
+        start.wait(timeout=patient(60))
         try:
             lease.acquire()
             outcomes[lease.run_id] = "won"
@@ -85,7 +85,7 @@ def test_runs_starting_together_get_exactly_one_winner(folder: str) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=patient(120))
     assert not any(t.is_alive() for t in threads), "an acquire hung"
     winners = [run for run, outcome in outcomes.items() if outcome == "won"]
     assert len(winners) == 1, outcomes
@@ -169,7 +169,7 @@ def test_the_lease_of_a_sigkilled_run_on_this_host_is_taken_over(tmp_path: Path)
     script = tmp_path / "hold.py"
     src = str(Path(__file__).parents[1])
     script.write_text(textwrap.dedent(KILLED_HOLDER.format(src=src)))
-    result = subprocess.run([sys.executable, str(script), folder], timeout=120)
+    result = subprocess.run([sys.executable, str(script), folder], timeout=patient(120))
     assert result.returncode == -signal.SIGKILL
     assert records(folder)[0]["run_id"] == "killed-run"
     lease = SaveFolderLease(folder, run="restart")  # long before the hour-long timeout
@@ -228,7 +228,7 @@ def test_a_trainer_on_a_folder_in_use_is_refused_then_runs_once_it_is_released(
         assert "the-first-run" in str(error.value)
         assert "save_overwrite" not in str(error.value)
         release.touch()
-        assert holder.wait(timeout=180) == 0
+        assert holder.wait(timeout=patient(180)) == 0
     finally:
         if holder.poll() is None:
             holder.kill()

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from testutils import patient
 
 from olmolike.data import ByteTokenizer
 from olmolike.data.preference import (
@@ -145,7 +146,7 @@ def test_command_line(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "olmolike.cli", "prepare-data", "--dpo", "a.jsonl", "-o", "out",
          "--sequence-length", "64"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=110,
+        cwd=tmp_path, capture_output=True, text=True, timeout=patient(110),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "train: 10 pairs of 64 tokens a side" in result.stdout

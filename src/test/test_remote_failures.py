@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import fsspec
 import pytest
 from remote_servers import free_port  # also keeps gcsfs from its slow bucket-type probe
+from testutils import patient
 
 from olmolike import io
 from olmolike.exceptions import NetworkError
@@ -48,7 +49,7 @@ def refusing_server() -> Iterator[str]:
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
-    thread.join(timeout=10)
+    thread.join(timeout=patient(10))
 
 
 def test_a_host_that_does_not_resolve_fails_at_once(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import fsspec
 import pytest
 from remote_servers import RemoteStore, free_port, gcs_bucket, gcs_server, s3_bucket, s3_server
-from testutils import build_trainer, run_distributed
+from testutils import build_trainer, patient, run_distributed
 
 from olmolike.exceptions import CheckpointError
 from olmolike.train import CheckpointerConfig, Duration
@@ -208,7 +208,7 @@ def launch_two_nodes(script: Path, url: str, work: Path, steps: int) -> list[str
     outputs = []
     try:
         for process in nodes:
-            out, _ = process.communicate(timeout=240)
+            out, _ = process.communicate(timeout=patient(240))
             text = out.decode(errors="replace")
             assert process.returncode == 0, f"a node failed ({process.returncode}):\n{text[-4000:]}"
             outputs.append(text)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from testutils import patient
 
 from olmolike.data import ByteTokenizer, NumpyDataLoaderConfig, SFTDataset, prepare_sft_data
 from olmolike.data.sft import _pack
@@ -157,7 +158,7 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=patient(120),
     )
 
 

@@ -15,6 +15,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+from testutils import patient
 
 from olmolike.train.callbacks.sink_process import SINK_NICENESS, SinkError, SinkProcess
 
@@ -154,7 +155,11 @@ def test_a_script_without_a_main_guard_is_not_run_again_in_the_sink(tmp_path: Pa
         "sink.close()\n"
     )
     done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=280, check=True
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=patient(280),
+        check=True,
     )
     assert done.stdout.strip() == "1"
     assert (tmp_path / "runs.txt").read_text() == "ran\n"
@@ -341,6 +346,6 @@ def test_a_sink_gets_every_metric_while_other_work_keeps_the_cores_busy(tmp_path
             go.touch()
             for value in range(100, 500):  # past the bound: each waits for the sink, which
                 sink.send("track", value, 0.001)  # spends 1 ms of CPU on it, as Aim does
-            assert sink.call("contents", timeout=120)[1] == list(range(500))
+            assert sink.call("contents", timeout=patient(120))[1] == list(range(500))
     finally:
         sink.close()

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
 
+import conftest
 import pytest
 import torch
 import torch.distributed as dist
+from testutils import patient
 from torch.multiprocessing import ProcessRaisedException
 
+from olmolike import testing
 from olmolike.distributed.utils import get_rank, get_world_size
 from olmolike.testing import BACKENDS, run_distributed_test
 
@@ -50,3 +56,53 @@ def test_a_hang_is_a_timeout_not_a_hang() -> None:
 
 def test_backends_param_ids() -> None:
     assert [p.id for p in BACKENDS] == ["backend=GLOO", "backend=NCCL"]
+
+
+@pytest.mark.parametrize(
+    ("load", "cpus", "factor"),
+    [(0.3, 2, 1.0), (2.0, 2, 1.0), (10.0, 2, 5.0), (100.0, 2, 8.0), (12.0, 4, 3.0)],
+)
+def test_timeouts_stretch_with_the_load_per_cpu_within_bounds(
+    monkeypatch: pytest.MonkeyPatch, load: float, cpus: int, factor: float
+) -> None:
+    monkeypatch.setattr(testing.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(testing.os, "cpu_count", lambda: cpus)
+    assert testing.busy_machine_factor() == factor
+    assert patient(60) == 60 * factor
+
+
+@dataclass
+class _Item:
+    """What conftest's timeout hook reads of a test item."""
+
+    marker: Any
+    added: list[Any] = field(default_factory=list)
+    config: Any = field(default_factory=lambda: SimpleNamespace(getini=lambda name: "300"))
+
+    def get_closest_marker(self, name: str) -> Any:
+        return self.marker
+
+    def add_marker(self, marker: Any, append: bool) -> None:
+        assert not append  # first, so it is the closest one
+        self.added.append(marker.mark)
+
+
+@pytest.mark.parametrize(
+    ("marker", "stretched"),
+    [
+        (None, 1200.0),
+        (pytest.mark.timeout(120).mark, 480.0),
+        (pytest.mark.timeout(timeout=50).mark, 200.0),
+    ],
+)
+def test_the_conftest_hook_stretches_each_tests_timeout(
+    monkeypatch: pytest.MonkeyPatch, marker: Any, stretched: float
+) -> None:
+    monkeypatch.setattr(conftest, "busy_machine_factor", lambda: 4.0)
+    item = _Item(marker)
+    next(conftest.pytest_runtest_protocol(item))  # type: ignore[arg-type]
+    assert [m.args[0] for m in item.added] == [stretched]
+    monkeypatch.setattr(conftest, "busy_machine_factor", lambda: 1.0)
+    quiet = _Item(marker)
+    next(conftest.pytest_runtest_protocol(quiet))  # type: ignore[arg-type]
+    assert quiet.added == []

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from testutils import free_port
+from testutils import free_port, patient
 
 from olmolike.cli import main
 from olmolike.data import prepare_data
@@ -96,7 +96,7 @@ def test_under_torchrun(config_file: Path, tmp_path: Path) -> None:
         [*torchrun, f"--master-port={free_port()}", *command, "--train_module.dp_config.name=fsdp"],
         capture_output=True,
         text=True,
-        timeout=200,
+        timeout=patient(200),
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]

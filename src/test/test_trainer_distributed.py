@@ -18,7 +18,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from testutils import SEQ_LEN, build_trainer, free_port, run_distributed, run_distributed_test
+from testutils import (
+    SEQ_LEN,
+    build_trainer,
+    free_port,
+    patient,
+    run_distributed,
+    run_distributed_test,
+)
 
 from olmolike.distributed.utils import broadcast_object
 from olmolike.train import Callback, Duration, MetricMergeStrategy, ReduceType, StepSkipRange
@@ -361,7 +368,7 @@ def test_the_same_script_runs_under_torchrun(tmp_path: Path) -> None:
         [*torchrun, f"--master-port={free_port()}", str(script)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=patient(120),
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from testutils import run_distributed_test
+from testutils import patient, run_distributed_test
 from torch.distributed.tensor import DTensor
 
 from olmolike.data import StagedDataLoader, TokenTensorDataLoader
@@ -200,7 +200,7 @@ def test_two_stage_example_runs_and_reports_both_betas(tmp_path: Path) -> None:
     stages = ["--data_loader.stages.stage1.steps=3", "--data_loader.stages.stage2.steps=3",
               "--train_module.stage1_steps=3", "--trainer.max_duration.value=6"]  # fmt: skip
     out = subprocess.run(
-        [sys.executable, str(script), *stages], capture_output=True, text=True, timeout=280,
+        [sys.executable, str(script), *stages], capture_output=True, text=True, timeout=patient(280),
         env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, cwd=tmp_path,
     )  # fmt: skip
     assert "beta=0: held-out stage-1 loss" in out.stdout

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import load_file
+from testutils import patient
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -473,7 +474,7 @@ def peak_growth(checkpoints: tuple[Path, Path], out: Path, options: Any) -> int:
         capture_output=True,
         text=True,
         env=env,
-        timeout=240,
+        timeout=patient(240),
     )
     assert result.returncode == 0, result.stderr
     growth = int(result.stdout.strip())

@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from testutils import build_trainer, free_port
+from testutils import build_trainer, free_port, patient
 
 from olmolike.exceptions import ConfigurationError
 
@@ -54,7 +54,7 @@ def test_an_olmolike_error_escaping_a_script_is_one_line(tmp_path: Path) -> None
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=patient(120)
     )
     assert result.returncode == 1
     assert result.stderr.splitlines()[0] == MESSAGE, result.stderr
@@ -73,7 +73,7 @@ def test_under_torchrun_the_line_is_printed_once_per_job(tmp_path: Path) -> None
         [*torchrun, f"--master-port={free_port()}", str(script)],
         capture_output=True,
         text=True,
-        timeout=150,
+        timeout=patient(150),
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode != 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hf_models import VOCAB, hf_logits, hf_model, save_hf_model, token_ids
 from remote_servers import RemoteStore, gcs_bucket, gcs_server, s3_bucket, s3_server  # noqa: F401
-from testutils import run_distributed_test
+from testutils import patient, run_distributed_test
 from torch.distributed.tensor import DTensor
 
 from olmolike import io
@@ -241,7 +241,7 @@ def test_init_weights_is_a_dotted_override_of_train_lm(tmp_path: Path) -> None:
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=patient(60),
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "init_weights: hf/base" in result.stdout
@@ -266,7 +266,9 @@ def test_train_lm_starts_from_an_hf_folder(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cli = [sys.executable, "-m", "olmolike.cli"]
     prepare = [*cli, "prepare-data", str(sources), "-o", "data", "--val-fraction", "0.3"]
-    subprocess.run(prepare, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        prepare, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=patient(120)
+    )
     vocab = TokenizerConfig().padded_vocab_size()
     base = TransformerConfig(
         vocab_size=vocab, d_model=32, n_layers=2, n_heads=2, max_sequence_length=64
@@ -289,7 +291,7 @@ def test_train_lm_starts_from_an_hf_folder(tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patient(300),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "loaded pretrained weights from hf-model" in result.stderr

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from olmolike.data import TokenTensorDataLoader
-from olmolike.testing import TinyCausalLM, random_token_instances
+from olmolike.testing import TinyCausalLM, busy_machine_factor, random_token_instances
 from olmolike.train import BasicTrainModule, Callback, Trainer, TrainerConfig
 
 SEQ_LEN = 16
@@ -71,6 +71,12 @@ def _worker(
     teardown_training_environment()
 
 
+def patient(seconds: float) -> float:
+    """A test timeout of ``seconds`` on a quiet machine, stretched on a busy one (see
+    :func:`olmolike.testing.busy_machine_factor`): other work makes a test slow, not failed."""
+    return seconds * busy_machine_factor()
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int = 2,
@@ -81,8 +87,8 @@ def run_distributed(
 ) -> list[RankOutcome]:
     """Run ``fn(*args)`` on ``world_size`` spawned gloo ranks; return each rank's outcome.
 
-    Never hangs: ranks still running after ``timeout`` seconds are killed and reported as
-    errors. ``fn`` must be a module-level function (it is pickled to the new processes).
+    Never hangs: ranks still running after ``timeout`` seconds (:func:`patient`) are killed
+    and reported as errors. ``fn`` must be a module-level function (it is pickled to the new processes).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -93,6 +99,7 @@ def run_distributed(
     ]
     for p in procs:
         p.start()
+    timeout = patient(timeout)
     deadline = time.monotonic() + timeout
     outcomes = {rank: RankOutcome(rank) for rank in range(world_size)}
     try:
