@@ -82,8 +82,11 @@ format: install
 typecheck: install
 	$(VENV)/bin/mypy
 
+# PYTEST_WORKERS: parallel test processes (pytest-xdist); 2 suits the 2-core CI machine.
+PYTEST_WORKERS ?= 2
+
 pytest: install
-	$(PY) -m pytest src/test -q -n 2
+	$(PY) -m pytest src/test -q -n $(PYTEST_WORKERS)
 
 test: lint typecheck pytest
 
