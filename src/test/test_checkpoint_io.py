@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from remote_servers import RemoteStore, gcs_bucket, gcs_server, s3_bucket, s3_server
+from testutils import build_trainer
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager
 
@@ -20,7 +21,8 @@ from olmolike.distributed import checkpoint_storage
 from olmolike.distributed.checkpoint import load_state_dict
 from olmolike.distributed.checkpoint_storage import MAX_DEFAULT_THREADS, default_thread_count
 from olmolike.testing import TinyCausalLM
-from olmolike.train import BasicTrainModule
+from olmolike.train import BasicTrainModule, Duration
+from olmolike.train.callbacks import CheckpointerCallback
 from olmolike.train.checkpoint import MARKER, Checkpointer, CheckpointerConfig
 
 __all__ = ["gcs_bucket", "gcs_server", "s3_bucket", "s3_server"]  # fixtures, found by name
@@ -124,32 +126,41 @@ def test_thread_counts_can_be_set_and_must_be_positive() -> None:
 # -- staging memory -------------------------------------------------------------------------
 
 
-def staged_tensors(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
-    """Every async save's CPU copy of the first model weight, as the stager returns it."""
-    staged: list[torch.Tensor] = []
+Staged = tuple[int, weakref.ref[Any], weakref.ref[Any]]
+
+
+def staged_copies(monkeypatch: pytest.MonkeyPatch) -> list[Staged]:
+    """Every staging's CPU copy of the first model weight: its address, a weak reference to
+    it, and one to the stager that holds the buffers."""
+    staged: list[Staged] = []
     real_stage = DefaultStager.stage
 
     def recording_stage(self: DefaultStager, state_dict: Any, **kwargs: Any) -> Any:
         copy = real_stage(self, state_dict, **kwargs)
-        staged.append(next(iter(copy["model"].values())))
+        tensor = next(iter(copy["model"].values()))
+        staged.append((tensor.data_ptr(), weakref.ref(tensor), weakref.ref(self)))
         return copy
 
     monkeypatch.setattr(DefaultStager, "stage", recording_stage)
     return staged
 
 
+@pytest.mark.parametrize("prepared", [False, True])
 def test_staging_copy_is_freed_once_an_async_save_is_complete(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prepared: bool
 ) -> None:
-    staged = staged_tensors(monkeypatch)
+    staged = staged_copies(monkeypatch)
     saved = module()
     checkpointer = Checkpointer(work_dir=tmp_path / "work")
-    checkpointer.prepare_async_staging(saved)  # nothing to prepare: no buffers are kept
-    assert staged == []
+    if prepared:  # as the callback does a step before the save
+        checkpointer.prepare_async_staging(saved)
+        checkpointer.wait_for_pending_save()
     checkpointer.save_async(str(tmp_path / "step1"), saved, {"step": 1}).result()
-    copy = weakref.ref(staged.pop())
+    assert len(staged) == 1 + prepared
+    if prepared:  # the save filled the buffers prepared for it
+        assert staged[0][0] == staged[1][0]
     gc.collect()
-    assert copy() is None
+    assert all(copy() is None and stager() is None for _, copy, stager in staged)
     loaded = module(seed=1)
     checkpointer.load(str(tmp_path / "step1"), loaded)
     assert_same(saved, loaded)
@@ -158,16 +169,39 @@ def test_staging_copy_is_freed_once_an_async_save_is_complete(
 def test_staging_buffers_are_kept_and_reused_when_asked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    staged = staged_tensors(monkeypatch)
+    staged = staged_copies(monkeypatch)
     saved = module()
     checkpointer = Checkpointer(work_dir=tmp_path / "work", keep_staging_buffers=True)
-    checkpointer.prepare_async_staging(saved)
-    checkpointer.wait_for_pending_save()
     for step in (1, 2):
+        checkpointer.prepare_async_staging(saved)  # allocates once, then nothing to do
         checkpointer.save_async(str(tmp_path / f"step{step}"), saved, {"step": step}).result()
     assert len(staged) == 3
-    assert len({t.data_ptr() for t in staged}) == 1  # one buffer, filled again by every save
-    assert torch.equal(staged[-1], next(iter(saved.model.state_dict().values())))
+    assert len({address for address, _, _ in staged}) == 1  # one buffer, filled by every save
+    gc.collect()
+    assert {stager() for _, _, stager in staged} == {checkpointer._stager}  # held all along
+    assert checkpointer._stager is not None
+
+
+def test_the_callback_prepares_the_buffers_a_step_before_each_async_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prepared_at: list[int] = []
+    real_prepare = Checkpointer.prepare_async_staging
+
+    def recording_prepare(self: Checkpointer, train_module: Any) -> None:
+        prepared_at.append(trainer.global_step)
+        real_prepare(self, train_module)
+
+    monkeypatch.setattr(Checkpointer, "prepare_async_staging", recording_prepare)
+    trainer = build_trainer(
+        tmp_path / "save",
+        work_dir=str(tmp_path / "work"),
+        max_duration=Duration.steps(6),
+        callbacks={"checkpointer": CheckpointerCallback(save_interval=3, save_async=True)},
+    )
+    trainer.fit()
+    assert prepared_at == [2, 5]  # before step 3 and the final step 6
+    assert Checkpointer.dir_is_checkpoint(str(tmp_path / "save" / "step6"))
 
 
 # -- uploads overlapping writes --------------------------------------------------------------
