@@ -21,12 +21,13 @@ from . import io
 from .data.numpy_dataset import NumpyDatasetConfig
 from .data.tokenizer import Tokenizer, TokenizerConfig
 from .distributed.checkpoint import load_model_and_optim_state
+from .distributed.checkpoint_format import MODEL_AND_OPTIM
 from .exceptions import CheckpointError, ConfigurationError, DataError
 from .nn import Transformer, TransformerConfig
 from .nn.generation import generate
 from .nn.hf_export import export_hf
 from .train.callbacks.evaluator import LMEvaluator
-from .train.checkpoint import MODEL_AND_OPTIM, Checkpointer
+from .train.checkpoint import Checkpointer
 from .train.train_module import BasicTrainModule
 
 __all__ = [

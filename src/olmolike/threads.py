@@ -64,3 +64,5 @@ class DaemonThreadPool(Executor):
                 future.set_result(fn(*args, **kwargs))
             except BaseException as e:
                 future.set_exception(e)
+            # An idle worker must not keep the last task (and what it holds) alive.
+            del item, future, fn, args, kwargs

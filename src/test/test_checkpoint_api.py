@@ -111,7 +111,7 @@ def test_saving_to_a_url_uploads_and_refuses_a_non_empty_prefix(
     fs = fsspec.filesystem("memory")
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.find(f"/saves-{run_async}/c")) == [
         ".metadata",
-        "__0_0.distcp",
+        *testutils.dcp_shards(),
     ]
     fresh, fresh_optim = stepped(seed=1)
     load_model_and_optim_state(url, fresh, fresh_optim)
@@ -136,7 +136,7 @@ def test_two_ranks_save_to_an_object_store(request: pytest.FixtureRequest, throt
     url = store.url("c")
     settings = {key: dict(value) for key, value in fsspec.config.conf.items()}
     testutils.run_distributed_test(_save_to_store, 2, args=(url, settings, throttle), timeout=120)
-    assert store.objects("c") == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert store.objects("c") == [".metadata", *testutils.dcp_shards(ranks=2)]
     model, _ = stepped(seed=0)
     fresh, fresh_optim = stepped(seed=1)
     load_model_and_optim_state(url, fresh, fresh_optim)

@@ -32,7 +32,7 @@ from remote_servers import (
     s3_bucket,
     s3_server,
 )
-from testutils import build_trainer
+from testutils import build_trainer, dcp_shards
 
 import olmolike.io
 from olmolike.exceptions import CheckpointError, NetworkError
@@ -59,9 +59,17 @@ BUCKET_FIXTURE = {"gs": "gcs_bucket", "s3": "s3_bucket"}
 CHECKPOINT_FILES = [
     MARKER,
     "model_and_optim/.metadata",
+    *dcp_shards(prefix="model_and_optim/"),
+    "train/rank0.pt",
+]
+# The same, written with one thread (one shard file, uploads one after another).
+ONE_THREAD_FILES = [
+    MARKER,
+    "model_and_optim/.metadata",
     "model_and_optim/__0_0.distcp",
     "train/rank0.pt",
 ]
+ONE_THREAD = CheckpointerConfig(save_thread_count=1)
 
 
 @pytest.fixture(params=PROTOCOLS)
@@ -370,7 +378,7 @@ def test_store_outage_mid_save_leaves_no_marker_and_the_next_save_succeeds(
         caplog.at_level(logging.ERROR, logger="olmolike"),
         pytest.raises(CheckpointError, match=r"saving \S+/step4 failed .* it has no marker"),
     ):
-        train(folder, tmp_path / "work-1", steps=6, save_interval=2)
+        train(folder, tmp_path / "work-1", steps=6, save_interval=2, checkpointer=ONE_THREAD)
     assert uploaded_before_outage == ["model_and_optim/__0_0.distcp"]
     assert f"Saving this rank's part of {step4} failed" in caplog.text
     # ... because uploading the next file failed (with a NetworkError after retries on gs://).
@@ -386,12 +394,14 @@ def test_store_outage_mid_save_leaves_no_marker_and_the_next_save_succeeds(
 
     # A restarted run resumes from step 2, saves step 4 over the partial one, and finishes
     # exactly as if nothing had happened.
-    trainer, recorder = train(folder, tmp_path / "work-2", steps=6, save_interval=2)
+    trainer, recorder = train(
+        folder, tmp_path / "work-2", steps=6, save_interval=2, checkpointer=ONE_THREAD
+    )
     assert recorder.start_step == 2
     assert recorder.losses == {s: expected[s] for s in (3, 4, 5, 6)}
     assert_same_weights(reference, trainer)
     assert steps_found(folder) == [0, 2, 4, 6]
-    assert store.objects("run-x", "step4") == CHECKPOINT_FILES
+    assert store.objects("run-x", "step4") == ONE_THREAD_FILES
 
 
 @pytest.mark.timeout(60)

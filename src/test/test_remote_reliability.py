@@ -71,8 +71,12 @@ def test_a_failed_overwrite_leaves_no_marker_and_no_stale_files(
     assert {"train/rank1.pt", "model_and_optim/__1_0.distcp"} <= set(store.objects("run", "step2"))
 
     # One rank now overwrites step 2; the store fails after the first uploaded file.
-    trainer = build_trainer(
-        url, max_duration=Duration.steps(2), save_overwrite=True, work_dir=str(tmp_path / "one")
+    trainer = build_trainer(  # one thread: one upload at a time, the first one succeeds
+        url,
+        max_duration=Duration.steps(2),
+        save_overwrite=True,
+        work_dir=str(tmp_path / "one"),
+        checkpointer=CheckpointerConfig(save_thread_count=1),
     )
     trainer.global_step = 2
     real_persist = checkpoint_module.io.persist

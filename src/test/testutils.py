@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from olmolike.data import TokenTensorDataLoader
+from olmolike.distributed.checkpoint_storage import default_thread_count
 from olmolike.testing import TinyCausalLM, busy_machine_factor, random_token_instances
 from olmolike.train import BasicTrainModule, Callback, Trainer, TrainerConfig
 
@@ -214,3 +215,10 @@ class CrashAtStep(Callback):
         del batch
         if self.step == self.step_to_crash:
             raise Crash(f"crash at step {self.step}")
+
+
+def dcp_shards(ranks: int = 1, prefix: str = "", threads: int | None = None) -> list[str]:
+    """The shard files a DCP save writes: one per rank and writing thread (by default as
+    many threads as the checkpointer's default on this machine)."""
+    per_rank = threads or default_thread_count()
+    return [f"{prefix}__{r}_{i}.distcp" for r in range(ranks) for i in range(per_rank)]

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import tempfile
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -43,8 +42,9 @@ from torch.distributed.checkpoint.state_dict import (
 from .. import io
 from ..exceptions import CheckpointError, ConfigurationError
 from .checkpoint_download import local_copy
-from .checkpoint_format import dcp_dir_of, dcp_reader, read_metadata
+from .checkpoint_format import dcp_dir_of, read_metadata
 from .checkpoint_reader import load_keys
+from .checkpoint_storage import dcp_reader, dcp_writer
 from .save_target import after_async_save, save_target
 from .state_dict_keys import merge_state_dicts, prune_state_dict, swap_param_keys
 from .unshard import UnshardStrategy, UnshardStrategyType, unshard_checkpoint
@@ -141,10 +141,6 @@ def check_checkpoint_backend(backend: str) -> None:
     )
 
 
-def _writer(dir: Path, thread_count: int | None) -> FileSystemWriter:
-    return FileSystemWriter(str(dir), thread_count=thread_count or 1, sync_files=True)
-
-
 def save_state_dict(
     dir: str | Path,
     state_dict: dict[str, Any],
@@ -153,17 +149,20 @@ def save_state_dict(
     save_overwrite: bool = False,
     thread_count: int | None = None,
     throttle_uploads: bool = False,
+    on_shard_written: Callable[[Path], None] | None = None,
 ) -> None:
     """Save every rank's shards of ``state_dict`` into ``dir``, a local directory or a URL.
 
     ``dir`` must be empty or missing unless ``save_overwrite``. A URL is written locally
     first, then uploaded (see :mod:`.save_target`), one rank after another with
-    ``throttle_uploads``.
+    ``throttle_uploads``. ``thread_count`` threads (files per rank) write; by default
+    :func:`~.checkpoint_storage.default_thread_count`. ``on_shard_written(path)`` is called
+    on a writing thread as each local shard file is complete (e.g. to upload it at once).
     """
     with save_target(dir, process_group, save_overwrite, throttle_uploads) as local:
         dcp.save(
             state_dict,
-            storage_writer=_writer(local, thread_count),
+            storage_writer=dcp_writer(local, thread_count, on_shard_written),
             process_group=process_group,
             no_dist=not is_distributed(),
         )
@@ -178,20 +177,21 @@ def async_save_state_dict(
     thread_count: int | None = None,
     throttle_uploads: bool = False,
     stager: AsyncStager | None = None,
+    on_shard_written: Callable[[Path], None] | None = None,
 ) -> Future[Any]:
     """Copy ``state_dict`` to CPU memory now, write it to ``dir`` in a background thread.
 
     When this returns, later optimizer steps can no longer change what is saved. The
     ``process_group`` must support CPU tensors (gloo); use one that training does not use.
-    Pass a stager kept across saves (torch's ``DefaultStager``, as the trainer's checkpointer
-    does) to reuse its CPU buffers instead of re-allocating the copy. A URL's future completes
-    once the files are uploaded too.
+    Pass a stager kept across saves (torch's ``DefaultStager``) to reuse its CPU buffers
+    instead of re-allocating the copy. A URL's future completes once the files are uploaded
+    too. ``thread_count`` and ``on_shard_written`` as in :func:`save_state_dict`.
     """
 
     def start(local: Path) -> Future[Any]:
         future = dcp.async_save(
             state_dict,
-            storage_writer=_writer(local, thread_count),
+            storage_writer=dcp_writer(local, thread_count, on_shard_written),
             process_group=process_group,
             async_stager=stager,
             no_dist=not is_distributed(),
@@ -235,18 +235,24 @@ def load_state_dict(
     """Load saved values into the tensors of ``state_dict`` in place (any sharding, any ranks).
 
     ``dir`` is a DCP directory or a train checkpoint folder, local or remote; ``pre_download``
-    copies a remote one under ``work_dir`` first, once per host.
+    copies a remote one under ``work_dir`` first, once per host. ``thread_count`` threads
+    read (by default :func:`~.checkpoint_storage.default_thread_count`).
     """
     with _readable(dir, process_group, pre_download, work_dir, thread_count) as source:
-        _load(source, state_dict, process_group, strict=True)
+        _load(source, state_dict, process_group, strict=True, thread_count=thread_count)
 
 
 def _load(
-    dir: str, state_dict: dict[str, Any], group: dist.ProcessGroup | None, *, strict: bool
+    dir: str,
+    state_dict: dict[str, Any],
+    group: dist.ProcessGroup | None,
+    *,
+    strict: bool,
+    thread_count: int | None,
 ) -> None:
     dcp.load(
         state_dict,
-        storage_reader=dcp_reader(dir),
+        storage_reader=dcp_reader(dir, thread_count),
         planner=DefaultLoadPlanner(allow_partial_load=not strict),
         process_group=group,
         no_dist=not is_distributed(),
@@ -342,7 +348,7 @@ def load_model_and_optim_state(
         )
         if key_mapping:
             swap_param_keys(state, key_mapping, metadata=metadata)
-        _load(source, state, process_group, strict=strict)
+        _load(source, state, process_group, strict=strict, thread_count=thread_count)
         if key_mapping:
             swap_param_keys(state, key_mapping, reverse=True, quiet=True)
     apply_model_and_optim_state_dict(

@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .. import io
 from ..config import Config
 from ..exceptions import CheckpointError
+from .checkpoint_storage import dcp_reader
 
 __all__ = [
     "DCP_METADATA",
@@ -193,16 +193,6 @@ def dcp_dir_of(dir: str | Path) -> str:
 def read_metadata(dir: str | Path) -> Metadata:
     """DCP's ``.metadata`` of the checkpoint in ``dir`` (which tensors, shapes, shard files)."""
     return dcp_reader(dir).read_metadata()
-
-
-def dcp_reader(dir: str | Path) -> FileSystemReader:
-    """A DCP storage reader for the DCP directory ``dir``, local or remote."""
-    if io.is_url(dir):
-        # Reading needs no rename, so DCP's fsspec reader works on object stores as they are.
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        return FsspecReader(str(dir))
-    return FileSystemReader(str(io.local_path(dir)))
 
 
 def read_marker(dir: str | Path) -> dict[str, Any]:

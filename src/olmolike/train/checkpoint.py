@@ -26,12 +26,9 @@ from a file. The run's lease on the save folder (:mod:`.lease`) is held by the c
 
 from __future__ import annotations
 
-import io as std_io
-import json
+import ctypes
+import ctypes.util
 import logging
-import shutil
-import socket
-import time
 from collections.abc import Collection, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -51,42 +48,28 @@ from ..distributed.checkpoint import (
     save_state_dict,
 )
 from ..distributed.checkpoint_format import (
-    FORMAT_VERSION,
     MARKER,
-    MODEL_AND_OPTIM,
-    STEP_DIR,
-    TRAIN_STATE,
     CheckpointMetadata,
     contains_checkpoint,
-    describe_error,
     dir_is_checkpoint,
     find_checkpoints,
-    fsync_dir,
     latest_checkpoint,
     read_marker,
     remove_abandoned,
     remove_checkpoint,
-    write_synced,
 )
-from ..distributed.utils import (
-    all_agree,
-    barrier,
-    broadcast_object,
-    get_rank,
-    get_world_size,
-    is_distributed,
-    using_group,
-)
-from ..exceptions import CheckpointError
+from ..distributed.checkpoint_storage import default_thread_count
+from ..distributed.utils import is_distributed, using_group
 from ..threads import DaemonThreadPool
 from . import checkpoint_purge
 from .checkpoint_load import CheckpointLoad
+from .checkpoint_save import CheckpointSave, check_extra_file_name, encode_extra_files, serialize
 from .lease import DEFAULT_TIMEOUT, SaveFolderLease, acquire_lease
 
 if TYPE_CHECKING:
     from .train_module import TrainModule
 
-__all__ = ["CheckpointMetadata", "Checkpointer", "CheckpointerConfig"]
+__all__ = ["CheckpointMetadata", "Checkpointer", "CheckpointerConfig", "check_extra_file_name"]
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +85,18 @@ class CheckpointerConfig(Config):
     pre_download: bool = False
     """Download a remote checkpoint to ``work_dir`` before loading it."""
     save_thread_count: int | None = None
-    """Threads writing checkpoint files (per rank)."""
+    """Threads writing checkpoint files (per rank; also the files per rank, and the uploads
+    at once to an object store). By default the CPUs this process may use, 2 to 8: writing
+    is copying and waiting on the disk, which threads overlap."""
     load_thread_count: int | None = None
-    """Threads reading checkpoint files (per rank)."""
+    """Threads reading checkpoint files (per rank); by default as ``save_thread_count``."""
+    keep_staging_buffers: bool = False
+    """Keep the CPU copy of an async save's state (as large as the model and optimizer state)
+    allocated from one save to the next, instead of freeing it once each save is complete.
+
+    Keeping it makes later async saves block training a little less (no fresh memory to
+    fault in), at the cost of that memory being held for the whole run (see
+    ``src/benchmarks/checkpoint_io.py`` for the measured figures)."""
     throttle_uploads: bool = False
     """Let ranks upload one after another, for object stores that limit request rates."""
     lease_timeout: float = DEFAULT_TIMEOUT
@@ -139,27 +131,8 @@ class CheckpointerConfig(Config):
             load_thread_count=self.load_thread_count,
             throttle_uploads=self.throttle_uploads,
             lease_timeout=self.lease_timeout,
+            keep_staging_buffers=self.keep_staging_buffers,
         )
-
-
-RESERVED_NAMES = frozenset({MARKER, MODEL_AND_OPTIM, TRAIN_STATE})
-
-
-def check_extra_file_name(name: str) -> None:
-    """Reject a name that could not be a plain file at the top of a checkpoint folder."""
-    if not name or "/" in name or "\\" in name or name in (".", "..") or name in RESERVED_NAMES:
-        raise CheckpointError(
-            f"{name!r} cannot be a file of a checkpoint folder: use a plain file name such as "
-            f"'config.json', other than {', '.join(sorted(RESERVED_NAMES))}"
-        )
-
-
-@dataclass
-class _SavePlan:
-    target: str
-    staging: Path
-    remote: bool
-    extra_files: dict[str, bytes]
 
 
 class Checkpointer:
@@ -175,6 +148,7 @@ class Checkpointer:
         load_thread_count: int | None = None,
         throttle_uploads: bool = False,
         lease_timeout: float = DEFAULT_TIMEOUT,
+        keep_staging_buffers: bool = False,
     ) -> None:
         if process_group is not None or is_distributed():
             check_checkpoint_backend(str(dist.get_backend(process_group)))
@@ -185,18 +159,14 @@ class Checkpointer:
         self.save_thread_count = save_thread_count
         self.load_thread_count = load_thread_count
         self.throttle_uploads = throttle_uploads
+        self.keep_staging_buffers = keep_staging_buffers
         self._writer: DaemonThreadPool | None = None
+        self._uploader: DaemonThreadPool | None = None
         self._pending: Future[Any] | None = None
-        # torch's public stager, copying synchronously into CPU buffers it allocates on first
-        # use and reuses afterwards (fresh memory costs page faults on every save).
-        self._stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=torch.cuda.is_available(),
-                use_shared_memory=False,
-                use_async_staging=False,
-                use_non_blocking_copy=False,
-            )
-        )
+        # Kept across saves only with keep_staging_buffers (see CheckpointerConfig).
+        self._stager: DefaultStager | None = None
+        # Buffers of the next async save, being allocated in the background.
+        self._ahead: Future[DefaultStager] | None = None
         self.lease_timeout = lease_timeout
         self.lease: SaveFolderLease | None = None
         """The lease on the save folder while a run trains (held by rank 0 only)."""
@@ -232,15 +202,16 @@ class Checkpointer:
         cause: BaseException | None = None
         try:
             save_state_dict(
-                plan.staging / MODEL_AND_OPTIM,
+                plan.dcp_dir,
                 train_module.state_dict_to_save(),
                 process_group=self.process_group,
                 thread_count=self.save_thread_count,
+                on_shard_written=plan.shard_written,
             )
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             log.error("Writing the model and optimizer state of %s failed: %s", plan.target, e)
             cause = e
-        self._finish(plan, _serialize(train_state), ephemeral, cause)
+        plan.finish(serialize(train_state), ephemeral, cause)
 
     def save_async(
         self,
@@ -257,17 +228,20 @@ class Checkpointer:
         """
         self.wait_for_pending_save()
         plan = self._begin(dir, extra_files)
-        state_bytes = _serialize(train_state)
+        state_bytes = serialize(train_state)
+        stager = self._prepared_stager()
         try:
             dcp_future = async_save_state_dict(
-                plan.staging / MODEL_AND_OPTIM,
+                plan.dcp_dir,
                 train_module.state_dict_to_save(),
                 process_group=self.process_group,
                 thread_count=self.save_thread_count,
-                stager=self._stager,
+                stager=stager,
+                on_shard_written=plan.shard_written,
             )
         except (Exception, CheckpointException) as e:  # planning failed, on every rank
-            self._finish(plan, state_bytes, ephemeral, e)
+            self._done_with(stager)
+            plan.finish(state_bytes, ephemeral, e)
 
         def finish() -> None:
             # The group belongs to this save (DCP's thread, then this one) until it is done.
@@ -280,26 +254,79 @@ class Checkpointer:
                         "Writing the model and optimizer state of %s failed: %s", plan.target, e
                     )
                     cause = e
-                self._finish(plan, state_bytes, ephemeral, cause)
+                self._done_with(stager)
+                plan.finish(state_bytes, ephemeral, cause)
 
         self._pending = self._writer_thread().submit(finish)
         return self._pending
 
     def prepare_async_staging(self, train_module: TrainModule) -> None:
-        """Allocate the CPU buffers of async saves now, in the background.
+        """Allocate the CPU buffers of the next async save now, in the background (otherwise
+        that save allocates them while training waits: fresh memory costs more than the copy).
 
-        Otherwise the first async save allocates them while training waits. Call it once the
-        optimizer has state (after the first step), so the buffers have their final shape.
+        The checkpointer callback calls it one step before each async save, once the optimizer
+        has state, so the buffers have their final shape. They are freed once that save is
+        complete, or, with ``keep_staging_buffers``, kept for every later save (then calls
+        after the first do nothing).
         """
-        self.wait_for_pending_save()
-        self._pending = self._writer_thread().submit(
-            self._stager.stage, train_module.state_dict_to_save()
+        if self._ahead is not None or (self.keep_staging_buffers and self._stager is not None):
+            return
+        stager = self._stager_for_save()
+        state = train_module.state_dict_to_save()
+
+        def allocate() -> DefaultStager:
+            stager.stage(state)
+            return stager
+
+        self._ahead = self._writer_thread().submit(allocate)
+
+    def _prepared_stager(self) -> DefaultStager:
+        """The stager for an async save starting now: the one prepared for it, if any."""
+        ahead, self._ahead = self._ahead, None
+        return ahead.result() if ahead is not None else self._stager_for_save()
+
+    def _stager_for_save(self) -> DefaultStager:
+        """torch's public stager, copying synchronously into CPU buffers it allocates."""
+        if self._stager is not None:
+            return self._stager
+        stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=torch.cuda.is_available(),
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=False,
+            )
         )
+        if self.keep_staging_buffers:
+            self._stager = stager
+        return stager
+
+    def _done_with(self, stager: DefaultStager) -> None:
+        """After a save: free the stager's buffers, unless they are kept for the next one."""
+        if stager is not self._stager:
+            stager.close()
+            return_freed_memory()
 
     def _writer_thread(self) -> DaemonThreadPool:
         if self._writer is None:
             self._writer = DaemonThreadPool(1, "checkpoint-writer")
         return self._writer
+
+    def _begin(self, dir: str, extra_files: Mapping[str, str | bytes] | None) -> CheckpointSave:
+        if self._uploader is None:
+            threads = self.save_thread_count or default_thread_count()
+            self._uploader = DaemonThreadPool(threads, "checkpoint-upload")
+        plan = CheckpointSave(
+            str(dir).rstrip("/"),
+            encode_extra_files(extra_files),
+            self.work_dir,
+            self.process_group,
+            self.lease,
+            self._uploader,
+            self.throttle_uploads,
+        )
+        plan.begin(self.save_overwrite)
+        return plan
 
     def wait_for_pending_save(self) -> None:
         """Block until an earlier :meth:`save_async` is done (raising its error, if any).
@@ -310,139 +337,8 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
-
-    def _begin(self, dir: str, extra_files: Mapping[str, str | bytes] | None) -> _SavePlan:
-        target = str(dir).rstrip("/")
-        if checkpoint_purge.in_flight([target]):  # saving a step again that is being removed
-            checkpoint_purge.wait_for_purges()
-        extra = {
-            name: data.encode() if isinstance(data, str) else bytes(data)
-            for name, data in (extra_files or {}).items()
-        }
-        for name in extra:
-            check_extra_file_name(name)
-        if self.dir_is_checkpoint(target) and not self.save_overwrite:
-            raise CheckpointError(
-                f"{target} already holds a checkpoint; set --trainer.save_overwrite=true (save_overwrite=True) to replace it"
-            )
-        remote = io.is_url(target)
-        name = target.rsplit("/", 1)[-1]
-        if remote:
-            # Per rank, on each node's own disk: every rank cleans up what it staged itself.
-            mine = self.work_dir / "checkpoint-staging" / f"rank{get_rank()}"
-            shutil.rmtree(mine, ignore_errors=True)  # leftovers of interrupted saves
-            staging = mine / name
-        else:
-            staging = Path(target).parent / f".{name}.tmp"
-        error: str | None = None
-        if get_rank() == 0:
-            error = self._prepare_target(target, staging, remote)
-        error = self._broadcast(error)
-        if error is not None:
-            raise CheckpointError(error)
-        (staging / TRAIN_STATE).mkdir(parents=True, exist_ok=True)
-        return _SavePlan(target, staging, remote, extra)
-
-    def _prepare_target(self, target: str, staging: Path, remote: bool) -> str | None:
-        """Rank 0, before any rank writes: check the lease, clear what is in the way."""
-        try:
-            if self.lease is not None:
-                self.lease.check()
-            if remote:
-                # Marker first: from here on no reader trusts what the prefix holds.
-                self.remove_checkpoint(target)
-            else:
-                shutil.rmtree(staging, ignore_errors=True)
-        except Exception as e:
-            return f"cannot save {target}: {e}"
-        return None
-
-    def _finish(
-        self, plan: _SavePlan, state_bytes: bytes, ephemeral: bool, cause: BaseException | None
-    ) -> None:
-        rank = get_rank()
-        try:
-            if cause is None:
-                write_synced(plan.staging / TRAIN_STATE / f"rank{rank}.pt", state_bytes)
-                if rank == 0:
-                    for name, data in plan.extra_files.items():
-                        write_synced(plan.staging / name, data)
-                if plan.remote:
-                    self._upload_own_files(plan)
-        except Exception as e:
-            log.exception("Saving this rank's part of %s failed", plan.target)
-            cause = e
-        if not self._all_agree(cause is None):
-            self._clean_staging(plan)
-            reason = f": {describe_error(cause)}" if cause is not None else ""
-            raise CheckpointError(
-                f"saving {plan.target} failed on at least one rank (this rank: "
-                f"{'failed' if cause else 'ok'}{reason}); it has no marker"
-            ) from None
-        commit_error: Exception | None = None
-        if rank == 0:
-            try:
-                self._commit(plan, ephemeral)
-            except Exception as e:
-                log.exception("Committing %s failed", plan.target)
-                commit_error = e
-        if not self._all_agree(commit_error is None):
-            self._clean_staging(plan)
-            raise CheckpointError(
-                f"committing {plan.target} failed; it has no marker"
-                + (f": {commit_error}" if commit_error else "")
-            )
-        if plan.remote:
-            shutil.rmtree(plan.staging.parent, ignore_errors=True)
-        log.info("Saved checkpoint %s", plan.target)
-
-    def _clean_staging(self, plan: _SavePlan) -> None:
-        """After a failed save (every rank is past writing): free the disk it used."""
-        if plan.remote:
-            shutil.rmtree(plan.staging.parent, ignore_errors=True)
-        elif get_rank() == 0:
-            shutil.rmtree(plan.staging, ignore_errors=True)
-
-    def _upload_own_files(self, plan: _SavePlan) -> None:
-        # Shards first, as DCP writes them; .metadata and the small files after.
-        files = sorted(
-            (p for p in plan.staging.rglob("*") if p.is_file()),
-            key=lambda p: (p.suffix != ".distcp", str(p)),
-        )
-        if self.throttle_uploads:
-            self._take_turns(lambda: self._upload(plan, files))
-        else:
-            self._upload(plan, files)
-
-    def _upload(self, plan: _SavePlan, files: list[Path]) -> None:
-        for path in files:
-            relative = path.relative_to(plan.staging)
-            io.persist(plan.staging, plan.target, relative, overwrite=True)
-
-    def _commit(self, plan: _SavePlan, ephemeral: bool) -> None:
-        if self.lease is not None:
-            self.lease.check()  # a run that lost its lease must not vouch for anything
-        marker = json.dumps(
-            {
-                "format_version": FORMAT_VERSION,
-                "step": _step_of(plan.target),
-                "ephemeral": ephemeral,
-                "world_size": get_world_size(),
-                "saved_at": time.time(),
-                "host": socket.gethostname(),
-            }
-        )
-        if plan.remote:
-            io.write_file(plan.target, MARKER, marker, overwrite=True)
-            return
-        for folder in (plan.staging / TRAIN_STATE, plan.staging / MODEL_AND_OPTIM):
-            fsync_dir(folder)
-        io.write_file(plan.staging, MARKER, marker, overwrite=True)  # fsyncs it and its dir
-        target = Path(plan.target)
-        if target.exists():
-            self.remove_checkpoint(str(target))
-        plan.staging.rename(target)
-        fsync_dir(target.parent)
+        if self._ahead is not None:  # buffers for the next save: stay prepared
+            self._ahead.result()
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -509,36 +405,14 @@ class Checkpointer:
         purged (see :func:`~olmolike.distributed.checkpoint_format.remove_abandoned`)."""
         return remove_abandoned(folder, keep=[*keep, *checkpoint_purge.in_flight()])
 
-    # -- collectives -------------------------------------------------------------------------
 
-    def _all_agree(self, ok: bool) -> bool:
-        with using_group(self.process_group, "checkpointer"):
-            return all_agree(ok, self.process_group)
-
-    def _broadcast(self, obj: Any) -> Any:
-        with using_group(self.process_group, "checkpointer"):
-            return broadcast_object(obj, group=self.process_group)
-
-    def _take_turns(self, upload: Any) -> None:
-        error: Exception | None = None
-        for turn in range(get_world_size()):
-            if turn == get_rank():
-                try:
-                    upload()
-                except Exception as e:  # keep joining the barriers, or the others hang
-                    error = e
-            with using_group(self.process_group, "checkpointer"):
-                barrier(self.process_group)
-        if error is not None:
-            raise error
-
-
-def _serialize(state: dict[str, Any]) -> bytes:
-    buffer = std_io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
-
-
-def _step_of(path: str) -> int | None:
-    match = STEP_DIR.match(path.rsplit("/", 1)[-1])
-    return int(match.group(1)) if match else None
+def return_freed_memory() -> None:
+    """Give memory freed in this process back to the operating system where the C library can
+    (glibc's ``malloc_trim``): otherwise it keeps freed heap pages of a staging copy resident
+    (about half of it, measured), and the memory stays held between saves after all."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    libc = ctypes.CDLL(name)
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)

@@ -57,17 +57,17 @@ class CheckpointLoad:
         if error is not None:
             raise (DamagedCheckpointError if error[0] else CheckpointError)(error[1])
         if not (io.is_url(self.dir) and pre_download):
-            return self._load_from(self.dir)
+            return self._load_from(self.dir, thread_count)
         with local_copy(
             self.dir, work_dir, process_group=self.group, thread_count=thread_count
         ) as source:
-            return self._load_from(source)
+            return self._load_from(source, thread_count)
 
     def _agree(self, ok: bool) -> bool:
         with using_group(self.group, "checkpointer"):
             return all_agree(ok, self.group)
 
-    def _load_from(self, source: str) -> dict[str, Any] | None:
+    def _load_from(self, source: str, thread_count: int | None) -> dict[str, Any] | None:
         dir, train_module = self.dir, self.train_module
         load_optim_state = self.load_optim_state
         dcp_dir = io.join_path(source, MODEL_AND_OPTIM)
@@ -84,7 +84,7 @@ class CheckpointLoad:
         if mismatch is not None:
             raise CheckpointError(mismatch)
         try:
-            load_state_dict(dcp_dir, state, process_group=self.group)
+            load_state_dict(dcp_dir, state, process_group=self.group, thread_count=thread_count)
         except (Exception, CheckpointException) as e:  # raised on every rank alike
             raise CheckpointError(f"loading checkpoint {dir} failed: {describe_error(e)}") from None
         train_module.load_state_dict(state)

@@ -17,7 +17,6 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -27,7 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import io
-from ..distributed.checkpoint import load_model_and_optim_state
+from ..distributed.checkpoint import load_model_and_optim_state, read_metadata
+from ..distributed.checkpoint_format import MODEL_AND_OPTIM
 from ..distributed.utils import broadcast_object, get_rank, is_distributed
 from ..exceptions import ConfigurationError
 from ..nn.hf_import import (
@@ -40,7 +40,7 @@ from ..nn.hf_import import (
 from ..nn.rope import RopeScalingConfig
 from ..nn.transformer import TransformerConfig
 from .callbacks.callback import Callback
-from .checkpoint import MODEL_AND_OPTIM, Checkpointer
+from .checkpoint import Checkpointer
 
 __all__ = ["InitWeightsCallback", "load_pretrained_weights"]
 
@@ -238,15 +238,9 @@ def _load_checkpoint(model: nn.Module, checkpoint: str) -> None:
 
 
 def _checkpoint_shapes(dcp_dir: str) -> dict[str, tuple[int, ...]]:
-    if io.is_url(dcp_dir):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        reader: FileSystemReader = FsspecReader(dcp_dir)
-    else:
-        reader = FileSystemReader(dcp_dir)
     return {
         key.removeprefix("model."): tuple(meta.size)
-        for key, meta in reader.read_metadata().state_dict_metadata.items()
+        for key, meta in read_metadata(dcp_dir).state_dict_metadata.items()
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
 

@@ -106,7 +106,6 @@ class CheckpointerCallback(Callback, name="checkpointer"):
     )
     _last_saved_step: int | None = field(default=None, init=False, repr=False)
     _failed: bool = field(default=False, init=False, repr=False)
-    _staging_prepared: bool = field(default=False, init=False, repr=False)
     _own_ephemeral: list[str] = field(default_factory=list, init=False, repr=False)
     _old_to_remove: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -192,9 +191,9 @@ class CheckpointerCallback(Callback, name="checkpointer"):
             return
         self._collect_finished(wait=False)
         step = self.trainer.global_step
-        if self.save_async and not self._staging_prepared:
+        if self.save_async and self.saves_at(step + 1):
+            # Buffers of the next save, allocated while this step's successor runs.
             self.trainer.checkpointer.prepare_async_staging(self.trainer.train_module)
-            self._staging_prepared = True
         if self.trainer.training_complete:
             return  # post_train saves the final checkpoint, and as a permanent one
         if self._permanent_due(step):

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from ... import io
 from ...distributed.checkpoint import load_model_and_optim_state
+from ...distributed.checkpoint_format import MODEL_AND_OPTIM
 from ...distributed.utils import (
     backend_supports_cpu,
     get_rank,
@@ -34,7 +35,6 @@ from ...distributed.utils import (
     using_group,
 )
 from ...exceptions import CheckpointError, ConfigurationError
-from ..checkpoint import MODEL_AND_OPTIM
 from .callback import Callback
 from .checkpointer import CheckpointerCallback
 

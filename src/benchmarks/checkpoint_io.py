@@ -1,0 +1,195 @@
+"""Checkpoint speed and memory of the trainer's ``Checkpointer``, round after round.
+
+A 64 M-parameter ``TinyCausalLM`` (d_model 512, 12 layers, vocabulary 32000) with AdamW state
+(about 0.77 GB per checkpoint) is saved and loaded by ``olmolike.train.Checkpointer``, as the
+trainer does it (``prepare_async_staging`` once after the first step, as the checkpointer
+callback calls it). Each round runs in a fresh process and measures:
+
+* sync save: how long ``Checkpointer.save`` blocks;
+* async save: how long ``save_async`` blocks (the copy to CPU memory), and until its future
+  completes;
+* load: ``Checkpointer.load`` of the checkpoint just written (warm page cache);
+* memory held between saves: resident memory once the async save is complete, over the
+  resident memory before the first save (staging buffers that stay for the whole run);
+* peak extra memory during each save and load: a thread samples ``VmRSS`` every 2 ms.
+
+``--baseline SRC`` alternates rounds between another copy of olmolike (the ``src`` folder of
+an older checkout, e.g. ``git archive HEAD~3 src | tar -x -C /tmp/old``) and this one, and
+prints min / median / max of both (the machine may be shared: read the spread, not one run).
+
+    .venv/bin/python src/benchmarks/checkpoint_io.py [--rounds 3] [--baseline /tmp/old/src]
+    .venv/bin/python src/benchmarks/checkpoint_io.py --quick     # small model, smoke check
+
+It always exits 0: it measures, it does not test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+MEASURES = {
+    "sync_blocked": ("sync save: loop blocked", "s"),
+    "async_blocked": ("async save: loop blocked", "s"),
+    "async_total": ("async save: until complete", "s"),
+    "load": ("load (warm page cache)", "s"),
+    "held_between_saves": ("memory held between saves", "GB"),
+    "peak_sync_save": ("peak extra memory, sync save", "GB"),
+    "peak_async_save": ("peak extra memory, async save", "GB"),
+    "peak_load": ("peak extra memory, load", "GB"),
+}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class PeakRss:
+    """Samples resident memory on a thread; :meth:`window` gives the peak over a baseline."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, rss_bytes())
+
+    @contextmanager
+    def window(self, result: dict[str, float], name: str, base: int) -> Iterator[None]:
+        self.peak = rss_bytes()
+        yield
+        self.peak = max(self.peak, rss_bytes())
+        result[name] = (self.peak - base) / 1e9
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def one_round(quick: bool, checkpointer_options: dict[str, Any]) -> dict[str, float]:
+    """Build the model, take one AdamW step, and time the checkpointer (this process)."""
+    import torch
+
+    from olmolike.testing import TinyCausalLM
+    from olmolike.train import BasicTrainModule, Checkpointer
+
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    size = dict(d_model=128, n_layers=2, vocab_size=1024) if quick else {}
+    model = TinyCausalLM(
+        **{"vocab_size": 32000, "d_model": 512, "n_layers": 10, **size}, n_heads=8, max_seq_len=64
+    )
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optim.step()
+    module = BasicTrainModule(model, optim, rank_microbatch_size=128)
+    result: dict[str, float] = {"params_m": sum(p.numel() for p in model.parameters()) / 1e6}
+    sampler = PeakRss()
+    with tempfile.TemporaryDirectory(prefix="checkpoint-io-", dir=Path.cwd()) as tmp:
+        checkpointer = Checkpointer(
+            work_dir=Path(tmp) / "work", save_overwrite=True, **checkpointer_options
+        )
+        gc.collect()
+        base = rss_bytes()
+        checkpointer.prepare_async_staging(module)  # as the callback does after step 1
+        checkpointer.wait_for_pending_save()
+        with sampler.window(result, "peak_sync_save", base):
+            start = time.perf_counter()
+            checkpointer.save(f"{tmp}/step1", module, {"step": 1})
+            result["sync_blocked"] = time.perf_counter() - start
+        with sampler.window(result, "peak_async_save", base):
+            start = time.perf_counter()
+            future = checkpointer.save_async(f"{tmp}/step2", module, {"step": 2})
+            result["async_blocked"] = time.perf_counter() - start
+            future.result()
+            result["async_total"] = time.perf_counter() - start
+        gc.collect()
+        result["held_between_saves"] = (rss_bytes() - base) / 1e9
+        with sampler.window(result, "peak_load", base):
+            start = time.perf_counter()
+            checkpointer.load(f"{tmp}/step2", module)
+            result["load"] = time.perf_counter() - start
+        result["checkpoint_gb"] = (
+            sum(f.stat().st_size for f in Path(tmp, "step2").rglob("*") if f.is_file()) / 1e9
+        )
+    sampler.stop()
+    return result
+
+
+def run_round(src: str, quick: bool, options: dict[str, Any]) -> dict[str, float]:
+    """One round in a fresh process importing olmolike from ``src``."""
+    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "2"}
+    command = [sys.executable, __file__, "--one-round", json.dumps(options)]
+    command += ["--quick"] if quick else []
+    out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+    return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small model, as a smoke check")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per side")
+    parser.add_argument("--baseline", help="the src folder of another olmolike to compare with")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="also this olmolike with Checkpointer options, e.g. "
+        "keep='{\"keep_staging_buffers\": true}'",
+    )
+    parser.add_argument("--one-round", metavar="OPTIONS", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one_round is not None:
+        print(json.dumps(one_round(args.quick, json.loads(args.one_round))))
+        return
+    here = str(Path(__file__).resolve().parents[1])
+    sides: dict[str, tuple[str, dict[str, Any]]] = {}
+    if args.baseline:
+        sides["baseline"] = (args.baseline, {})
+    sides["this"] = (here, {})
+    for variant in args.variant:
+        name, _, options = variant.partition("=")
+        sides[name] = (here, json.loads(options))
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
+    for _ in range(1 if args.quick else args.rounds):
+        for name, (src, options) in sides.items():
+            runs[name].append(run_round(src, args.quick, options))
+    first = runs["this"][0]
+    print(
+        f"Checkpointer, {first['params_m']:.1f} M parameters + AdamW, "
+        f"{first['checkpoint_gb']:.2f} GB per checkpoint; min / median / max of "
+        f"{len(runs['this'])} rounds"
+    )
+    print(f"{'measure':<36}" + "".join(f"{name:>24}" for name in sides))
+    for key, (label, unit) in MEASURES.items():
+        cells = "".join(f"{spread([r[key] for r in runs[name]]):>24}" for name in sides)
+        print(f"{label + f' ({unit})':<36}{cells}")
+
+
+if __name__ == "__main__":
+    main()
