@@ -363,7 +363,7 @@ def report(ranks: int, rounds: list[dict[str, dict[str, float]]]) -> None:
         ]
         cells.append(_spread(ratios, "{:.2f}") if len(ratios) == len(rounds) else "-")
         table.add_row(label, *cells)
-    Console().print(table)
+    Console(width=max(Console().width, 120)).print(table)  # the rows unwrapped, even in a pipe
 
 
 def main() -> None:
