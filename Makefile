@@ -97,6 +97,7 @@ bench: install
 	$(PY) src/benchmarks/gpu_throughput.py
 	$(PY) src/benchmarks/generation.py
 	$(PY) src/benchmarks/cli_startup.py
+	$(PY) src/benchmarks/vs_olmo_core.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

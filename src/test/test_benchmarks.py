@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -35,3 +36,47 @@ def test_benchmark_smoke(script: str, expected: str, tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert expected in result.stdout
+
+
+def _run_vs_olmo_core(tmp_path: Path, *prelude: str) -> subprocess.CompletedProcess[str]:
+    """vs_olmo_core.py --quick, after ``prelude`` (Python statements) has run."""
+    script = BENCHMARKS / "vs_olmo_core.py"
+    code = [
+        "import runpy, sys",
+        *prelude,
+        f"sys.argv = [{str(script)!r}, '--quick']",
+        f"runpy.run_path({str(script)!r}, run_name='__main__')",
+    ]
+    return subprocess.run(
+        [sys.executable, "-c", "\n".join(code)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=tmp_path,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    importlib.util.find_spec("olmo_core") is None,
+    reason="ai2-olmo-core is not installed (pip install -e '.[bench]')",
+)
+def test_vs_olmo_core_smoke(tmp_path: Path) -> None:
+    result = _run_vs_olmo_core(tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for title in ("Checkpoints, 1 rank:", "Checkpoints, 2 ranks (FSDP2, gloo):"):
+        assert title in result.stdout
+    assert result.stdout.count("async save: until complete") == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_vs_olmo_core_says_how_to_install_it(tmp_path: Path) -> None:
+    # None in sys.modules: `import olmo_core` fails, find_spec finds nothing.
+    result = _run_vs_olmo_core(tmp_path, "sys.modules['olmo_core'] = None")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines() == [
+        "ai2-olmo-core is not installed: `pip install -e '.[bench]'` (or `pip install "
+        "ai2-olmo-core==3.0.0`) to compare checkpoints against OLMo-core"
+    ]
