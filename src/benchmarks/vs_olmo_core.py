@@ -350,11 +350,11 @@ def report(ranks: int, rounds: list[dict[str, dict[str, float]]]) -> None:
     for column in ("measure", "olmolike", "OLMo-core", "olmolike / OLMo-core"):
         table.add_column(column, justify="left" if column == "measure" else "right", no_wrap=True)
     for key, label, unit in ROWS:
-        scale, fmt = (1.0, "{:.2f}") if unit == "s" else (1e-9, "{:.2f}")
+        scale = 1.0 if unit == "s" else 1e-9
         cells = []
         for framework in FRAMEWORKS:
             values = [r[framework][key] * scale for r in rounds]
-            cells.append(_spread(values, fmt) + f" {unit}")
+            cells.append(_spread(values, "{:.2f}") + f" {unit}")
         # A ratio to almost nothing (< 50 MB) would be noise: shown as "-".
         ratios = [
             r["olmolike"][key] / r["olmo_core"][key]
@@ -377,11 +377,16 @@ def main() -> None:
     parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rounds < 1 or min(args.ranks) < 1:
+        parser.error("--rounds and --ranks take numbers >= 1")
     if args.worker:
         worker(args.worker, args.size, args.ranks[0], args.out)
         return
     if importlib.util.find_spec("olmo_core") is None:
         print(INSTALL_HINT)
+        return
+    if not Path("/proc/self/clear_refs").exists():
+        print("vs_olmo_core.py measures peak memory through /proc (Linux only): nothing to do")
         return
     size, rounds = ("small", 1) if args.quick else (args.size, args.rounds)
     for ranks in args.ranks:
