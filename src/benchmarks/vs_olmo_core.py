@@ -4,7 +4,8 @@ Both frameworks' ``Checkpointer`` save and load the same state: a causal transfo
 (``TinyCausalLM``, 64 M parameters at ``--size 64M``) with its AdamW state after one step,
 773 MB per checkpoint. Each framework is driven the way its trainer drives it: olmolike's
 ``Checkpointer`` with a ``BasicTrainModule`` (and the async staging buffers that its
-``CheckpointerCallback`` prepares after the first step); OLMo-core's ``Checkpointer`` with a
+``CheckpointerCallback`` prepares in the background the step before each async save, freed
+once that save is complete); OLMo-core's ``Checkpointer`` with a
 train module giving the state dicts that its ``TransformerTrainModule`` gives (flattened
 optimizer state, ``cpu_offload``). On several ranks each gets a checkpoint process group of its
 own, as both trainers create one.
@@ -158,8 +159,8 @@ class Olmolike:
         )
 
     def prepare(self) -> None:
-        # CheckpointerCallback(save_async=True) has the staging buffers allocated after the
-        # first step, in the background; by the first save they exist.
+        # CheckpointerCallback(save_async=True) has the staging buffers of each async save
+        # allocated in the background during the step before it; by the save they exist.
         prepare = getattr(self.checkpointer, "prepare_async_staging", None)
         if prepare is not None:
             prepare(self.module)
@@ -246,6 +247,7 @@ def _timed(action: Callable[[], Any]) -> tuple[float, Any]:
 
 def _save_async(side: Olmolike | OlmoCore, dir: str) -> tuple[float, float]:
     """Seconds the caller is blocked, and seconds until the checkpoint is complete."""
+    side.prepare()  # what the trainer's checkpointer callback does the step before
     start = time.perf_counter()
     wait = side.save_async(dir)
     blocked = time.perf_counter() - start
@@ -258,7 +260,6 @@ def measure(framework: str, size: str, folder: Path) -> dict[str, float]:
     model, optim = build_state(size, sharded)
     side = (Olmolike if framework == "olmolike" else OlmoCore)(model, optim, folder / "work")
     figures: dict[str, float] = {"base_rss": rss()}
-    side.prepare()
     dirs = [str(folder / f"step{n}") for n in range(1, 5)]
     # The first save of each kind plans it (and caches the plan): a one-off, reported apart.
     figures["first_sync_block"], _ = _timed(lambda: side.save(dirs[0]))
