@@ -13,8 +13,12 @@ The commit protocol never lets a reader see a partial checkpoint:
   report success, rank 0 writes the marker into it and renames it into place (atomic);
 * object stores (no atomic rename): rank 0 first deletes whatever the target prefix holds
   (its marker first, then every object, e.g. shards of a larger world size), then every rank
-  writes into a staging folder of its own under ``work_dir`` and uploads the files it wrote;
-  once all ranks report success, rank 0 uploads the marker last.
+  writes into a staging folder of its own under ``work_dir`` and uploads the files it wrote,
+  each shard as soon as it is written; once all ranks report success, rank 0 uploads the
+  marker last.
+
+Saving is :mod:`.checkpoint_save`, loading :mod:`.checkpoint_load`; the checkpointer holds
+what lasts across saves (threads, staging buffers, the lease).
 
 Removing a checkpoint deletes its marker first; :meth:`Checkpointer.purge_checkpoint` deletes
 the rest in the background (:mod:`.checkpoint_purge`). A save that fails raises
