@@ -93,6 +93,7 @@ test: lint typecheck pytest
 bench: install
 	$(PY) src/benchmarks/trainer_overhead.py
 	$(PY) src/benchmarks/checkpoint_stall.py
+	$(PY) src/benchmarks/checkpoint_io.py
 	$(PY) src/benchmarks/data_loader.py
 	$(PY) src/benchmarks/gpu_throughput.py
 	$(PY) src/benchmarks/generation.py

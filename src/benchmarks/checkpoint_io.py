@@ -1,17 +1,19 @@
 """Checkpoint speed and memory of the trainer's ``Checkpointer``, round after round.
 
-A 64 M-parameter ``TinyCausalLM`` (d_model 512, 12 layers, vocabulary 32000) with AdamW state
-(about 0.77 GB per checkpoint) is saved and loaded by ``olmolike.train.Checkpointer``, as the
-trainer does it (``prepare_async_staging`` once after the first step, as the checkpointer
-callback calls it). Each round runs in a fresh process and measures:
+A 64 M-parameter ``TinyCausalLM`` (d_model 512, 10 layers, vocabulary 32000) with AdamW state
+(0.77 GB per checkpoint) is saved and loaded by ``olmolike.train.Checkpointer`` as the trainer
+does it (``prepare_async_staging`` before the async save, as the checkpointer callback calls
+it a step ahead), into a folder on the current directory's disk. Each round runs in a fresh
+process and measures:
 
 * sync save: how long ``Checkpointer.save`` blocks;
 * async save: how long ``save_async`` blocks (the copy to CPU memory), and until its future
   completes;
 * load: ``Checkpointer.load`` of the checkpoint just written (warm page cache);
 * memory held between saves: resident memory once the async save is complete, over the
-  resident memory before the first save (staging buffers that stay for the whole run);
-* peak extra memory during each save and load: a thread samples ``VmRSS`` every 2 ms.
+  resident memory before the first save (e.g. staging buffers kept for the whole run);
+* peak extra memory during each save and load, over the same base: a thread samples
+  ``VmRSS`` every 2 ms.
 
 ``--baseline SRC`` alternates rounds between another copy of olmolike (the ``src`` folder of
 an older checkout, e.g. ``git archive HEAD~3 src | tar -x -C /tmp/old``) and this one, and
@@ -19,6 +21,27 @@ prints min / median / max of both (the machine may be shared: read the spread, n
 
     .venv/bin/python src/benchmarks/checkpoint_io.py [--rounds 3] [--baseline /tmp/old/src]
     .venv/bin/python src/benchmarks/checkpoint_io.py --quick     # small model, smoke check
+
+Measured on a shared 2-core CPU box (local disk), 5 rounds each, alternating: before (commit
+017b376: one writing thread, sequential reads, staging buffers kept all run) against this
+version with defaults (2 threads on that box) and with ``keep_staging_buffers=True``;
+min / median / max, seconds or GB:
+
+=================================  ==================  ==================  ==================
+measure                            before              after               after, kept
+=================================  ==================  ==================  ==================
+sync save: loop blocked            1.23 / 2.05 / 3.01  0.59 / 0.96 / 3.05  0.79 / 2.23 / 2.49
+async save: loop blocked           0.12 / 0.15 / 0.20  0.13 / 0.16 / 0.30  0.14 / 0.18 / 0.26
+async save: until complete         1.23 / 2.29 / 3.47  1.10 / 1.82 / 3.12  1.29 / 2.46 / 2.83
+load (warm page cache)             0.68 / 0.87 / 1.13  0.53 / 0.82 / 1.24  0.64 / 0.74 / 0.87
+memory held between saves          0.78 / 0.78 / 0.78  0.00 / 0.00 / 0.00  0.78 / 0.78 / 0.78
+peak extra memory, sync save       0.00 / 0.00 / 0.00  0.00 / 0.00 / 0.00  0.00 / 0.00 / 0.00
+peak extra memory, async save      0.78 / 0.78 / 0.78  0.78 / 0.78 / 0.78  0.78 / 0.78 / 0.78
+peak extra memory, load            0.91 / 0.91 / 0.92  0.26 / 0.26 / 0.27  1.03 / 1.03 / 1.04
+=================================  ==================  ==================  ==================
+
+An earlier 3-round run while the box was busier (load average ~15): sync save 2.25-3.29 s
+before, 0.83-2.04 s after; load 1.16-1.87 s before, 0.72-0.83 s after.
 
 It always exits 0: it measures, it does not test.
 """
@@ -111,12 +134,12 @@ def one_round(quick: bool, checkpointer_options: dict[str, Any]) -> dict[str, fl
         )
         gc.collect()
         base = rss_bytes()
-        checkpointer.prepare_async_staging(module)  # as the callback does after step 1
-        checkpointer.wait_for_pending_save()
         with sampler.window(result, "peak_sync_save", base):
             start = time.perf_counter()
             checkpointer.save(f"{tmp}/step1", module, {"step": 1})
             result["sync_blocked"] = time.perf_counter() - start
+        checkpointer.prepare_async_staging(module)  # as the callback does before a save
+        checkpointer.wait_for_pending_save()
         with sampler.window(result, "peak_async_save", base):
             start = time.perf_counter()
             future = checkpointer.save_async(f"{tmp}/step2", module, {"step": 2})

@@ -66,7 +66,7 @@ class StallProbe(Callback):
         self.step_times[step] = time.perf_counter() - self._last
         if self._future is not None and self._future.done() and not self.async_total:
             self.async_total = time.perf_counter() - self._async_start
-        if step == 1:  # what CheckpointerCallback(save_async=True) does after the first step
+        if step == ASYNC_STEP - 1:  # what CheckpointerCallback(save_async=True) does
             self.trainer.checkpointer.prepare_async_staging(self.trainer.train_module)
         if step == SYNC_STEP:
             start = time.perf_counter()

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.staging import DefaultStager
 
 import olmolike.io
 from olmolike.distributed import checkpoint_storage
-from olmolike.distributed.checkpoint import load_state_dict
+from olmolike.distributed.checkpoint import load_state_dict, save_state_dict
 from olmolike.distributed.checkpoint_storage import MAX_DEFAULT_THREADS, default_thread_count
 from olmolike.testing import TinyCausalLM
 from olmolike.train import BasicTrainModule, Duration
@@ -209,9 +209,14 @@ def test_the_callback_prepares_the_buffers_a_step_before_each_async_save(
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("via", ["checkpointer", "save_state_dict"])
 @pytest.mark.parametrize("bucket", ["gcs_bucket", "s3_bucket"])
 def test_a_shard_is_uploaded_while_the_others_are_still_written(
-    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bucket: str
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    bucket: str,
+    via: str,
 ) -> None:
     """DCP writes its ``.metadata`` after every shard; it waits here until a shard upload has
     begun, which happens only if uploads start before the write is over."""
@@ -234,14 +239,21 @@ def test_a_shard_is_uploaded_while_the_others_are_still_written(
     monkeypatch.setattr(olmolike.io, "persist", recording_persist)
     monkeypatch.setattr(FileSystemWriter, "finish", finish_after_an_upload_began)
     saved = module()
-    checkpointer = Checkpointer(work_dir=tmp_path / "work", save_thread_count=2)
-    checkpointer.save(store.url("run", "step1"), saved, {"step": 1})
-    assert waited == [True]
-    shards = ["model_and_optim/__0_0.distcp", "model_and_optim/__0_1.distcp"]
-    assert sorted(uploaded[:2]) == shards
-    assert store.objects("run", "step1") == sorted(
-        [MARKER, "model_and_optim/.metadata", *shards, "train/rank0.pt"]
-    )
     loaded = module(seed=1)
-    checkpointer.load(store.url("run", "step1"), loaded)
+    if via == "checkpointer":
+        checkpointer = Checkpointer(work_dir=tmp_path / "work", save_thread_count=2)
+        checkpointer.save(store.url("run", "step1"), saved, {"step": 1})
+        shards = ["model_and_optim/__0_0.distcp", "model_and_optim/__0_1.distcp"]
+        expected = [MARKER, "model_and_optim/.metadata", *shards, "train/rank0.pt"]
+        checkpointer.load(store.url("run", "step1"), loaded)
+    else:
+        save_state_dict(store.url("run", "step1"), saved.state_dict_to_save(), thread_count=2)
+        shards = ["__0_0.distcp", "__0_1.distcp"]
+        expected = [".metadata", *shards]
+        state = loaded.state_dict_to_load()
+        load_state_dict(store.url("run", "step1"), state)
+        loaded.load_state_dict(state)
+    assert waited == [True]
+    assert sorted(uploaded[:2]) == shards
+    assert store.objects("run", "step1") == sorted(expected)
     assert_same(saved, loaded)

@@ -44,8 +44,8 @@ from ..exceptions import CheckpointError, ConfigurationError
 from .checkpoint_download import local_copy
 from .checkpoint_format import dcp_dir_of, read_metadata
 from .checkpoint_reader import load_keys
-from .checkpoint_storage import dcp_reader, dcp_writer
-from .save_target import after_async_save, save_target
+from .checkpoint_storage import dcp_reader, dcp_writer, default_thread_count
+from .save_target import ShardWritten, after_async_save, save_target
 from .state_dict_keys import merge_state_dicts, prune_state_dict, swap_param_keys
 from .unshard import UnshardStrategy, UnshardStrategyType, unshard_checkpoint
 from .utils import is_distributed
@@ -159,10 +159,14 @@ def save_state_dict(
     :func:`~.checkpoint_storage.default_thread_count`. ``on_shard_written(path)`` is called
     on a writing thread as each local shard file is complete (e.g. to upload it at once).
     """
-    with save_target(dir, process_group, save_overwrite, throttle_uploads) as local:
+    threads = thread_count or default_thread_count()
+    target = save_target(
+        dir, process_group, save_overwrite, throttle_uploads, threads, on_shard_written
+    )
+    with target as (local, shard_written):
         dcp.save(
             state_dict,
-            storage_writer=dcp_writer(local, thread_count, on_shard_written),
+            storage_writer=dcp_writer(local, threads, shard_written),
             process_group=process_group,
             no_dist=not is_distributed(),
         )
@@ -188,10 +192,12 @@ def async_save_state_dict(
     too. ``thread_count`` and ``on_shard_written`` as in :func:`save_state_dict`.
     """
 
-    def start(local: Path) -> Future[Any]:
+    threads = thread_count or default_thread_count()
+
+    def start(local: Path, shard_written: ShardWritten | None) -> Future[Any]:
         future = dcp.async_save(
             state_dict,
-            storage_writer=dcp_writer(local, thread_count, on_shard_written),
+            storage_writer=dcp_writer(local, threads, shard_written),
             process_group=process_group,
             async_stager=stager,
             no_dist=not is_distributed(),
@@ -199,7 +205,9 @@ def async_save_state_dict(
         assert isinstance(future, Future)
         return future
 
-    return after_async_save(dir, process_group, save_overwrite, throttle_uploads, start)
+    return after_async_save(
+        dir, process_group, save_overwrite, throttle_uploads, threads, start, on_shard_written
+    )
 
 
 @contextlib.contextmanager

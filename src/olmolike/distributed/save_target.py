@@ -2,9 +2,11 @@
 are then uploaded to an object store (``gs://``, ``s3://``, ...).
 
 DCP's writer renames files, which object stores cannot do; so a save to a URL writes every
-rank's files into a temporary local directory first, then each rank uploads what it wrote,
-DCP's ``.metadata`` last (a reader takes a folder with ``.metadata`` for complete). With
-``throttle_uploads`` the ranks upload one after another, for stores that limit request rates.
+rank's files into a temporary local directory first, and each rank uploads what it wrote: a
+shard as soon as DCP has written it (on several threads, while DCP writes the others), DCP's
+``.metadata`` once every rank's shards are uploaded (a reader takes a folder with
+``.metadata`` for complete). With ``throttle_uploads`` the ranks upload one after another once
+everything is written, for stores that limit request rates.
 Every step that can fail on one rank ends in an agreement of all ranks, so a failure raises on
 every rank instead of leaving the others waiting in a collective.
 """
@@ -28,7 +30,45 @@ from ..threads import DaemonThreadPool
 from .checkpoint_format import DCP_METADATA
 from .utils import all_agree, barrier, get_rank, get_world_size, is_distributed
 
-__all__ = ["after_async_save", "prepare_local_dir", "save_target"]
+__all__ = ["ShardWritten", "after_async_save", "prepare_local_dir", "save_target"]
+
+ShardWritten = Callable[[Path], None]
+"""Called by DCP's writer (see :func:`.checkpoint_storage.dcp_writer`) with each finished shard."""
+
+
+class _EarlyUploads:
+    """A rank's shards uploaded to ``url`` as DCP finishes each (unless throttled)."""
+
+    def __init__(self, staging: Path, url: str, throttle: bool, threads: int) -> None:
+        self.staging, self.url = staging, url
+        self._pool = None if throttle else DaemonThreadPool(threads, "checkpoint-upload")
+        self._started: dict[Path, Future[str]] = {}
+
+    def hook(self, also: ShardWritten | None) -> ShardWritten | None:
+        """What DCP's writer should call: start the upload (and call ``also``)."""
+        pool = self._pool
+        if pool is None:
+            return also
+
+        def written(path: Path) -> None:
+            name = path.relative_to(self.staging)
+            self._started[name] = pool.submit(
+                io.persist, self.staging, self.url, name, overwrite=True
+            )
+            if also is not None:
+                also(path)
+
+        return written
+
+    def finish(self) -> set[Path]:
+        """Wait for every started upload (raising the first error); the names uploaded."""
+        errors = [future.exception() for future in self._started.values()]
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        for error in errors:
+            if error is not None:
+                raise error
+        return set(self._started)
 
 
 def prepare_local_dir(
@@ -83,17 +123,28 @@ def _prepare_remote_dir(url: str, group: dist.ProcessGroup | None, save_overwrit
 
 @contextlib.contextmanager
 def save_target(
-    dir: str | Path, group: dist.ProcessGroup | None, save_overwrite: bool, throttle: bool
-) -> Iterator[Path]:
-    """The local directory a synchronous save writes into; uploaded after it if ``dir`` is a
-    URL (only when the save succeeded)."""
+    dir: str | Path,
+    group: dist.ProcessGroup | None,
+    save_overwrite: bool,
+    throttle: bool,
+    threads: int,
+    on_shard_written: ShardWritten | None = None,
+) -> Iterator[tuple[Path, ShardWritten | None]]:
+    """The local directory a synchronous save writes into, and what its writer calls with
+    each finished shard (``on_shard_written``, and for a URL the start of its upload on one
+    of ``threads`` threads). For a URL the rest is uploaded after the save, if it succeeded."""
     if not io.is_url(dir):
-        yield prepare_local_dir(dir, group, save_overwrite)
+        yield prepare_local_dir(dir, group, save_overwrite), on_shard_written
         return
     _prepare_remote_dir(str(dir), group, save_overwrite)
     with tempfile.TemporaryDirectory(prefix="olmolike-save-") as staging:
-        yield Path(staging)
-        _upload(Path(staging), str(dir), group, throttle)
+        early = _EarlyUploads(Path(staging), str(dir), throttle, threads)
+        try:
+            yield Path(staging), early.hook(on_shard_written)
+        except BaseException:
+            _wait_quietly(early)  # no upload outlives the save
+            raise
+        _upload(Path(staging), str(dir), group, throttle, early)
 
 
 def after_async_save(
@@ -101,24 +152,33 @@ def after_async_save(
     group: dist.ProcessGroup | None,
     save_overwrite: bool,
     throttle: bool,
-    start: Callable[[Path], Future[Any]],
+    threads: int,
+    start: Callable[[Path, ShardWritten | None], Future[Any]],
+    on_shard_written: ShardWritten | None = None,
 ) -> Future[Any]:
-    """Run ``start(local_dir)`` (an async DCP save) into the right local directory; for a URL,
-    the returned future completes once the files are uploaded too."""
+    """Run ``start(local_dir, shard_written)`` (an async DCP save) into the right local
+    directory, as :func:`save_target`; for a URL, the returned future completes once the files
+    are uploaded too."""
     if not io.is_url(dir):
-        return start(prepare_local_dir(dir, group, save_overwrite))
+        return start(prepare_local_dir(dir, group, save_overwrite), on_shard_written)
     _prepare_remote_dir(str(dir), group, save_overwrite)
     staging = Path(tempfile.mkdtemp(prefix="olmolike-save-"))
+    early = _EarlyUploads(staging, str(dir), throttle, threads)
     try:
-        written = start(staging)
+        written = start(staging, early.hook(on_shard_written))
     except BaseException:
+        _wait_quietly(early)
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
     def upload() -> None:
         try:
-            written.result()
-            _upload(staging, str(dir), group, throttle)
+            try:
+                written.result()
+            except BaseException:
+                _wait_quietly(early)
+                raise
+            _upload(staging, str(dir), group, throttle, early)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
@@ -128,11 +188,25 @@ def after_async_save(
     return future
 
 
-def _upload(staging: Path, url: str, group: dist.ProcessGroup | None, throttle: bool) -> None:
-    """Every rank uploads the files it wrote, then rank 0 DCP's ``.metadata``."""
+def _wait_quietly(early: _EarlyUploads) -> None:
+    with contextlib.suppress(Exception):
+        early.finish()
+
+
+def _upload(
+    staging: Path, url: str, group: dist.ProcessGroup | None, throttle: bool, early: _EarlyUploads
+) -> None:
+    """Every rank finishes uploading the files it wrote, then rank 0 uploads DCP's
+    ``.metadata``."""
+
     files = sorted(p.relative_to(staging) for p in staging.rglob("*") if p.is_file())
-    shards = [f for f in files if f.name != DCP_METADATA]
-    _agreeing(lambda: _upload_files(staging, url, shards, group, throttle), group, url)
+
+    def upload_shards() -> None:
+        done = early.finish()
+        shards = [f for f in files if f.name != DCP_METADATA and f not in done]
+        _upload_files(staging, url, shards, group, throttle)
+
+    _agreeing(upload_shards, group, url)
     metadata = [f for f in files if f.name == DCP_METADATA]
     _agreeing(lambda: _upload_files(staging, url, metadata, None, False), group, url)
 
