@@ -41,6 +41,7 @@ from testutils import build_trainer
 from olmolike import io
 from olmolike.train import Callback, Duration, prepare_training_environment
 from olmolike.train import checkpoint as ckpt
+from olmolike.train.checkpoint_save import CheckpointSave
 from olmolike.train.callbacks import CheckpointerCallback
 
 kill_point, mode, save, out = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
@@ -71,7 +72,7 @@ else:
         future.add_done_callback(lambda _: die_at("shards_written", dir))
         return future
     ckpt.async_save_state_dict = async_then_die
-wrap(ckpt.Checkpointer, "_commit", "state_written", before=True)
+wrap(CheckpointSave, "_commit", "state_written", before=True)
 original_write = io.write_file
 def write_then_die(dir, name, contents, **kwargs):
     path = original_write(dir, name, contents, **kwargs)
@@ -79,7 +80,7 @@ def write_then_die(dir, name, contents, **kwargs):
         die_at("marker_written", dir)
     return path
 io.write_file = write_then_die
-wrap(ckpt.Checkpointer, "_finish", "committed")
+wrap(CheckpointSave, "finish", "committed")
 
 class Losses(Callback):
     def log_metrics(self, step, metrics):
