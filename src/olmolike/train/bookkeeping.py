@@ -117,7 +117,8 @@ class BookkeepingRunner:
         distributed: bool = True,
         **kwargs: Any,
     ) -> Future[T]:
-        """Run ``op(*args, **kwargs)``; ``cb(result)`` later runs on the training thread."""
+        """Run ``op(*args, **kwargs)``; ``cb(result)`` later runs on the training thread (see
+        the class docstring for the step), and an exception in ``op`` is raised there."""
         name = op_name or str(getattr(op, "__name__", "bookkeeping op"))
         timeout = self.soft_timeout if soft_timeout is None else soft_timeout
         group = self.group if distributed else _NO_GROUP

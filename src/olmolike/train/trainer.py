@@ -268,15 +268,9 @@ class Trainer:
         distributed: bool = True,
         **kwargs: Any,
     ) -> Future[T]:
-        """Run a bookkeeping op, in the background when bookkeeping is asynchronous.
-
-        A distributed op must be submitted by every rank at the same point, so they all run
-        the same collectives in the same order; ``cb(result)`` then runs on the training thread
-        at the end of the step after the one it was submitted in (the same step on every rank,
-        waiting for the op if needed), so it may change which collectives run. A
-        non-distributed op's ``cb`` runs once it is done, at a step that may differ between
-        ranks. An exception in ``op`` is re-raised where ``cb`` would run.
-        """
+        """Run a bookkeeping op, in the background when bookkeeping is asynchronous; when
+        ``cb(result)`` runs (a step every rank agrees on, for a distributed op) is the
+        :class:`~olmolike.train.bookkeeping.BookkeepingRunner`'s rule."""
         return self._bookkeeping.submit(
             op,
             *args,
