@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from discarding_sinks import DiscardingAimSink, DiscardingWandBSink
 from rich.console import Console
 from rich.table import Table
 
@@ -477,6 +478,8 @@ def print_setup(
     )
     if WITH_LIBRARY_CALLBACKS:
         console.print(f"With the library callbacks: {', '.join(library_callbacks())}")
+    if WandBCallback.sink_class is DiscardingWandBSink:
+        console.print("W&B and Aim sinks discard what they receive (--discard-tracker-metrics)")
     for size in sizes:
         console.print(
             f"{size.name}: TinyCausalLM d_model={size.d_model} n_layers={size.n_layers} "
@@ -506,6 +509,12 @@ def parse_args() -> argparse.Namespace:
         default="",
         help="comma-separated callbacks to leave out of --with-callbacks, e.g. 'wandb,aim'",
     )
+    parser.add_argument(
+        "--discard-tracker-metrics",
+        action="store_true",
+        help="run the W&B and Aim callbacks with sinks that discard what they receive: "
+        "olmolike's cost for a tracker without the tracker SDK's own work",
+    )
     parser.add_argument("--steps", type=int, help="timed steps per run, for every size")
     parser.add_argument("--rounds", type=int, help="alternating rounds per size (default 15)")
     parser.add_argument(
@@ -530,6 +539,9 @@ def main() -> None:
     args = parse_args()
     WITH_LIBRARY_CALLBACKS = args.with_callbacks
     SKIPPED_CALLBACKS.update(name for name in args.skip.split(",") if name)
+    if args.discard_tracker_metrics:
+        WandBCallback.sink_class = DiscardingWandBSink  # type: ignore[assignment]
+        AimCallback.sink_class = DiscardingAimSink  # type: ignore[assignment]
     os.environ.setdefault("WANDB_SILENT", "true")
     prepare_training_environment(backend=None)
     logging.getLogger("olmolike").setLevel(logging.WARNING)

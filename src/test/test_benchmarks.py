@@ -80,3 +80,43 @@ def test_vs_olmo_core_says_how_to_install_it(tmp_path: Path) -> None:
         "ai2-olmo-core is not installed: `pip install -e '.[bench]'` (or `pip install "
         "ai2-olmo-core==3.0.0`) to compare checkpoints against OLMo-core"
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    importlib.util.find_spec("wandb") is None or importlib.util.find_spec("aim") is None,
+    reason="needs wandb and aim (pip install -e '.[dev]')",
+)
+def test_trainer_overhead_runs_the_tracker_callbacks_with_discarding_sinks(tmp_path: Path) -> None:
+    """--discard-tracker-metrics separates olmolike's cost for a tracker from the SDK's: the
+    W&B and Aim callbacks still start their sink processes, which answer as the real ones."""
+    flags = ["--quick", "--with-callbacks", "--discard-tracker-metrics"]
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "trainer_overhead.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=patient(280),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "wandb, aim" in result.stdout  # the callbacks ran
+    assert "W&B and Aim sinks discard what they receive" in result.stdout
+    assert "ratio" in result.stdout
+
+
+def test_discarding_sinks_answer_like_the_real_ones() -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from discarding_sinks import DiscardingAimSink, DiscardingWandBSink
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    from olmolike.train.callbacks.aim import AimSink
+    from olmolike.train.callbacks.wandb import WandBSink
+
+    for real, discarding in ((WandBSink, DiscardingWandBSink), (AimSink, DiscardingAimSink)):
+        public = {name for name in vars(real) if not name.startswith("_")}
+        assert public <= set(vars(discarding)), f"{discarding.__name__} lacks a method"
+    info = DiscardingWandBSink({"dir": "/x"}).info()
+    assert set(info) == {"id", "dir", "entity", "project"}
+    assert DiscardingAimSink({}, None, None, None).start() == ("discarded", False)
