@@ -27,15 +27,19 @@ BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
     ],
 )
 def test_benchmark_smoke(script: str, expected: str, tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--quick"],
+    result = _run_benchmark(script, "--quick", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert expected in result.stdout
+
+
+def _run_benchmark(script: str, *flags: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *flags],
         capture_output=True,
         text=True,
         timeout=patient(280),
-        cwd=tmp_path,
+        cwd=cwd,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert expected in result.stdout
 
 
 def _run_vs_olmo_core(tmp_path: Path, *prelude: str) -> subprocess.CompletedProcess[str]:
@@ -92,13 +96,7 @@ def test_trainer_overhead_runs_the_tracker_callbacks_with_discarding_sinks(tmp_p
     """--discard-tracker-metrics separates olmolike's cost for a tracker from the SDK's: the
     W&B and Aim callbacks still start their sink processes, which answer as the real ones."""
     flags = ["--quick", "--with-callbacks", "--discard-tracker-metrics"]
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "trainer_overhead.py"), *flags],
-        capture_output=True,
-        text=True,
-        timeout=patient(280),
-        cwd=tmp_path,
-    )
+    result = _run_benchmark("trainer_overhead.py", *flags, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "wandb, aim" in result.stdout  # the callbacks ran
     assert "W&B and Aim sinks discard what they receive" in result.stdout
