@@ -68,9 +68,8 @@ def prepared_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     sources.mkdir()
     for path in stdlib_python_files()[:40]:
         (sources / f"{path.parent.name}_{path.name}").write_bytes(path.read_bytes()[:20_000])
-    result = olmolike(
-        "prepare-data", str(sources), "-o", str(root / "data"), "--val-fraction", "0.2", cwd=root
-    )
+    # Relative paths: the validation split hashes each source's name as given (not a tmp path).
+    result = olmolike("prepare-data", "sources", "-o", "data", "--val-fraction", "0.2", cwd=root)
     assert result.returncode == 0, result.stderr[-2000:]
     return root / "data"
 

@@ -265,7 +265,9 @@ def test_train_lm_starts_from_an_hf_folder(tmp_path: Path) -> None:
         (sources / path.name).write_bytes(path.read_bytes()[:20_000])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cli = [sys.executable, "-m", "olmolike.cli"]
-    prepare = [*cli, "prepare-data", str(sources), "-o", "data", "--val-fraction", "0.3"]
+    # Relative paths: the split hashes each source's name as given, so an absolute tmp path
+    # would make the validation split (and its emptiness) differ from run to run.
+    prepare = [*cli, "prepare-data", "sources", "-o", "data", "--val-fraction", "0.3"]
     subprocess.run(
         prepare, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=patient(120)
     )
