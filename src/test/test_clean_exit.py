@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from testutils import free_port, patient
 
 RUNS = int(os.environ.get("OLMOLIKE_CLEAN_EXIT_RUNS", "10"))
@@ -78,3 +79,70 @@ def test_a_finished_run_exits_0_on_every_rank_every_time(tmp_path: Path) -> None
         if result.returncode != 0 or not all(done):
             failures.append(f"attempt {attempt}: exit {result.returncode}\n{result.stderr[-2000:]}")
     assert not failures, f"{len(failures)} of {RUNS} runs failed:\n" + "\n".join(failures)
+
+
+IN_FLIGHT_SCRIPT = """
+import torch, torch.distributed as dist
+from olmolike.distributed.quiesce import gloo_worker_threads
+from olmolike.distributed.utils import new_group
+from olmolike.train import prepare_training_environment, teardown_training_environment
+
+prepare_training_environment()
+group = new_group("still referenced at exit")  # as a trainer or a DDP model keeps theirs
+# Tensors that Python lets go of while gloo's workers still hold them: the worker that drops
+# the last one frees its Python object, which needs the interpreter.
+works = [dist.all_reduce(torch.ones(100_000), group=group, async_op=True) for _ in range(40)]
+del works
+print(f"gloo workers: {len(gloo_worker_threads())}", flush=True)
+teardown_training_environment()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_run_whose_collectives_are_still_finishing_at_its_end_exits_0(tmp_path: Path) -> None:
+    """teardown_training_environment leaves no collective running and no gloo worker still
+    releasing one when the interpreter exits. Before its barrier on every group, 8 of 24
+    ranks aborted with SIGABRT here (beside 3 busy loops): a worker that drops an op's
+    tensors during the exit needs the GIL, and CPython ends the thread from inside a C++
+    destructor."""
+    script = tmp_path / "in_flight.py"
+    script.write_text(IN_FLIGHT_SCRIPT)
+    failures = []
+    for attempt in range(12):
+        port = free_port()
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env=_rank_env(rank, port),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(2)
+        ]
+        for rank, proc in enumerate(ranks):
+            try:
+                out, err = proc.communicate(timeout=patient(120))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            # The wait finds gloo's workers by name: a rename in torch would make it a no-op.
+            assert "gloo workers: 0" not in out, "no gloo worker threads found by name"
+            if proc.returncode != 0:
+                failures.append(f"attempt {attempt} rank {rank}: exit {proc.returncode}\n{err}")
+    assert not failures, "\n".join(failures)
+
+
+def _rank_env(rank: int, port: int) -> dict[str, str]:
+    """What a launcher gives rank ``rank`` of 2 on one machine."""
+    return {
+        **os.environ,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }

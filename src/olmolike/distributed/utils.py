@@ -22,6 +22,7 @@ __all__ = [
     "all_agree",
     "backend_supports_cpu",
     "barrier",
+    "barrier_every_group",
     "broadcast_object",
     "get_local_rank",
     "get_local_world_size",
@@ -105,6 +106,8 @@ def init_distributed(backend: str, timeout: datetime.timedelta) -> None:
 _run_timeout: datetime.timedelta | None = None
 """The timeout given to :func:`init_distributed`; every group made by :func:`new_group` gets it."""
 _groups: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
+_made: list[weakref.ref[dist.ProcessGroup]] = []
+"""Every group :func:`new_group` made, in the order it made them (the same on every rank)."""
 
 
 def new_group(purpose: str, *, shorten_timeout: bool = True) -> dist.ProcessGroup | None:
@@ -123,6 +126,7 @@ def new_group(purpose: str, *, shorten_timeout: bool = True) -> dist.ProcessGrou
     if _run_timeout is not None:
         kwargs["timeout"] = _run_timeout
     group = dist.new_group(backend="gloo" if backend_supports_cpu() else None, **kwargs)
+    _made.append(weakref.ref(group))
     if shorten_timeout:
         _groups.add(group)
     return group
@@ -199,6 +203,18 @@ def using_group(group: dist.ProcessGroup | None, purpose: str = "") -> Iterator[
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     if is_distributed():
         dist.barrier(group)
+
+
+def barrier_every_group() -> None:
+    """A barrier on the default group, then on each live group that :func:`new_group` made, in
+    the order it made them. A barrier waits for the ops queued on its group before it: after
+    this, no collective that this process started is still running."""
+    if not is_distributed():
+        return
+    dist.barrier()
+    for made in _made:
+        if (group := made()) is not None:
+            dist.barrier(group)
 
 
 def all_agree(ok: bool, group: dist.ProcessGroup | None = None) -> bool:

@@ -8,6 +8,7 @@ Call :func:`prepare_training_environment` at the top of the training script, bui
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 
 import torch.distributed as dist
@@ -18,8 +19,9 @@ from ..distributed.failure import (
     start_failure_monitor,
     stop_failure_monitor,
 )
+from ..distributed.quiesce import wait_for_idle_gloo_workers
 from ..distributed.utils import (
-    barrier,
+    barrier_every_group,
     get_rank,
     init_distributed,
     is_distributed,
@@ -107,11 +109,18 @@ def prepare_training_environment(
 def teardown_training_environment() -> None:
     """End of the training script: tear down all process groups, in a fixed order.
 
-    A barrier (every rank is done with its collectives), then the rank-failure monitor's
-    thread is stopped and joined (a peer exiting is no longer a failure), then every process
-    group is shut down and destroyed. Nothing that uses a group is left running at exit.
+    A barrier on every group (no collective of this rank is still running), then the
+    rank-failure monitor's thread is stopped and joined (a peer exiting is no longer a
+    failure), then every process group is shut down and destroyed, and the groups nothing
+    references any more are freed. Last, it waits for the worker threads of groups still
+    referenced (by the trainer, a DDP model, the script) to finish releasing their last ops:
+    one that does so while the interpreter exits aborts the process (see
+    :mod:`olmolike.distributed.quiesce`).
+    Nothing that uses a group is left running at exit.
     """
     if is_distributed():
-        barrier()
+        barrier_every_group()
         stop_failure_monitor()
         dist.destroy_process_group()
+        gc.collect()  # a freed group joins its worker threads now, not during the exit
+        wait_for_idle_gloo_workers()
