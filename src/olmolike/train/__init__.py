@@ -8,7 +8,6 @@ Call :func:`prepare_training_environment` at the top of the training script, bui
 from __future__ import annotations
 
 import datetime
-import gc
 import logging
 
 import torch.distributed as dist
@@ -111,16 +110,15 @@ def teardown_training_environment() -> None:
 
     A barrier on every group (no collective of this rank is still running), then the
     rank-failure monitor's thread is stopped and joined (a peer exiting is no longer a
-    failure), then every process group is shut down and destroyed, and the groups nothing
-    references any more are freed. Last, it waits for the worker threads of groups still
-    referenced (by the trainer, a DDP model, the script) to finish releasing their last ops:
-    one that does so while the interpreter exits aborts the process (see
-    :mod:`olmolike.distributed.quiesce`).
+    failure), then every process group is shut down and destroyed. Last, it waits for the
+    worker threads of groups still referenced (by the trainer, a DDP model, the script) to
+    finish releasing their last ops: one that does so while the interpreter exits aborts the
+    process (see :mod:`olmolike.distributed.quiesce`). Idle, they end with their group
+    without touching the interpreter.
     Nothing that uses a group is left running at exit.
     """
     if is_distributed():
         barrier_every_group()
         stop_failure_monitor()
         dist.destroy_process_group()
-        gc.collect()  # a freed group joins its worker threads now, not during the exit
         wait_for_idle_gloo_workers()
