@@ -99,6 +99,7 @@ def init_distributed(backend: str, timeout: datetime.timedelta) -> None:
         torch.cuda.set_device(get_local_rank())
     dist.init_process_group(backend=resolved, timeout=timeout)
     _run_timeout = timeout
+    _made.clear()  # those of an earlier process group, destroyed with it
 
 
 # -- process groups: timeouts and one thread at a time ----------------------------------------
@@ -106,8 +107,10 @@ def init_distributed(backend: str, timeout: datetime.timedelta) -> None:
 _run_timeout: datetime.timedelta | None = None
 """The timeout given to :func:`init_distributed`; every group made by :func:`new_group` gets it."""
 _groups: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
-_made: list[weakref.ref[dist.ProcessGroup]] = []
-"""Every group :func:`new_group` made, in the order it made them (the same on every rank)."""
+_made: list[dist.ProcessGroup] = []
+"""Every group :func:`new_group` made, in the order it made them, until the end of the run.
+Held, not weakly referenced: which groups a rank has freed may differ between ranks (garbage
+collection runs at different times), and the barriers at the end must be the same on all."""
 
 
 def new_group(purpose: str, *, shorten_timeout: bool = True) -> dist.ProcessGroup | None:
@@ -126,7 +129,7 @@ def new_group(purpose: str, *, shorten_timeout: bool = True) -> dist.ProcessGrou
     if _run_timeout is not None:
         kwargs["timeout"] = _run_timeout
     group = dist.new_group(backend="gloo" if backend_supports_cpu() else None, **kwargs)
-    _made.append(weakref.ref(group))
+    _made.append(group)
     if shorten_timeout:
         _groups.add(group)
     return group
@@ -206,15 +209,15 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
 
 
 def barrier_every_group() -> None:
-    """A barrier on the default group, then on each live group that :func:`new_group` made, in
-    the order it made them. A barrier waits for the ops queued on its group before it: after
-    this, no collective that this process started is still running."""
+    """A barrier on the default group, then on each group that :func:`new_group` made, in the
+    order it made them; then it lets go of them. A barrier waits for the ops queued on its
+    group before it: after this, no collective that this process started is still running."""
     if not is_distributed():
         return
     dist.barrier()
-    for made in _made:
-        if (group := made()) is not None:
-            dist.barrier(group)
+    for group in _made:
+        dist.barrier(group)
+    _made.clear()
 
 
 def all_agree(ok: bool, group: dist.ProcessGroup | None = None) -> bool:
