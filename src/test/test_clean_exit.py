@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from testutils import free_port, patient
+from testutils import free_port, launcher_env, patient
 
 RUNS = int(os.environ.get("OLMOLIKE_CLEAN_EXIT_RUNS", "10"))
 """How many times the finished run is repeated (set it to 100 for a soak run)."""
@@ -114,7 +114,7 @@ def test_a_run_whose_collectives_are_still_finishing_at_its_end_exits_0(tmp_path
         ranks = [
             subprocess.Popen(
                 [sys.executable, str(script)],
-                env=_rank_env(rank, port),
+                env={**os.environ, **launcher_env(rank, 2, port), "OMP_NUM_THREADS": "1"},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -132,17 +132,3 @@ def test_a_run_whose_collectives_are_still_finishing_at_its_end_exits_0(tmp_path
             if proc.returncode != 0:
                 failures.append(f"attempt {attempt} rank {rank}: exit {proc.returncode}\n{err}")
     assert not failures, "\n".join(failures)
-
-
-def _rank_env(rank: int, port: int) -> dict[str, str]:
-    """What a launcher gives rank ``rank`` of 2 on one machine."""
-    return {
-        **os.environ,
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": "2",
-        "LOCAL_WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "OMP_NUM_THREADS": "1",
-    }

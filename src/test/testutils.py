@@ -31,6 +31,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def launcher_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables a launcher such as torchrun gives rank ``rank`` on one machine."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
 @dataclass
 class RankOutcome:
     rank: int
@@ -48,15 +60,7 @@ def _worker(
     env: dict[str, str],
     results: Any,
 ) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        **env,
-    )
+    os.environ.update(launcher_env(rank, world_size, port), **env)
     torch.set_num_threads(1)
     from olmolike.train import prepare_training_environment, teardown_training_environment
 

@@ -7,7 +7,6 @@ import datetime
 import logging
 import os
 import threading
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,11 +105,11 @@ def init_distributed(backend: str, timeout: datetime.timedelta) -> None:
 
 _run_timeout: datetime.timedelta | None = None
 """The timeout given to :func:`init_distributed`; every group made by :func:`new_group` gets it."""
-_groups: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
-_made: list[dist.ProcessGroup] = []
-"""Every group :func:`new_group` made, in the order it made them, until the end of the run.
-Held, not weakly referenced: which groups a rank has freed may differ between ranks (garbage
-collection runs at different times), and the barriers at the end must be the same on all."""
+_made: list[tuple[dist.ProcessGroup, bool]] = []
+"""Every group :func:`new_group` made, in the order it made them, with whether its timeout is
+shortened, until the end of the run. Held, not weakly referenced: which groups a rank has
+freed may differ between ranks (garbage collection runs at different times), and the
+barriers at the end must be the same on all."""
 
 
 def new_group(purpose: str, *, shorten_timeout: bool = True) -> dist.ProcessGroup | None:
@@ -129,9 +128,7 @@ def new_group(purpose: str, *, shorten_timeout: bool = True) -> dist.ProcessGrou
     if _run_timeout is not None:
         kwargs["timeout"] = _run_timeout
     group = dist.new_group(backend="gloo" if backend_supports_cpu() else None, **kwargs)
-    _made.append(group)
-    if shorten_timeout:
-        _groups.add(group)
+    _made.append((group, shorten_timeout))
     return group
 
 
@@ -144,7 +141,7 @@ def set_group_timeouts(timeout: datetime.timedelta) -> None:
     """
     if not is_distributed():
         return
-    for group in [dist.group.WORLD, *_groups]:
+    for group in [dist.group.WORLD, *(g for g, shorten in _made if shorten)]:
         if group is not None:
             dist.distributed_c10d._set_pg_timeout(timeout, group)
 
@@ -215,7 +212,7 @@ def barrier_every_group() -> None:
     if not is_distributed():
         return
     dist.barrier()
-    for group in _made:
+    for group, _ in _made:
         dist.barrier(group)
     _made.clear()
 
