@@ -12,8 +12,8 @@ process and measures:
 * load: ``Checkpointer.load`` of the checkpoint just written (warm page cache);
 * memory held between saves: resident memory once the async save is complete, over the
   resident memory before the first save (e.g. staging buffers kept for the whole run);
-* peak extra memory during each save and load, over the same base: a thread samples
-  ``VmRSS`` every 2 ms.
+* peak extra memory during each save and load, over the same base: the kernel's high-water
+  mark (``VmHWM``), reset before each one (see ``memory.py``, shared with ``vs_olmo_core.py``).
 
 ``--baseline SRC`` alternates rounds between another copy of olmolike (the ``src`` folder of
 an older checkout, e.g. ``git archive HEAD~3 src | tar -x -C /tmp/old``) and this one, and
@@ -49,19 +49,17 @@ It always exits 0: it measures, it does not test.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from memory import CLEAR_REFS, GB, peak_above, rss
 
 MEASURES = {
     "sync_blocked": ("sync save: loop blocked", "s"),
@@ -73,39 +71,6 @@ MEASURES = {
     "peak_async_save": ("peak extra memory, async save", "GB"),
     "peak_load": ("peak extra memory, load", "GB"),
 }
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class PeakRss:
-    """Samples resident memory on a thread; :meth:`window` gives the peak over a baseline."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, rss_bytes())
-
-    @contextmanager
-    def window(self, result: dict[str, float], name: str, base: int) -> Iterator[None]:
-        self.peak = rss_bytes()
-        yield
-        self.peak = max(self.peak, rss_bytes())
-        result[name] = (self.peak - base) / 1e9
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def one_round(quick: bool, checkpointer_options: dict[str, Any]) -> dict[str, float]:
@@ -127,35 +92,31 @@ def one_round(quick: bool, checkpointer_options: dict[str, Any]) -> dict[str, fl
     optim.step()
     module = BasicTrainModule(model, optim, rank_microbatch_size=128)
     result: dict[str, float] = {"params_m": sum(p.numel() for p in model.parameters()) / 1e6}
-    sampler = PeakRss()
     with tempfile.TemporaryDirectory(prefix="checkpoint-io-", dir=Path.cwd()) as tmp:
         checkpointer = Checkpointer(
             work_dir=Path(tmp) / "work", save_overwrite=True, **checkpointer_options
         )
-        gc.collect()
-        base = rss_bytes()
-        with sampler.window(result, "peak_sync_save", base):
+        base = rss()
+        with peak_above(base, result, "peak_sync_save", unit=GB):
             start = time.perf_counter()
             checkpointer.save(f"{tmp}/step1", module, {"step": 1})
             result["sync_blocked"] = time.perf_counter() - start
         checkpointer.prepare_async_staging(module)  # as the callback does before a save
         checkpointer.wait_for_pending_save()
-        with sampler.window(result, "peak_async_save", base):
+        with peak_above(base, result, "peak_async_save", unit=GB):
             start = time.perf_counter()
             future = checkpointer.save_async(f"{tmp}/step2", module, {"step": 2})
             result["async_blocked"] = time.perf_counter() - start
             future.result()
             result["async_total"] = time.perf_counter() - start
-        gc.collect()
-        result["held_between_saves"] = (rss_bytes() - base) / 1e9
-        with sampler.window(result, "peak_load", base):
+        result["held_between_saves"] = (rss() - base) / GB
+        with peak_above(base, result, "peak_load", unit=GB):
             start = time.perf_counter()
             checkpointer.load(f"{tmp}/step2", module)
             result["load"] = time.perf_counter() - start
         result["checkpoint_gb"] = (
             sum(f.stat().st_size for f in Path(tmp, "step2").rglob("*") if f.is_file()) / 1e9
         )
-    sampler.stop()
     return result
 
 
@@ -187,6 +148,9 @@ def main() -> None:
     )
     parser.add_argument("--one-round", metavar="OPTIONS", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not CLEAR_REFS.exists():
+        print("checkpoint_io.py measures memory through /proc (Linux only): nothing to do")
+        return
     if args.one_round is not None:
         print(json.dumps(one_round(args.quick, json.loads(args.one_round))))
         return

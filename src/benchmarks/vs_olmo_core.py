@@ -39,13 +39,9 @@ unless a measurement fails.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import gc
 import importlib.util
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -59,6 +55,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from memory import CLEAR_REFS, peak_above, rss
 from torch.distributed.checkpoint import state_dict as dcp_sd
 
 FRAMEWORKS = ("olmolike", "olmo_core")
@@ -90,28 +87,6 @@ TIMES = {key for key, _, unit in ROWS if unit == "s"}
 
 
 # -- memory ----------------------------------------------------------------------------------
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
-    assert match is not None, f"/proc/self/status has no {field}"
-    return int(match.group(1)) * 1024
-
-
-def rss() -> int:
-    """Resident memory now, after returning freed memory to the system (not allocator
-    caches, which would count memory nobody holds)."""
-    gc.collect()
-    # Not glibc: no malloc_trim, and the figure includes malloc's free lists.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    return _status("VmRSS")
-
-
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
 
 
 # -- the state both frameworks save ----------------------------------------------------------
@@ -263,21 +238,18 @@ def measure(framework: str, size: str, folder: Path) -> dict[str, float]:
     dirs = [str(folder / f"step{n}") for n in range(1, 5)]
     # The first save of each kind plans it (and caches the plan): a one-off, reported apart.
     figures["first_sync_block"], _ = _timed(lambda: side.save(dirs[0]))
-    reset_peak()
-    figures["sync_block"], _ = _timed(lambda: side.save(dirs[1]))
-    figures["peak_sync"] = _status("VmHWM") - figures["base_rss"]
+    with peak_above(figures["base_rss"], figures, "peak_sync"):
+        figures["sync_block"], _ = _timed(lambda: side.save(dirs[1]))
 
     figures["first_async_block"], _ = _save_async(side, dirs[2])
-    reset_peak()
-    figures["async_block"], figures["async_total"] = _save_async(side, dirs[3])
-    figures["peak_async"] = _status("VmHWM") - figures["base_rss"]
+    with peak_above(figures["base_rss"], figures, "peak_async"):
+        figures["async_block"], figures["async_total"] = _save_async(side, dirs[3])
     if sharded:
         dist.barrier()  # every rank's async save is done before anyone measures or loads
     figures["held"] = rss() - figures["base_rss"]
 
-    reset_peak()
-    figures["load"], _ = _timed(lambda: side.load(dirs[1]))
-    figures["peak_load"] = _status("VmHWM") - figures["base_rss"]
+    with peak_above(figures["base_rss"], figures, "peak_load"):
+        figures["load"], _ = _timed(lambda: side.load(dirs[1]))
     figures["checkpoint_bytes"] = sum(
         p.stat().st_size for p in Path(dirs[1]).rglob("*") if p.is_file()
     )
@@ -386,7 +358,7 @@ def main() -> None:
     if importlib.util.find_spec("olmo_core") is None:
         print(INSTALL_HINT)
         return
-    if not Path("/proc/self/clear_refs").exists():
+    if not CLEAR_REFS.exists():
         print("vs_olmo_core.py measures peak memory through /proc (Linux only): nothing to do")
         return
     size, rounds = ("small", 1) if args.quick else (args.size, args.rounds)

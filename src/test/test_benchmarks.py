@@ -20,6 +20,7 @@ BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
     [
         ("trainer_overhead.py", "ratio"),
         ("checkpoint_stall.py", "async blocking / sync blocking"),
+        ("checkpoint_io.py", "peak extra memory, load (GB)"),
         ("gpu_throughput.py", "tokens/s per device"),
         ("data_loader.py", "load / step"),
         ("generation.py", "cached >= 5x recompute"),
@@ -47,6 +48,7 @@ def _run_vs_olmo_core(tmp_path: Path, *prelude: str) -> subprocess.CompletedProc
     script = BENCHMARKS / "vs_olmo_core.py"
     code = [
         "import runpy, sys",
+        f"sys.path.insert(0, {str(BENCHMARKS)!r})",  # as `python vs_olmo_core.py` does
         *prelude,
         f"sys.argv = [{str(script)!r}, '--quick']",
         f"runpy.run_path({str(script)!r}, run_name='__main__')",
