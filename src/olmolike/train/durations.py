@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..exceptions import ConfigurationError
 from .common import Duration, DurationUnit, TrainingProgress
@@ -73,16 +72,25 @@ def duration_to_tokens(duration: Duration, progress: Progress) -> int | None:
     return duration.value * progress.steps_per_epoch * progress.global_batch_size
 
 
-def stop_step(
-    max_duration: Duration, hard_stop: Duration | None, progress: Callable[[], Progress]
-) -> int:
+def progress_of(trainer: Trainer) -> Progress:
+    """Where ``trainer`` stands now."""
+    return Progress(
+        trainer.global_step,
+        trainer.global_train_tokens_seen,
+        trainer.global_batch_size,
+        trainer.steps_per_epoch,
+    )
+
+
+def stop_step(trainer: Trainer) -> int:
     """The step training stops at: the earlier of ``max_duration`` and ``hard_stop``.
 
-    The trainer asks at every step, so ``progress`` is only built when a duration needs it.
+    The trainer asks at every step, so its progress is only read when a duration needs it.
     """
+    max_duration, hard_stop = trainer.max_duration, trainer.hard_stop
     if hard_stop is None and max_duration.unit == DurationUnit.steps:
         return max_duration.value
-    now = progress()
+    now = progress_of(trainer)
     stop = duration_to_steps(max_duration, now, what="max_duration")
     if hard_stop is not None:
         stop = min(stop, duration_to_steps(hard_stop, now, what="hard_stop"))
@@ -95,7 +103,7 @@ def nothing_to_train(trainer: Trainer) -> bool:
     Typically the save folder holds a finished run and the trainer resumed it, or ``hard_stop``
     is below the loaded step. Returns whether it warned.
     """
-    step, stop = trainer.global_step, trainer._stop_step()
+    step, stop = trainer.global_step, stop_step(trainer)
     if step < stop:
         return False
     hard_stop = trainer.hard_stop
@@ -115,18 +123,21 @@ def nothing_to_train(trainer: Trainer) -> bool:
     return True
 
 
-def training_progress(
-    step: int, tokens: int, total: int | None, callbacks: Iterable[Any]
-) -> TrainingProgress:
-    """Where the run stands, with speed figures from the speed monitor among ``callbacks``."""
-    speed = next((cb for cb in callbacks if hasattr(cb, "bps_avg")), None)
+def training_progress(trainer: Trainer) -> TrainingProgress:
+    """Where the run stands, with speed figures from the trainer's speed monitor if it has one."""
+    step = trainer.global_step
+    try:
+        total: int | None = max(stop_step(trainer), step)
+    except ConfigurationError:
+        total = None
+    speed = next((cb for cb in trainer.callbacks.values() if hasattr(cb, "bps_avg")), None)
     bps = getattr(speed, "bps_avg", None)
     remaining = None
     if bps and total is not None and total > step:
         remaining = timedelta(minutes=1 + int((total - step) / bps // 60))
     return TrainingProgress(
         current_step=step,
-        current_tokens=tokens,
+        current_tokens=trainer.global_train_tokens_seen,
         total_steps=total,
         time_remaining=remaining,
         bps=bps,

@@ -194,18 +194,9 @@ class Trainer:
         steps = self.steps_per_epoch
         return None if steps is None else steps * self.global_batch_size
 
-    @property
-    def _progress(self) -> durations.Progress:
-        return durations.Progress(
-            self.global_step,
-            self.global_train_tokens_seen,
-            self.global_batch_size,
-            self.steps_per_epoch,
-        )
-
     def convert_duration_to_steps(self, duration: Duration) -> int:
         """The global step at which ``duration`` is reached."""
-        return durations.duration_to_steps(duration, self._progress)
+        return durations.duration_to_steps(duration, durations.progress_of(self))
 
     @property
     def max_steps(self) -> int | None:
@@ -217,24 +208,16 @@ class Trainer:
 
     @property
     def max_tokens(self) -> int | None:
-        return durations.duration_to_tokens(self.max_duration, self._progress)
-
-    def _stop_step(self) -> int:
-        return durations.stop_step(self.max_duration, self.hard_stop, lambda: self._progress)
+        return durations.duration_to_tokens(self.max_duration, durations.progress_of(self))
 
     @property
     def training_complete(self) -> bool:
-        return self._cancel.canceled or self.global_step >= self._stop_step()
+        return self._cancel.canceled or self.global_step >= durations.stop_step(self)
 
     @property
     def training_progress(self) -> TrainingProgress:
         """Where the run stands, with speed figures from the speed monitor if there is one."""
-        try:
-            total: int | None = max(self._stop_step(), self.global_step)
-        except ConfigurationError:
-            total = None
-        step, tokens = self.global_step, self.global_train_tokens_seen
-        return durations.training_progress(step, tokens, total, self.callbacks.values())
+        return durations.training_progress(self)
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -445,7 +428,7 @@ class Trainer:
         """Train until ``max_duration`` or ``hard_stop`` is reached or the run is canceled."""
         with self._cancel.signals_cancel(), self._running():
             self._load_on_start()
-            self._stop_step()  # an unknown step count is a clear error now, not mid-run
+            durations.stop_step(self)  # an unknown step count is a clear error now, not mid-run
             self._fit()
         exit_if_signaled(self._cancel.reason, self.global_step, self.save_folder)
 
@@ -491,7 +474,7 @@ class Trainer:
         log.info(
             "Training from step %d to step %d (%s tokens per step, %d rank(s))",
             self.global_step,
-            self._stop_step(),
+            durations.stop_step(self),
             f"{self.global_batch_size:,d}",
             get_world_size(),
         )
