@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
+from testutils import patient
 
+from olmolike.distributed.parallel import DataParallelConfig, DataParallelType
+from olmolike.exceptions import ConfigurationError
 from olmolike.train import prepare_training_environment, teardown_training_environment
 from olmolike.utils import LogFilterType, _RankFilter, get_rng_state, set_rng_state
 
@@ -72,3 +78,60 @@ def test_rng_state_loads_with_weights_only(tmp_path: object) -> None:
     set_rng_state(torch.load(buffer, weights_only=True))
     again = (random.random(), float(np.random.rand()), torch.rand(2))
     assert expected[:2] == again[:2] and torch.equal(expected[2], again[2])
+
+
+# A single-process FSDP run started without a launcher (`python train.py`): its mesh needs a
+# one-rank group, which the build starts itself. In a subprocess: the group lives for the run.
+_SINGLE_PROCESS_FSDP = """
+import tempfile, torch
+from olmolike.data import TokenTensorDataLoader
+from olmolike.distributed.parallel import DataParallelConfig, DataParallelType
+from olmolike.distributed.utils import is_distributed
+from olmolike.nn import TransformerConfig
+from olmolike.optim import AdamWConfig
+from olmolike.train import (
+    Duration, TrainerConfig, prepare_training_environment, teardown_training_environment,
+)
+from olmolike.train.train_module import TransformerTrainModuleConfig
+
+prepare_training_environment(seed=0)
+assert not is_distributed()
+model = TransformerConfig.from_preset("tiny", 64, max_sequence_length=16).build(init_device="meta")
+module = TransformerTrainModuleConfig(
+    rank_microbatch_size=64, optim=AdamWConfig(lr=1e-3),
+    dp_config=DataParallelConfig(name=DataParallelType.fsdp),
+).build(model)
+data = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(0))
+trainer = TrainerConfig(
+    save_folder=tempfile.mkdtemp(), max_duration=Duration.steps(2), no_checkpoints=True
+).build(module, TokenTensorDataLoader(data, global_batch_size=128))
+trainer.fit()
+assert torch.distributed.get_world_size() == 1
+teardown_training_environment()
+assert not is_distributed()
+print("FSDP-OK")
+"""
+
+
+def test_fsdp_in_a_single_process_without_a_launcher_starts_its_own_group() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    result = subprocess.run(
+        [sys.executable, "-c", _SINGLE_PROCESS_FSDP],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=patient(120),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "FSDP-OK" in result.stdout
+
+
+def test_under_a_launcher_fsdp_without_prepare_training_environment_is_one_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigurationError, match="call prepare_training_environment"):
+        DataParallelConfig(name=DataParallelType.fsdp).build_mesh("cpu")
+    assert not torch.distributed.is_initialized()

@@ -14,7 +14,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import Config, DType, StrEnum
 from ..exceptions import ConfigurationError
-from .utils import get_local_world_size, get_world_size, is_distributed
+from .utils import (
+    get_local_world_size,
+    get_world_size,
+    init_single_process_group,
+    is_distributed,
+)
 
 __all__ = ["DataParallelConfig", "DataParallelType", "apply_ddp", "apply_fsdp"]
 
@@ -65,6 +70,7 @@ class DataParallelConfig(Config):
         """The device mesh for FSDP (1-D) or HSDP (2-D: replicate x shard) over all ranks."""
         if self.name == DataParallelType.ddp:
             raise ConfigurationError("DDP needs no device mesh", path="name")
+        init_single_process_group()  # a mesh needs a group; a no-op under a launcher
         world = get_world_size()
         if self.name == DataParallelType.fsdp:
             return init_device_mesh(device_type, (world,), mesh_dim_names=("dp_shard",))

@@ -101,6 +101,38 @@ def init_distributed(backend: str, timeout: datetime.timedelta) -> None:
     _made.clear()  # those of an earlier process group, destroyed with it
 
 
+def init_single_process_group(
+    backend: str = "cpu:gloo,cuda:nccl",
+    timeout: datetime.timedelta = datetime.timedelta(minutes=15),
+) -> None:
+    """A default group of one rank for a process that no launcher started.
+
+    FSDP2 shards over a device mesh, and a mesh needs a process group even on one device. This
+    one rendezvouses through an in-memory store (no port, no environment variables), so a
+    single-process FSDP run works as it does under ``torchrun --nproc-per-node=1``;
+    ``teardown_training_environment()`` destroys it like any other. Under a launcher the group
+    must come from :func:`init_distributed` (``prepare_training_environment()``), which knows the
+    other ranks.
+    """
+    global _run_timeout
+    if is_distributed():
+        return
+    if launched_distributed():
+        raise ConfigurationError(
+            "this process was started by a launcher (RANK and WORLD_SIZE are set) but no process "
+            "group exists yet; call prepare_training_environment() before building the model"
+        )
+    resolved = _resolve_backend(backend)
+    if torch.cuda.is_available() and "nccl" in resolved:
+        torch.cuda.set_device(0)
+    dist.init_process_group(
+        backend=resolved, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+    )
+    _run_timeout = timeout
+    _made.clear()
+    log.info("Started a one-rank process group (backend %s) for FSDP in a single process", resolved)
+
+
 # -- process groups: timeouts and one thread at a time ----------------------------------------
 
 _run_timeout: datetime.timedelta | None = None

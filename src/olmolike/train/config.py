@@ -52,7 +52,11 @@ class TrainerConfig(Config):
     load_trainer_state: bool | None = None
     checkpointer: CheckpointerConfig = field(default_factory=CheckpointerConfig)
     device: str | None = None
-    """Defaults to this rank's GPU if there is one, else the CPU."""
+    """Where batches go. Defaults to where the train module's model lives (its ``device``, or
+    its parameters'), so a model kept on the CPU trains on the CPU on a GPU machine too; a
+    model still on the meta device, or none, means this rank's GPU if there is one, else the
+    CPU. Set explicitly, it must match the model's device: the build refuses a mismatch
+    rather than failing at the first forward pass."""
     save_overwrite: bool = False
     max_duration: Duration = field(default_factory=lambda: Duration.epochs(1))
     cancel_check_interval: int = 25
@@ -99,6 +103,20 @@ class TrainerConfig(Config):
                 torch.device(self.device)
             except RuntimeError:
                 raise self._invalid("device", f"{self.device!r} is not a torch device") from None
+
+    def _device_for(self, train_module: TrainModule) -> torch.device:
+        model_device = _model_device(train_module)
+        if self.device is None:
+            return model_device or get_default_device()
+        device = _normalized(torch.device(self.device))
+        if model_device is not None and device != model_device:
+            raise self._invalid(
+                "device",
+                f"{self.device!r}, but the train module's model is on {model_device}: batches "
+                f"would not reach it. Leave device unset to train where the model is, or put "
+                f"the model on {device} (the train module config's build(model, device=...))",
+            )
+        return device
 
     def add_callback(self, name: str, callback: Callback) -> None:
         """Add another callback; ``name`` must be unique."""
@@ -207,7 +225,7 @@ class TrainerConfig(Config):
             work_dir=work_dir,
             train_module=train_module,
             data_loader=data_loader,
-            device=torch.device(self.device) if self.device else get_default_device(),
+            device=self._device_for(train_module),
             save_folder=self.save_folder,
             checkpointer=self.checkpointer.build(
                 work_dir, save_overwrite=self.save_overwrite, process_group=checkpointer_pg
@@ -295,3 +313,25 @@ class TrainerConfig(Config):
             return local_path(self.save_folder)
         digest = hashlib.sha1(self.save_folder.encode()).hexdigest()[:12]
         return Path(tempfile.gettempdir()) / "olmolike" / digest
+
+
+def _normalized(device: torch.device) -> torch.device:
+    """``cuda`` as ``cuda:N`` (the current device), so two spellings of one device compare equal."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _model_device(train_module: TrainModule) -> torch.device | None:
+    """Where the train module's model lives: its ``device`` attribute, else its first
+    parameter's; ``None`` when it has neither or is still on the meta device."""
+    device = getattr(train_module, "device", None)
+    if isinstance(device, torch.device):
+        return _normalized(device)
+    model = getattr(train_module, "model", None)
+    if isinstance(model, torch.nn.Module):
+        for param in model.parameters():
+            if param.device.type != "meta":
+                return _normalized(param.device)
+            break
+    return None
