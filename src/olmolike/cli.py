@@ -41,7 +41,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "prepare-data": (
         "tokenize text/JSONL files into memory-mappable .npy token shards for training",
-        "olmolike.data.prepare:add_prepare_data_command",
+        "olmolike.cli_prepare:add_prepare_data_command",
     ),
     "plot": (
         "draw loss / learning rate / throughput curves of one or more runs into a PNG",

@@ -23,7 +23,7 @@ PACKAGE_ROOT = Path(olmolike.__file__).parent
 
 LOWER_ROOMS = ("distributed", "nn", "data", "optim", "io", "config", "config_dict", "exceptions")
 """Rooms below the trainer: none of them may import ``olmolike.train`` or anything above it."""
-ABOVE_TRAIN = ("train", "inference", "cli", "plot", "__main__")
+ABOVE_TRAIN = ("train", "inference", "cli", "cli_prepare", "plot", "__main__")
 
 
 def module_name(path: Path) -> str:
@@ -33,11 +33,17 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def imported_modules(path: Path) -> Iterator[tuple[int, str]]:
-    """``(line, module)`` for every olmolike module that ``path`` imports, anywhere in it."""
+def imported_modules(path: Path, *, runtime_only: bool = False) -> Iterator[tuple[int, str]]:
+    """``(line, module)`` for every olmolike module that ``path`` imports, anywhere in it.
+
+    ``runtime_only`` leaves out what only a type checker imports (``if TYPE_CHECKING:``), and
+    reads ``from . import name`` as an import of the submodule ``name`` alone: the package is
+    already being imported whenever one of its modules is.
+    """
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    for node in _walk(tree, skip_type_checking=runtime_only):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -47,12 +53,32 @@ def imported_modules(path: Path) -> Iterator[tuple[int, str]]:
             else:
                 module = node.module or ""
             # ``from .. import io`` imports the module olmolike.io
-            targets = [module, *(f"{module}.{alias.name}" for alias in node.names)]
+            submodules = [f"{module}.{alias.name}" for alias in node.names]
+            if runtime_only and all(_exists(m) for m in submodules):
+                targets = submodules
+            else:
+                targets = [module, *submodules]
         else:
             continue
         for target in targets:
             if target.startswith("olmolike.") and _exists(target):
                 yield node.lineno, target
+
+
+def _walk(tree: ast.AST, *, skip_type_checking: bool) -> Iterator[ast.AST]:
+    """Every node of ``tree``; without the bodies of ``if TYPE_CHECKING:`` when asked."""
+    for node in ast.iter_child_nodes(tree):
+        if (
+            skip_type_checking
+            and isinstance(node, ast.If)
+            and "TYPE_CHECKING" in ast.unparse(node.test)
+        ):
+            for child in node.orelse:  # the ``else:`` branch does run
+                yield child
+                yield from _walk(child, skip_type_checking=True)
+            continue
+        yield node
+        yield from _walk(node, skip_type_checking=skip_type_checking)
 
 
 def _exists(module: str) -> bool:
@@ -103,6 +129,19 @@ def test_no_import_circle_between_rooms() -> None:
                 graph.setdefault(room(source), set()).add(room(target))
     circles = [c for c in _strongly_connected(graph) if len(c) > 1]
     assert not circles, f"rooms importing each other: {circles}"
+
+
+def test_no_runtime_import_circle_between_modules() -> None:
+    # Between modules, not only rooms: two modules that import each other (even inside a
+    # function, as data/prepare.py and data/sft.py once did) cannot be read or moved apart.
+    graph: dict[str, set[str]] = {}
+    for path in SOURCES:
+        source = module_name(path)
+        for _, target in imported_modules(path, runtime_only=True):
+            if target != source:
+                graph.setdefault(source, set()).add(target)
+    circles = [c for c in _strongly_connected(graph) if len(c) > 1]
+    assert not circles, f"modules importing each other at run time: {circles}"
 
 
 def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import olmolike.cli_prepare as cli_prepare
 import olmolike.data.prepare as prepare
 from olmolike.cli import main
 from olmolike.data import TokenizerConfig, prepare_data, stdlib_python_files
@@ -228,7 +229,7 @@ def test_command_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "doc.txt").write_text("from the command line")
-    monkeypatch.setattr(prepare, "stdlib_python_files", lambda: [tmp_path / "doc.txt"])
+    monkeypatch.setattr(cli_prepare, "stdlib_python_files", lambda: [tmp_path / "doc.txt"])
     assert (
         main(["prepare-data", "--stdlib", "-o", str(tmp_path / "out"), "--val-fraction", "0"]) == 0
     )

@@ -19,11 +19,18 @@ import logging
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from ..exceptions import ConfigurationError, DataError
 
-__all__ = ["BYTE_CHAT_TEMPLATE", "SPECIAL_TOKEN_NAMES", "ChatTemplate", "Message"]
+__all__ = [
+    "BYTE_CHAT_TEMPLATE",
+    "SPECIAL_TOKEN_NAMES",
+    "ChatTemplate",
+    "Message",
+    "chat_template_for",
+]
 
 log = logging.getLogger(__name__)
 
@@ -251,3 +258,20 @@ def special_token_strings(data: Mapping[str, Any]) -> dict[str, str]:
         if isinstance(value, str):
             out[name] = value
     return out
+
+
+def chat_template_for(own: ChatTemplate | None, path: str | None) -> ChatTemplate:
+    """The template to prepare chat data with: the Jinja file at ``path`` if given (keeping the
+    tokenizer's special tokens), else the tokenizer's own template ``own``."""
+    if path is not None:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise DataError(f"no chat template file at {path!r}") from None
+        return ChatTemplate(text, own.special_tokens if own is not None else None)
+    if own is None:
+        raise DataError(
+            "the tokenizer has no chat template: put a tokenizer_config.json with a "
+            "'chat_template' beside its tokenizer.json, or pass --chat-template FILE.jinja"
+        )
+    return own

@@ -9,7 +9,6 @@ reads a split for :class:`~olmolike.data.preference.PreferenceDataLoader`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from collections.abc import Sequence
@@ -20,17 +19,19 @@ import numpy as np
 import torch
 
 from ..exceptions import DataError
+from .chat_template import chat_template_for
 from .numpy_dataset import METADATA_FILE
 from .preference import PreferencePair, encode_preference_pairs, parse_preference_record
-from .prepare import (
+from .prepared_io import (
     FORMAT_VERSION,
     SPLITS,
-    _begin_output,
-    _finish_output,
-    _in_validation,
-    _write_atomically,
+    begin_output,
+    finish_output,
+    in_validation,
+    read_jsonl,
+    tokenizer_ids,
+    write_atomically,
 )
-from .sft import _template
 from .sources import resolve_inputs
 from .tokenizer import TokenizerConfig
 
@@ -39,23 +40,6 @@ __all__ = ["DPO_KIND", "load_preference_rows", "prepare_preference_data"]
 log = logging.getLogger(__name__)
 
 DPO_KIND = "dpo"
-
-
-def _read_pairs(path: Path, name: str) -> list[tuple[int, PreferencePair]]:
-    pairs = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{name}, line {number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{where}: not valid JSON ({e}); each line must be one JSON object"
-                ) from None
-            pairs.append((number, parse_preference_record(record, where)))
-    return pairs
 
 
 def prepare_preference_data(
@@ -78,7 +62,11 @@ def prepare_preference_data(
     out = Path(output_dir)
     resolved = (tokenizer or TokenizerConfig()).resolve()
     built = resolved.build()
-    template = built.chat_template if chat_template is None else _template(built, chat_template)
+    template = (
+        built.chat_template
+        if chat_template is None
+        else chat_template_for(built.chat_template, chat_template)
+    )
     sources = resolve_inputs(inputs, exclude=out)
     arguments = {
         "format_version": FORMAT_VERSION,
@@ -90,13 +78,14 @@ def prepare_preference_data(
         "seed": seed,
         "sources": [{"path": s.name, "bytes": s.size} for s in sources],
     }
-    finished = _begin_output(out, arguments, overwrite)
+    finished = begin_output(out, arguments, overwrite)
     if finished is not None:
         return finished
     splits: dict[str, list[PreferencePair]] = {name: [] for name in SPLITS}
     for source in sources:
-        for number, pair in _read_pairs(source.path, source.name):
-            splits[SPLITS[_in_validation(seed, source.name, number, val_fraction)]].append(pair)
+        for number, record in read_jsonl(source.path, name=source.name):
+            pair = parse_preference_record(record, f"{source.name}, line {number}")
+            splits[SPLITS[in_validation(seed, source.name, number, val_fraction)]].append(pair)
     if not splits["train"]:
         raise DataError(f"no preference pair in {', '.join(map(str, inputs))}")
     stats = {}
@@ -109,22 +98,21 @@ def prepare_preference_data(
         )
         array = rows.numpy().astype(np.int32)
         (out / name).mkdir(parents=True, exist_ok=True)
-        _write_atomically(out / name / "pairs.npy", lambda f, a=array: np.save(f, a))
+        write_atomically(out / name / "pairs.npy", lambda f, a=array: np.save(f, a))
         labels = np.concatenate(
             [array[:, sequence_length : width // 2], array[:, 3 * sequence_length :]], 1
         )
         stats[name] = {"pairs": len(pairs), "scored_tokens": int((labels != -100).sum())}
-    ids = ("vocab_size", "eos_token_id", "pad_token_id", "bos_token_id")
     metadata = {
         "format_version": FORMAT_VERSION,
         "kind": DPO_KIND,
         "tokenizer": resolved.identifier,
-        **{name: getattr(resolved, name) for name in ids},
+        **tokenizer_ids(resolved),
         "sequence_length": sequence_length,
         "splits": stats,
         "arguments": arguments,
     }
-    return _finish_output(out, metadata)
+    return finish_output(out, metadata)
 
 
 def load_preference_rows(folder: str | Path, split: str = "train") -> torch.Tensor:
@@ -147,26 +135,3 @@ def load_preference_rows(folder: str | Path, split: str = "train") -> torch.Tens
             "validation split"
         )
     return torch.from_numpy(np.load(folder / split / "pairs.npy"))
-
-
-def run_dpo_command(args: argparse.Namespace, inputs: list[str | Path]) -> int:
-    """``olmolike prepare-data --dpo``."""
-    if args.sequence_length is None:
-        raise DataError("--dpo needs --sequence-length: the length of each side of a pair")
-    metadata = prepare_preference_data(
-        inputs,
-        args.output,
-        sequence_length=args.sequence_length,
-        tokenizer=TokenizerConfig(identifier=args.tokenizer),
-        chat_template=args.chat_template,
-        val_fraction=args.val_fraction,
-        seed=args.seed,
-        overwrite=args.overwrite,
-    )
-    for split, stats in metadata["splits"].items():
-        print(
-            f"{split}: {stats['pairs']:,d} pairs of {metadata['sequence_length']} tokens a side, "
-            f"{stats['scored_tokens']:,d} response tokens scored"
-        )
-    print(f"metadata: {Path(args.output) / METADATA_FILE}")
-    return 0

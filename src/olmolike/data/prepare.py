@@ -18,14 +18,9 @@ refused instead of mixing two datasets, unless ``overwrite`` is set.
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
 import logging
 import multiprocessing
-import os
-import shutil
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +31,17 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..exceptions import DataError
 from .numpy_dataset import METADATA_FILE, NumpyDatasetConfig
+from .prepared_io import (
+    FORMAT_VERSION,
+    SPLITS,
+    WORK_DIR,
+    begin_output,
+    finish_output,
+    in_validation,
+    token_dtype,
+    tokenizer_ids,
+    write_atomically,
+)
 from .sources import Source, read_documents, resolve_inputs, stdlib_python_files
 from .tokenizer import Tokenizer, TokenizerConfig
 
@@ -43,7 +49,6 @@ __all__ = [
     "DEFAULT_SHARD_TOKENS",
     "PreparedData",
     "Source",
-    "add_prepare_data_command",
     "prepare_data",
     "resolve_inputs",
     "stdlib_python_files",
@@ -53,19 +58,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_TOKENS = 1 << 28
 """About 268 M tokens (512 MiB as uint16) per shard: few files, each far longer than a sequence."""
-
-FORMAT_VERSION = 1
-WORK_DIR = ".prepare"
-SPLITS = ("train", "val")
-
-
-def _in_validation(seed: int, source: str, document: int, fraction: float) -> bool:
-    """A document's split, from a hash of what identifies it: stable across runs and workers."""
-    if fraction <= 0.0:
-        return False
-    digest = hashlib.blake2b(f"{seed}\0{source}\0{document}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") < fraction * 2.0**64
-
 
 # -- phase 1: tokenize each source into a part -------------------------------------------------
 
@@ -109,14 +101,14 @@ def _tokenize(job: _PartJob, tokenizer: Tokenizer) -> int:
             ids = tokenizer.encode_to_array(text).astype(dtype, copy=False)
             if not len(ids):
                 continue  # an empty document would only add a lone EOS
-            split = SPLITS[_in_validation(job.seed, source.name, document, job.val_fraction)]
+            split = SPLITS[in_validation(job.seed, source.name, document, job.val_fraction)]
             chunks[split] += [ids, eos]
             lengths[split].append(len(ids) + 1)
     arrays: dict[str, Any] = {}
     for split in SPLITS:
         arrays[split] = np.concatenate(chunks[split]) if chunks[split] else np.empty(0, dtype)
         arrays[f"{split}_lengths"] = np.asarray(lengths[split], dtype=np.int64)
-    _write_atomically(job.part_path, lambda f: np.savez(f, **arrays))
+    write_atomically(job.part_path, lambda f: np.savez(f, **arrays))
     return sum(source.size for source in job.sources)
 
 
@@ -131,18 +123,6 @@ def _init_worker(config: TokenizerConfig) -> None:
 def _tokenize_in_worker(job: _PartJob) -> int:
     assert _worker_tokenizer is not None
     return _tokenize(job, _worker_tokenizer)
-
-
-def _write_atomically(path: Path, fill: Any) -> None:
-    """Fill ``path``'s temporary twin, then rename it: never a half-written file under ``path``."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            fill(f)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _run_jobs(
@@ -211,7 +191,7 @@ def _write_shard(path: Path, dtype: np.dtype, chunks: list[np.ndarray]) -> None:
         for chunk in chunks:
             f.write(np.ascontiguousarray(chunk, dtype=dtype).tobytes())
 
-    _write_atomically(path, fill)
+    write_atomically(path, fill)
 
 
 def _write_split(
@@ -290,57 +270,6 @@ class PreparedData:
         )
 
 
-def _claim_output(out: Path, arguments: dict[str, Any], overwrite: bool) -> dict[str, Any] | None:
-    """Check ``out`` may receive this run; return the finished metadata if it already has it."""
-    recorded = None
-    for path in (out / METADATA_FILE, out / WORK_DIR / "args.json"):
-        if path.is_file():
-            recorded = json.loads(path.read_text()).get("arguments")
-            break
-    if overwrite:
-        for name in (*SPLITS, WORK_DIR, METADATA_FILE):
-            target = out / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
-    elif recorded is not None and recorded != arguments:
-        differing = sorted(k for k in arguments if recorded.get(k) != arguments[k])
-        raise DataError(
-            f"{out} holds data prepared with different {', '.join(differing)}; pass "
-            "--overwrite (overwrite=True from Python) to replace it, or choose another output directory"
-        )
-    elif recorded is None and out.is_dir() and any(out.iterdir()):
-        raise DataError(
-            f"{out} is not empty and holds no prepare-data output; choose an empty directory "
-            "or pass --overwrite (overwrite=True from Python)"
-        )
-    if not overwrite and (out / METADATA_FILE).is_file():
-        return dict(json.loads((out / METADATA_FILE).read_text()))
-    return None
-
-
-def _begin_output(out: Path, arguments: dict[str, Any], overwrite: bool) -> dict[str, Any] | None:
-    """Claim ``out`` for a one-pass preparation (SFT, preference pairs) and record its
-    arguments; the finished metadata instead if ``out`` already holds this data."""
-    finished = _claim_output(out, arguments, overwrite)
-    if finished is not None:
-        log.info("%s already holds this data; nothing to do", out)
-        return finished
-    (out / WORK_DIR).mkdir(parents=True, exist_ok=True)
-    _write_atomically(
-        out / WORK_DIR / "args.json",
-        lambda f: f.write(json.dumps({"arguments": arguments}).encode()),
-    )
-    return None
-
-
-def _finish_output(out: Path, metadata: dict[str, Any]) -> dict[str, Any]:
-    """Write ``metadata`` (the mark of a finished folder) and drop the work folder."""
-    _write_atomically(
-        out / METADATA_FILE, lambda f: f.write(json.dumps(metadata, indent=2).encode())
-    )
-    shutil.rmtree(out / WORK_DIR)
-    return metadata
-
-
 def _clean_temporaries(out: Path) -> None:
     """Remove half-written files that a killed run left under temporary names."""
     for directory in (out, out / WORK_DIR, out / WORK_DIR / "parts", *(out / s for s in SPLITS)):
@@ -374,7 +303,7 @@ def prepare_data(
     out = Path(output_dir)
     resolved = (tokenizer or TokenizerConfig()).resolve()
     assert resolved.vocab_size is not None and resolved.eos_token_id is not None
-    dtype = np.dtype(np.uint16 if resolved.vocab_size <= 1 << 16 else np.uint32)
+    dtype = token_dtype(resolved.vocab_size)
     sources = resolve_inputs(inputs, exclude=out)
     # Everything the output depends on; not ``workers``, which never changes it.
     arguments = {
@@ -387,18 +316,12 @@ def prepare_data(
         "shard_tokens": shard_tokens,
         "sources": [{"path": s.name, "bytes": s.size} for s in sources],
     }
-    finished = _claim_output(out, arguments, overwrite)
+    finished = begin_output(out, arguments, overwrite)
     if finished is not None:
-        log.info("%s already holds this data; nothing to do", out)
-        shutil.rmtree(out / WORK_DIR, ignore_errors=True)  # killed after the metadata landed
         return PreparedData(out, finished)
     parts_dir = out / WORK_DIR / "parts"
     parts_dir.mkdir(parents=True, exist_ok=True)
     _clean_temporaries(out)
-    _write_atomically(
-        out / WORK_DIR / "args.json",
-        lambda f: f.write(json.dumps({"arguments": arguments}).encode()),
-    )
     groups = _group_sources(sources)
     parts = [parts_dir / f"{i:06d}.npz" for i in range(len(groups))]
     jobs = [
@@ -412,115 +335,18 @@ def prepare_data(
     with Progress(*columns, disable=not progress) as bar:
         _run_jobs(jobs, resolved, workers, bar)
         splits = {s: _write_split(out, s, parts, dtype, shard_tokens, bar) for s in SPLITS}
-    metadata = _metadata(resolved, arguments, splits)
-    _write_atomically(
-        out / METADATA_FILE, lambda f: f.write(json.dumps(metadata, indent=2).encode())
-    )
-    shutil.rmtree(out / WORK_DIR)
-    return PreparedData(out, metadata)
+    return PreparedData(out, finish_output(out, _metadata(resolved, arguments, splits)))
 
 
 def _metadata(
     tokenizer: TokenizerConfig, arguments: dict[str, Any], splits: dict[str, Any]
 ) -> dict[str, Any]:
-    ids = ("vocab_size", "eos_token_id", "pad_token_id", "bos_token_id")
     return {
         "format_version": FORMAT_VERSION,
         "tokenizer": tokenizer.identifier,
-        **{name: getattr(tokenizer, name) for name in ids},
+        **tokenizer_ids(tokenizer),
         "dtype": arguments["dtype"],
         "splits": splits,
         "sources": arguments["sources"],
         "arguments": arguments,
     }
-
-
-# -- command line ------------------------------------------------------------------------------
-
-
-def _run_command(args: argparse.Namespace) -> int:
-    inputs: list[str | Path] = list(args.inputs)
-    if args.stdlib:
-        inputs += stdlib_python_files()
-    if not inputs:
-        raise DataError("name INPUT files, folders or globs, or pass --stdlib")
-    if args.sft and args.dpo:
-        raise DataError("pass --sft or --dpo, not both: they prepare different data")
-    if args.sft:
-        from .sft import run_sft_command  # imports this module
-
-        return run_sft_command(args, inputs)
-    if args.dpo:
-        from .preference_prepare import run_dpo_command  # imports this module
-
-        return run_dpo_command(args, inputs)
-    prepared = prepare_data(
-        inputs,
-        args.output,
-        tokenizer=TokenizerConfig(identifier=args.tokenizer),
-        text_field=args.text_field,
-        val_fraction=args.val_fraction,
-        seed=args.seed,
-        workers=args.workers,
-        shard_tokens=args.shard_tokens,
-        overwrite=args.overwrite,
-        progress=True,
-    )
-    for split in SPLITS:
-        print(
-            f"{split}: {prepared.num_tokens(split):,d} tokens in {len(prepared.paths(split))} shard(s)"
-        )
-    print(f"metadata: {prepared.output_dir / METADATA_FILE}")
-    return _say_what_is_empty(prepared, args.val_fraction)
-
-
-def _say_what_is_empty(prepared: PreparedData, val_fraction: float) -> int:
-    """No tokens at all is an error (exit 2); an empty validation split that was asked for is
-    a warning: a run would find out only when its evaluator starts."""
-    if prepared.num_tokens("train") + prepared.num_tokens("val") == 0:
-        sources = len(prepared.metadata.get("sources", []))
-        print(
-            f"error: no tokens were written: the {sources} input file(s) hold no text (empty "
-            "files, or JSONL without the --text-field)",
-            file=sys.stderr,
-        )
-        return 2
-    if val_fraction > 0 and prepared.num_tokens("val") == 0:
-        documents = sum(s["documents"] for s in prepared.metadata["splits"]["train"])
-        print(
-            f"warning: the validation split is empty: --val-fraction {val_fraction:g} of "
-            f"{documents} document(s) held none out; give more documents or a larger "
-            "--val-fraction",
-            file=sys.stderr,
-        )
-    return 0
-
-
-def add_prepare_data_command(commands: argparse._SubParsersAction) -> None:
-    """Register ``olmolike prepare-data`` on the CLI's subcommands."""
-    cmd = commands.add_parser(
-        "prepare-data",
-        help="tokenize text/JSONL files into memory-mappable .npy token shards for training",
-    )
-    cmd.add_argument("inputs", nargs="*", metavar="INPUT", help="files, folders or globs")
-    cmd.add_argument("-o", "--output", required=True, help="the output directory")
-    cmd.add_argument(
-        "--tokenizer", default="byte", help="'byte' or a tokenizer.json file (default: byte)"
-    )
-    cmd.add_argument("--text-field", default="text", help="JSONL field holding the text")
-    cmd.add_argument("--val-fraction", type=float, default=0.0, help="share of documents held out")
-    cmd.add_argument("--seed", type=int, default=0, help="seed of the validation split")
-    cmd.add_argument("--workers", type=int, default=1, help="processes tokenizing files")
-    cmd.add_argument(
-        "--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard"
-    )
-    cmd.add_argument("--overwrite", action="store_true", help="replace different earlier output")
-    cmd.add_argument(
-        "--stdlib",
-        action="store_true",
-        help="also use this Python's standard-library .py files (the embedded default corpus)",
-    )
-    from .sft import add_sft_arguments  # imports this module
-
-    add_sft_arguments(cmd)
-    cmd.set_defaults(run=_run_command)

@@ -22,6 +22,7 @@ from .. import io
 from ..distributed.utils import get_world_size
 from ..exceptions import ConfigurationError, DataError
 from .data_loader import DataLoaderBase
+from .prepared_io import read_jsonl
 
 __all__ = ["PromptDataLoader", "PromptRecord", "PromptSampler", "read_prompt_jsonl"]
 
@@ -46,17 +47,8 @@ def read_prompt_jsonl(path: io.PathOrStr, *, prompt_key: str = "prompt") -> list
     without records.
     """
     records = []
-    text = io.read_bytes(path).decode("utf-8")
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    for number, record in read_jsonl(path):
         where = f"{path}, line {number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(
-                f"{where}: not valid JSON ({e.msg}); write one JSON object per line"
-            ) from None
         if not isinstance(record, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
         prompt = record.pop(prompt_key, None)

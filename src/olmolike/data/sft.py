@@ -21,11 +21,9 @@ on padding). ``metadata.json``, written last, records counts and the padding fra
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import json
 import logging
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,15 +33,17 @@ import numpy as np
 
 from ..config import StrEnum
 from ..exceptions import DataError
-from .chat_template import ChatTemplate, Message
-from .numpy_dataset import METADATA_FILE
-from .prepare import (
+from .chat_template import ChatTemplate, Message, chat_template_for
+from .prepared_io import (
     FORMAT_VERSION,
     SPLITS,
-    _begin_output,
-    _finish_output,
-    _in_validation,
-    _write_atomically,
+    begin_output,
+    finish_output,
+    in_validation,
+    read_jsonl,
+    token_dtype,
+    tokenizer_ids,
+    write_atomically,
 )
 from .sources import Source, resolve_inputs
 from .tokenizer import Tokenizer, TokenizerConfig
@@ -120,30 +120,21 @@ def _check_messages(messages: Any, where: str) -> list[Message]:
 
 def read_examples(source: Source) -> Iterator[tuple[int, list[Message]]]:
     """``(line number, messages)`` of each non-blank line of a JSONL file, checked."""
-    with open(source.path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{source.name}, line {line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{where}: not valid JSON ({e}); each line must be one JSON object"
-                ) from None
-            if isinstance(record, dict) and "messages" in record:
-                messages = record["messages"]
-            elif isinstance(record, dict) and "prompt" in record and "completion" in record:
-                messages = _as_messages(record["prompt"], where, "prompt") + _as_messages(
-                    record["completion"], where, "completion"
-                )
-            else:
-                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise DataError(
-                    f"{where}: an SFT example needs 'messages' or 'prompt' and 'completion' "
-                    f"(found {keys})"
-                )
-            yield line_number, _check_messages(messages, where)
+    for line_number, record in read_jsonl(source.path, name=source.name):
+        where = f"{source.name}, line {line_number}"
+        if isinstance(record, dict) and "messages" in record:
+            messages = record["messages"]
+        elif isinstance(record, dict) and "prompt" in record and "completion" in record:
+            messages = _as_messages(record["prompt"], where, "prompt") + _as_messages(
+                record["completion"], where, "completion"
+            )
+        else:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise DataError(
+                f"{where}: an SFT example needs 'messages' or 'prompt' and 'completion' "
+                f"(found {keys})"
+            )
+        yield line_number, _check_messages(messages, where)
 
 
 def tokenize_example(
@@ -274,9 +265,9 @@ def prepare_sft_data(
     out = Path(output_dir)
     resolved = (tokenizer or TokenizerConfig()).resolve()
     built = resolved.build()
-    template = _template(built, chat_template)
+    template = chat_template_for(built.chat_template, chat_template)
     assert resolved.vocab_size is not None
-    dtype = np.dtype(np.uint16 if resolved.vocab_size <= 1 << 16 else np.uint32)
+    dtype = token_dtype(resolved.vocab_size)
     sources = resolve_inputs(inputs, exclude=out)
     arguments = {
         "format_version": FORMAT_VERSION,
@@ -290,7 +281,7 @@ def prepare_sft_data(
         "seed": seed,
         "sources": [{"path": s.name, "bytes": s.size} for s in sources],
     }
-    finished = _begin_output(out, arguments, overwrite)
+    finished = begin_output(out, arguments, overwrite)
     if finished is not None:
         return finished
     splits = {name: _Split() for name in SPLITS}
@@ -298,7 +289,7 @@ def prepare_sft_data(
         for line_number, messages in read_examples(source):
             where = f"{source.name}, line {line_number}"
             example = tokenize_example(built, template, messages, where)
-            split = splits[SPLITS[_in_validation(seed, source.name, line_number, val_fraction)]]
+            split = splits[SPLITS[in_validation(seed, source.name, line_number, val_fraction)]]
             _fit(example, sequence_length, overlong, split, where)
     if not splits["train"].examples:
         raise DataError(f"no training example in {', '.join(map(str, inputs))}")
@@ -307,103 +298,16 @@ def prepare_sft_data(
         arrays, stats[name] = _layout(split, sequence_length, packing, built.pad_token_id, dtype)
         (out / name).mkdir(parents=True, exist_ok=True)
         for key, array in arrays.items():
-            _write_atomically(out / name / f"{key}.npy", lambda f, a=array: np.save(f, a))
-    ids = ("vocab_size", "eos_token_id", "pad_token_id", "bos_token_id")
+            write_atomically(out / name / f"{key}.npy", lambda f, a=array: np.save(f, a))
     metadata = {
         "format_version": FORMAT_VERSION,
         "kind": SFT_KIND,
         "tokenizer": resolved.identifier,
-        **{name: getattr(resolved, name) for name in ids},
+        **tokenizer_ids(resolved),
         "dtype": dtype.name,
         "sequence_length": sequence_length,
         "packing": packing.value,
         "splits": stats,
         "arguments": arguments,
     }
-    return _finish_output(out, metadata)
-
-
-def _template(tokenizer: Tokenizer, path: str | None) -> ChatTemplate:
-    if path is not None:
-        own = tokenizer.chat_template
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-            return ChatTemplate(text, own.special_tokens if own is not None else None)
-        except FileNotFoundError:
-            raise DataError(f"no chat template file at {path!r}") from None
-    template = tokenizer.chat_template
-    if template is None:
-        raise DataError(
-            "the tokenizer has no chat template: put a tokenizer_config.json with a "
-            "'chat_template' beside its tokenizer.json, or pass --chat-template FILE.jinja"
-        )
-    return template
-
-
-# -- command line ------------------------------------------------------------------------------
-
-
-def run_sft_command(args: argparse.Namespace, inputs: list[str | Path]) -> int:
-    """``olmolike prepare-data --sft``."""
-    if args.sequence_length is None:
-        raise DataError("--sft needs --sequence-length: the length of the training sequences")
-    metadata = prepare_sft_data(
-        inputs,
-        args.output,
-        sequence_length=args.sequence_length,
-        tokenizer=TokenizerConfig(identifier=args.tokenizer),
-        chat_template=args.chat_template,
-        packing=args.packing,
-        overlong=args.overlong,
-        val_fraction=args.val_fraction,
-        seed=args.seed,
-        overwrite=args.overwrite,
-    )
-    for split, stats in metadata["splits"].items():
-        print(
-            f"{split}: {stats['examples']:,d} examples in {stats['sequences']:,d} sequences of "
-            f"{metadata['sequence_length']} tokens, {stats['trained_tokens']:,d} trained tokens, "
-            f"padding {stats['padding_fraction']:.1%}, {stats['truncated']} truncated, "
-            f"{stats['dropped']} dropped"
-        )
-    print(f"metadata: {Path(args.output) / METADATA_FILE}")
-    if args.val_fraction > 0 and metadata["splits"]["val"]["examples"] == 0:
-        print(
-            f"warning: the validation split is empty: --val-fraction {args.val_fraction:g} of "
-            f"{metadata['splits']['train']['examples']} example(s) held none out; give more "
-            "examples or a larger --val-fraction",
-            file=sys.stderr,
-        )
-    return 0
-
-
-def add_sft_arguments(cmd: argparse.ArgumentParser) -> None:
-    """The ``--sft`` and ``--dpo`` options of ``olmolike prepare-data``."""
-    sft = cmd.add_argument_group("fine-tuning data (--sft, --dpo)")
-    sft.add_argument(
-        "--sft",
-        action="store_true",
-        help="chat JSONL ('messages', or 'prompt'/'completion') -> sequences with label masks",
-    )
-    sft.add_argument(
-        "--dpo",
-        action="store_true",
-        help="preference JSONL ('prompt', 'chosen', 'rejected', text or chat messages) -> "
-        "pair rows for DPO (chat rendered with the chat template)",
-    )
-    sft.add_argument(
-        "--sequence-length", type=int, help="tokens per training sequence (--dpo: per side)"
-    )
-    sft.add_argument(
-        "--packing",
-        choices=[m.value for m in PackingMode],
-        default="packed",
-        help="several examples per sequence, or one padded (default: %(default)s)",
-    )
-    sft.add_argument(
-        "--overlong",
-        choices=[p.value for p in OverlongPolicy],
-        default="error",
-        help="what to do with an example longer than a sequence (default: %(default)s)",
-    )
-    sft.add_argument("--chat-template", help="a Jinja file replacing the tokenizer's template")
+    return finish_output(out, metadata)

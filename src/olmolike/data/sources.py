@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import glob
-import gzip
-import json
 import os
 import sysconfig
 from collections.abc import Callable, Iterator, Sequence
@@ -13,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..exceptions import DataError
+from .prepared_io import read_jsonl
 
 __all__ = ["Source", "read_documents", "resolve_inputs", "stdlib_python_files"]
 
@@ -101,21 +100,11 @@ def read_documents(source: Source, text_field: str) -> Iterator[tuple[int, str]]
     if not source.name.endswith((".jsonl", ".jsonl.gz")):
         yield 0, source.path.read_bytes().decode("utf-8", errors="replace")
         return
-    opener: Any = gzip.open if source.name.endswith(".gz") else open
-    with opener(source.path, "rt", encoding="utf-8", errors="replace") as f:
-        for line_number, line in enumerate(f, start=1):
-            if line.strip():
-                yield line_number, _document_text(line, source, line_number, text_field)
+    for line_number, record in read_jsonl(source.path, name=source.name, errors="replace"):
+        yield line_number, _document_text(record, f"{source.name}, line {line_number}", text_field)
 
 
-def _document_text(line: str, source: Source, line_number: int, text_field: str) -> str:
-    where = f"{source.name}, line {line_number}"
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataError(
-            f"{where}: not valid JSON ({e}); each line must be one JSON object"
-        ) from None
+def _document_text(record: Any, where: str, text_field: str) -> str:
     if not isinstance(record, dict) or text_field not in record:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise DataError(
