@@ -57,16 +57,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _say_what_is_empty(prepared: PreparedData, val_fraction: float) -> int:
-    """No tokens at all is an error (exit 2); an empty validation split that was asked for is
-    a warning: a run would find out only when its evaluator starts."""
-    if prepared.num_tokens("train") + prepared.num_tokens("val") == 0:
-        sources = len(prepared.metadata.get("sources", []))
-        print(
-            f"error: no tokens were written: the {sources} input file(s) hold no text (empty "
-            "files, or JSONL without the --text-field)",
-            file=sys.stderr,
-        )
-        return 2
+    """An empty validation split that was asked for is a warning: a run would find out only
+    when its evaluator starts. (No training tokens is :func:`prepare_data`'s error.)"""
     if val_fraction > 0 and prepared.num_tokens("val") == 0:
         documents = sum(s["documents"] for s in prepared.metadata["splits"]["train"])
         _warn_empty_validation(val_fraction, f"{documents} document(s)", "documents")

@@ -6,30 +6,38 @@ header at all (e.g. ``.bin`` files from other tools), whose dtype must be config
 
 Nothing reads a whole file: opening a dataset reads each file's size and ``.npy`` header, and
 an instance is one slice, from a memory map (local files) or one ranged request (``gs://``,
-``s3://`` and any other fsspec URL). The checks that need the data itself, such as a token id
-beyond the vocabulary, therefore run on each instance as it is read.
+``s3://`` and any other fsspec URL). A token id beyond the vocabulary (the data's or the
+model's) is refused when the dataset is built if ``metadata.json`` records the largest id,
+else on each instance as it is read. Finding files and reading their headers and metadata:
+:mod:`olmolike.data.token_files`.
 """
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import logging
 import math
-import os
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..config import Config
-from ..exceptions import ConfigurationError, DataError
-from ..io import exists, is_url, join_path, local_path, read_bytes, retry_network, url_to_fs
+from ..exceptions import DataError
+from ..io import is_url, retry_network, url_to_fs
+from .token_files import (
+    METADATA_FILE,
+    UNSIGNED_DTYPES,
+    TokenFile,
+    expand_paths,
+    inspect_token_file,
+    metadata_near,
+    recorded_max_token_id,
+)
 
 __all__ = [
     "METADATA_FILE",
@@ -41,184 +49,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-METADATA_FILE = "metadata.json"
-UNSIGNED_DTYPES = ("uint8", "uint16", "uint32", "uint64")
-RAW_SUFFIXES = (".bin",)
-"""Raw token files picked up from a folder (any name works when listed or globbed)."""
 _RATE_TOLERANCE = 1e-6
-_GLOB_CHARS = frozenset("*?[")
-
-
-@dataclass(frozen=True)
-class TokenFile:
-    """One token file: where its tokens start, their dtype and count."""
-
-    path: str
-    size: int
-    dtype: np.dtype
-    offset: int
-    num_tokens: int
-
-
-# -- finding files ---------------------------------------------------------------------------
-
-
-def _is_data_file(name: str, *, listed_by_glob: bool) -> bool:
-    base = name.rsplit("/", 1)[-1]
-    if base.startswith(".") or base == METADATA_FILE or base.endswith(".tmp"):
-        return False
-    return listed_by_glob or base.endswith((".npy", *RAW_SUFFIXES))
-
-
-def _expand_local(pattern: str) -> list[tuple[str, int]]:
-    if _GLOB_CHARS & set(pattern):
-        found = sorted(glob.glob(pattern, recursive=True))
-        files = [f for f in found if os.path.isfile(f) and _is_data_file(f, listed_by_glob=True)]
-        if not files:
-            raise DataError(f"no token files match the glob {pattern!r}")
-    elif os.path.isdir(pattern):
-        files = []
-        for parent, dirs, names in os.walk(pattern):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            files += [os.path.join(parent, n) for n in sorted(names)]
-        files = [f for f in files if _is_data_file(f, listed_by_glob=False)]
-        if not files:
-            raise DataError(f"the folder {pattern!r} holds no .npy or .bin token files")
-    elif os.path.isfile(pattern):
-        files = [pattern]
-    else:
-        raise DataError(f"the token file or folder {pattern!r} does not exist")
-    return [(f, os.path.getsize(f)) for f in files]
-
-
-def _expand_remote(pattern: str) -> list[tuple[str, int]]:
-    fs, root = url_to_fs(pattern)
-
-    def listing() -> dict[str, Any]:
-        if _GLOB_CHARS & set(pattern):
-            return dict(fs.glob(root, detail=True))
-        if fs.isdir(root):
-            return dict(fs.find(root, detail=True))
-        try:
-            return {root: fs.info(root)}
-        except FileNotFoundError:
-            return {}
-
-    entries = retry_network(listing, f"listing {pattern}")
-    globbed = bool(_GLOB_CHARS & set(pattern))
-    files = [
-        (fs.unstrip_protocol(path), int(info["size"]))
-        for path, info in sorted(entries.items())
-        if info.get("type") != "directory" and _is_data_file(path, listed_by_glob=globbed)
-    ]
-    if not files:
-        what = "match the glob" if globbed else "exist at"
-        raise DataError(f"no token files {what} {pattern!r}")
-    return files
-
-
-def expand_paths(patterns: Sequence[str]) -> list[tuple[str, int]]:
-    """``(path, size in bytes)`` of every token file named by files, folders or globs."""
-    out: list[tuple[str, int]] = []
-    for pattern in patterns:
-        out += (
-            _expand_remote(pattern) if is_url(pattern) else _expand_local(str(local_path(pattern)))
-        )
-    return out
-
-
-# -- reading headers -------------------------------------------------------------------------
-
-
-def _open(path: str) -> Any:
-    if is_url(path):
-        # A small block: the header is all we read, never the whole object.
-        fs, fs_path = url_to_fs(path)
-        return fs.open(fs_path, "rb", block_size=1 << 16)
-    return open(path, "rb")
-
-
-def _read_npy_header(path: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
-    def read() -> tuple[tuple[int, ...], bool, np.dtype, int]:
-        with _open(path) as f:
-            version = np.lib.format.read_magic(f)
-            reader = (
-                np.lib.format.read_array_header_1_0
-                if version == (1, 0)
-                else np.lib.format.read_array_header_2_0
-            )
-            shape, fortran, dtype = reader(f)
-            return tuple(shape), bool(fortran), np.dtype(dtype), int(f.tell())
-
-    try:
-        return retry_network(read, f"reading the header of {path}")
-    except ValueError as e:
-        raise DataError(
-            f"{path} is not a valid .npy file ({e}); re-create it with np.save"
-        ) from None
-
-
-def inspect_token_file(path: str, size: int, dtype: str | None) -> TokenFile:
-    """Check one file's header and size (no token is read) and describe it."""
-    if size == 0:
-        raise DataError(f"{path} is empty; remove it or re-create it with olmolike prepare-data")
-    if not path.endswith(".npy"):
-        if dtype is None:
-            raise ConfigurationError(
-                f"{path} is a raw token file (no .npy header); set dtype to the type it was "
-                f"written with, one of {', '.join(UNSIGNED_DTYPES)}",
-                path="dtype",
-            )
-        raw = np.dtype(dtype)
-        if size % raw.itemsize:
-            raise DataError(
-                f"{path} is truncated or not {dtype}: {size} bytes is not a multiple of "
-                f"{raw.itemsize}; re-create it or set the dtype it was written with"
-            )
-        return TokenFile(path, size, raw, 0, size // raw.itemsize)
-    shape, fortran, found, offset = _read_npy_header(path)
-    if found.kind != "u":
-        raise DataError(
-            f"{path} holds {found}, not unsigned integer token ids; re-create it with "
-            "olmolike prepare-data"
-        )
-    if dtype is not None and found != np.dtype(dtype):
-        raise DataError(f"{path} holds {found}, but dtype is set to {dtype}; fix or unset dtype")
-    if fortran and len(shape) > 1:
-        raise DataError(f"{path} is a Fortran-ordered array; save it as a flat C-ordered array")
-    count = math.prod(shape)
-    if count == 0:
-        raise DataError(f"{path} holds no tokens; remove it or re-create it")
-    expected = offset + count * found.itemsize
-    if size != expected:
-        raise DataError(
-            f"{path} is truncated: its header announces {count} tokens ({expected} bytes) but "
-            f"the file has {size} bytes; re-create it"
-        )
-    return TokenFile(path, size, found, offset, count)
-
-
-def _parent(path: str) -> str | None:
-    if not is_url(path):
-        parent = str(Path(path).parent)
-        return None if parent == path else parent
-    head = path.rstrip("/").rpartition("/")[0]
-    return None if head.endswith(":/") else head  # "gs:/" is above the bucket
-
-
-def _metadata_near(path: str, cache: dict[str, dict[str, Any] | None]) -> dict[str, Any] | None:
-    """``metadata.json`` in the file's folder or the one above (prepare-data's layout)."""
-    directory = _parent(path)
-    for _ in range(2):
-        if directory is None:
-            return None
-        if directory not in cache:
-            candidate = join_path(directory, METADATA_FILE)
-            cache[directory] = json.loads(read_bytes(candidate)) if exists(candidate) else None
-        if cache[directory] is not None:
-            return cache[directory]
-        directory = _parent(directory)
-    return None
 
 
 # -- configs ---------------------------------------------------------------------------------
@@ -291,8 +122,8 @@ class NumpyDatasetConfig(Config):
             [inspect_token_file(path, size, self.dtype) for path, size in expand_paths(group)]
             for group in groups
         ]
-        vocab_size, eos = self._from_metadata([f for group in files for f in group])
-        return NumpyFSLDataset(
+        vocab_size, eos, top = self._from_metadata([f for group in files for f in group])
+        dataset = NumpyFSLDataset(
             files,
             self.sequence_length,
             vocab_size=vocab_size,
@@ -300,16 +131,25 @@ class NumpyDatasetConfig(Config):
             mixture=self.mixture,
             seed=self.seed,
         )
+        dataset.max_token_id = top
+        if vocab_size is not None:
+            dataset.check_token_ids_below(vocab_size, "vocab_size")
+        return dataset
 
-    def _from_metadata(self, files: list[TokenFile]) -> tuple[int | None, int | None]:
-        if self.vocab_size is not None and self.eos_token_id is not None:
-            return self.vocab_size, self.eos_token_id
+    def _from_metadata(self, files: list[TokenFile]) -> tuple[int | None, int | None, int | None]:
+        """Vocabulary size, EOS id and the largest token id that ``metadata.json`` records for
+        the files (each ``None`` where no file has it); the config's own values win."""
         cache: dict[str, dict[str, Any] | None] = {}
         found: dict[str, tuple[int, int]] = {}
+        tops = []
         for f in files:
-            meta = _metadata_near(f.path, cache)
+            meta = metadata_near(f.path, cache)
             if meta is not None:
                 found[f.path] = (int(meta["vocab_size"]), int(meta["eos_token_id"]))
+                tops += [t for t in [recorded_max_token_id(meta, f.path)] if t is not None]
+        top = max(tops, default=None)
+        if self.vocab_size is not None and self.eos_token_id is not None:
+            return self.vocab_size, self.eos_token_id, top
         if len(set(found.values())) > 1:
             raise DataError(
                 f"the files were prepared with different tokenizers (vocab size, EOS id): "
@@ -319,10 +159,8 @@ class NumpyDatasetConfig(Config):
         return (
             self.vocab_size if self.vocab_size is not None else vocab,
             self.eos_token_id if self.eos_token_id is not None else eos,
+            top,
         )
-
-
-# -- the dataset -----------------------------------------------------------------------------
 
 
 def _apportion(total: int, rates: Sequence[float]) -> list[int]:
@@ -365,6 +203,9 @@ class NumpyFSLDataset(torch.utils.data.Dataset):
         self.sequence_length = sequence_length
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
+        self.max_token_id: int | None = None
+        """The largest token id in the files, where prepare-data's metadata records it."""
+        self._id_limit: tuple[int, str] | None = None
         self.files = [f for group in files for f in group]
         counts = [f.num_tokens // sequence_length for f in self.files]
         self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
@@ -451,15 +292,28 @@ class NumpyFSLDataset(torch.utils.data.Dataset):
         local = instance - int(self._starts[file_index])
         tokens = self._read(file_index, local)
         top = int(tokens.max())
-        if self.vocab_size is not None and top >= self.vocab_size:
+        if self._id_limit is not None and top >= self._id_limit[0]:
             start = local * self.sequence_length
+            limit, name = self._id_limit
             raise DataError(
                 f"{self.files[file_index].path} holds token id {top} (in tokens "
-                f"[{start}, {start + self.sequence_length})), not below vocab_size="
-                f"{self.vocab_size}; the file was made with another tokenizer or vocab_size "
-                "is wrong"
+                f"[{start}, {start + self.sequence_length})), not below {name}={limit}; the "
+                f"file was made with another tokenizer or {name} is wrong"
             )
         return tokens
+
+    def check_token_ids_below(self, limit: int, name: str) -> None:
+        """Refuse token ids >= ``limit`` (``name`` says whose limit, e.g. the model's
+        vocabulary): now, where the metadata records the largest id, else as each instance is
+        read, before any forward pass sees it."""
+        if self.max_token_id is not None and self.max_token_id >= limit:
+            raise DataError(
+                f"the data holds token id {self.max_token_id} (max_token_id in its "
+                f"metadata.json, files like {self.files[0].path}), not below {name}={limit}; "
+                f"prepare the data with the model's tokenizer or raise {name}"
+            )
+        if self._id_limit is None or limit < self._id_limit[0]:
+            self._id_limit = (limit, name)
 
     def _read(self, file_index: int, local: int) -> np.ndarray:
         f = self.files[file_index]

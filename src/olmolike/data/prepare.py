@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,7 +215,15 @@ def _write_split(
         if not (out / relative).exists():  # present: written whole by an interrupted run
             (out / split).mkdir(exist_ok=True)
             _write_shard(out / relative, dtype, chunks)
-        shards.append({"path": relative, "tokens": end - start, "documents": end_doc - start_doc})
+        top = max(int(c.max()) for c in chunks if len(c))  # a shard holds >= 1 document
+        shards.append(
+            {
+                "path": relative,
+                "tokens": end - start,
+                "documents": end_doc - start_doc,
+                "max_token_id": top,
+            }
+        )
         bar.advance(task, end - start)
         start_doc = end_doc
     return shards
@@ -335,16 +344,43 @@ def prepare_data(
     with Progress(*columns, disable=not progress) as bar:
         _run_jobs(jobs, resolved, workers, bar)
         splits = {s: _write_split(out, s, parts, dtype, shard_tokens, bar) for s in SPLITS}
+    _refuse_an_empty_training_split(out, splits, len(sources), val_fraction)
     return PreparedData(out, finish_output(out, _metadata(resolved, arguments, splits)))
+
+
+def _refuse_an_empty_training_split(
+    out: Path, splits: dict[str, list[dict[str, Any]]], sources: int, val_fraction: float
+) -> None:
+    """No training tokens is an error now, not when a run fails to find ``train/``; the
+    output is removed first (it is this run's: the folder was empty or held this data's work
+    files), so no ``metadata.json`` marks it complete and a corrected rerun starts afresh."""
+    if sum(s["tokens"] for s in splits["train"]):
+        return
+    held_out = sum(s["documents"] for s in splits["val"])
+    for name in (*SPLITS, WORK_DIR):
+        shutil.rmtree(out / name, ignore_errors=True)
+    if held_out:
+        raise DataError(
+            f"the training split is empty: val_fraction {val_fraction:g} (--val-fraction) held "
+            f"out all {held_out} document(s); give more documents or a smaller val_fraction"
+        )
+    raise DataError(
+        f"no tokens to write: the {sources} input file(s) hold no text (empty files, or JSONL "
+        "lines without the text_field, --text-field)"
+    )
 
 
 def _metadata(
     tokenizer: TokenizerConfig, arguments: dict[str, Any], splits: dict[str, Any]
 ) -> dict[str, Any]:
+    tops = [shard["max_token_id"] for shards in splits.values() for shard in shards]
     return {
         "format_version": FORMAT_VERSION,
         "tokenizer": tokenizer.identifier,
         **tokenizer_ids(tokenizer),
+        # Checked against the model's vocabulary when a run is built, not at the batch that
+        # holds it.
+        "max_token_id": max(tops),
         "dtype": arguments["dtype"],
         "splits": splits,
         "sources": arguments["sources"],

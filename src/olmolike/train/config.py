@@ -221,6 +221,7 @@ class TrainerConfig(Config):
             # Metrics arrive once per collect interval: logging them as they come costs least.
             logger = ConsoleLoggerCallback(log_interval=self.metrics_collect_interval)
             callbacks.setdefault("console_logger", logger)
+        _check_token_ids(train_module, data_loader)
         return Trainer(
             work_dir=work_dir,
             train_module=train_module,
@@ -335,3 +336,17 @@ def _model_device(train_module: TrainModule) -> torch.device | None:
                 return _normalized(param.device)
             break
     return None
+
+
+def _check_token_ids(train_module: TrainModule, data_loader: DataLoaderBase) -> None:
+    """Token ids the model's embedding has no row for fail as one :class:`DataError` naming
+    the file and the id, at build where the data's metadata records its largest id, else when
+    the instance is read: never as an ``IndexError`` inside the forward pass."""
+    dataset = getattr(data_loader, "dataset", None)
+    check = getattr(dataset, "check_token_ids_below", None)
+    model = getattr(train_module, "model", None)
+    if check is None or not isinstance(model, torch.nn.Module):
+        return
+    embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    if embedding is not None:
+        check(embedding.num_embeddings, "the model's vocabulary size")
