@@ -957,3 +957,10 @@ def test_max_duration_zero_is_a_config_error() -> None:
 
     with pytest.raises(ConfigurationError, match=r"^max_duration\.value: must be >= 1"):
         TrainerConfig(save_folder="x").merge(["--max_duration.value=0"])
+
+
+def test_a_negative_max_duration_names_the_bound_that_zero_also_fails() -> None:
+    from olmolike.train import TrainerConfig
+
+    with pytest.raises(ConfigurationError, match=r"^max_duration\.value: .*>= 1 for a max_dur"):
+        TrainerConfig(save_folder="x").merge(["--max_duration.value=-5"])

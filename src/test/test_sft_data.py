@@ -173,3 +173,16 @@ def test_command_line(tmp_path: Path) -> None:
     (tmp_path / "b.jsonl").write_text("{oops\n")
     result = cli("--sft", "b.jsonl", "-o", "o3", "--sequence-length", "64", cwd=tmp_path)
     assert result.returncode == 2 and "b.jsonl, line 1: not valid JSON" in result.stderr
+
+
+def test_a_split_opened_twice_is_described_in_the_log_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # `make sft` opened the validation split for its before-training loss and its evaluator.
+    prepare_sft_data(
+        [write(tmp_path / "a.jsonl", examples(40))], tmp_path / "out", sequence_length=64
+    )
+    with caplog.at_level("INFO", logger="olmolike.data.sft_dataset"):
+        SFTDataset(tmp_path / "out")
+        SFTDataset(tmp_path / "out")
+    assert [r.getMessage().startswith("SFT data") for r in caplog.records] == [True]

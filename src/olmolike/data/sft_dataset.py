@@ -30,6 +30,9 @@ __all__ = ["IGNORE_INDEX", "SFTDataset", "SFTDatasetConfig"]
 
 log = logging.getLogger(__name__)
 
+_DESCRIBED: set[tuple[str, str]] = set()
+"""The (folder, split) pairs already described in the log by this process."""
+
 IGNORE_INDEX = -100
 ARRAYS = ("input_ids", "label_mask", "doc_ids")
 
@@ -76,11 +79,13 @@ class SFTDataset(torch.utils.data.Dataset):
         shape = self._array("input_ids").shape
         if shape != (stats["sequences"], self.sequence_length):
             raise DataError(f"{folder}/{split} is damaged: shapes disagree with the metadata")
-        log.info(
-            "SFT data %s/%s: %d sequences, %d examples, padding %.1f%%",
-            folder, split, stats["sequences"], stats["examples"],
-            100 * stats["padding_fraction"],
-        )  # fmt: skip
+        if (str(folder), split) not in _DESCRIBED:  # a script may open a split twice
+            _DESCRIBED.add((str(folder), split))
+            log.info(
+                "SFT data %s/%s: %d sequences, %d examples, padding %.1f%%",
+                folder, split, stats["sequences"], stats["examples"],
+                100 * stats["padding_fraction"],
+            )  # fmt: skip
 
     def _array(self, name: str) -> np.ndarray:
         if name not in self._arrays:

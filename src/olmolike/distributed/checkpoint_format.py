@@ -321,7 +321,8 @@ def describe_shape_mismatch(
     model_state: dict[str, Any],
     current_config: str | bytes | None,
 ) -> str | None:
-    """A message naming the tensors (and config fields) whose shapes differ, or ``None``."""
+    """A message naming the tensors (and config fields) whose shapes differ, or that one side
+    has and the other lacks (another ``n_layers``, say), or ``None``."""
     differing = []
     for fqn, tensor in model_state.items():
         saved = metadata.state_dict_metadata.get(f"model.{fqn}")
@@ -329,6 +330,15 @@ def describe_shape_mismatch(
             continue
         if tuple(saved.size) != tuple(tensor.shape):
             differing.append(f"{fqn}: {list(saved.size)} saved, {list(tensor.shape)} here")
+    saved_keys = {
+        k[len("model.") :] for k in metadata.state_dict_metadata if k.startswith("model.")
+    }
+    only_here = sorted(k for k in model_state if k not in saved_keys)
+    only_saved = sorted(saved_keys - model_state.keys())
+    for keys, where in ((only_here, "not in the checkpoint"), (only_saved, "not in this model")):
+        if keys:
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            differing.append(f"{', '.join(keys[:3])}{more} {where}")
     if not differing:
         return None
     message = (

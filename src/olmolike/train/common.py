@@ -55,7 +55,11 @@ class Duration(Config):
 
     def validate(self) -> None:
         if self.value < 0:
-            raise self._invalid("value", f"must be >= 0, got {self.value}")
+            # The one bound a Duration knows; a run's max_duration also refuses 0, so say so
+            # here rather than send a user from -5 to 0 to 1.
+            raise self._invalid(
+                "value", f"must be >= 0 (>= 1 for a max_duration), got {self.value}"
+            )
 
     @classmethod
     def steps(cls, steps: int) -> Duration:
