@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import difflib
 import enum
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -66,16 +67,38 @@ def lookup_registered_class(name: str, base: type, path: str = "") -> type:
     """Resolve a ``_CLASS_`` name to a registered class that is a subclass of ``base``."""
     cls = _REGISTRY.get(name)
     if cls is None:
-        known = sorted(k for k, v in _REGISTRY.items() if _is_subclass(v, base))
-        raise ConfigurationError(
-            f"unknown class {name!r}; registered {base.__name__} classes are: "
-            f"{', '.join(known) or '(none)'}. Import the module that defines it before loading "
-            "the config (config files cannot import code).",
-            path=path,
-        )
+        raise ConfigurationError(_unknown_class(name, base), path=path)
     if not _is_subclass(cls, base):
         raise ConfigurationError(f"class {name!r} is not a {base.__name__}", path=path)
     return cls
+
+
+def _unknown_class(name: str, base: type) -> str:
+    """One line: the public classes whose names are closest to ``name``, else all of them by
+    their shortest names (private helpers and module paths would bury the answer)."""
+    names: dict[type, list[str]] = {}
+    for key, cls in _REGISTRY.items():
+        public = not any(part.startswith("_") for part in key.split("."))
+        if cls is not base and _is_subclass(cls, base) and public:
+            names.setdefault(cls, []).append(key)
+    shortest = {cls: min(keys, key=len) for cls, keys in names.items()}
+
+    def spelling(text: str) -> str:  # "ProgressCallback" and "progress" alike
+        return text.rsplit(".", 1)[-1].lower().removesuffix(base.__name__.lower())
+
+    spellings = {spelling(k): c for c, keys in names.items() for k in [*keys, c.__name__]}
+    wanted = spelling(name)
+    matches = difflib.get_close_matches(wanted, spellings, n=3, cutoff=0.6)
+    matches += sorted(k for k in spellings if wanted and k.startswith(wanted))
+    close = list(dict.fromkeys(spellings[m] for m in matches))[:3]
+    if close:
+        guesses = " or ".join(f"{shortest[c]!r} ({c.__name__})" for c in close)
+        return f"unknown class {name!r}; did you mean {guesses}?"
+    known = ", ".join(sorted(shortest.values())) or "(none)"
+    return (
+        f"unknown class {name!r}; registered {base.__name__} classes are: {known}. Import the "
+        "module that defines it before loading the config (config files cannot import code)."
+    )
 
 
 def _is_subclass(cls: Any, base: Any) -> bool:
@@ -90,7 +113,10 @@ def registered_name(cls: type) -> str:
 def own_names(cls: type) -> set[str]:
     """Every name a config file may use for ``cls`` itself."""
     names = {registered_name(cls), f"{cls.__module__}.{cls.__qualname__}"}
-    short = getattr(cls, "registered_name", None)
+    # Its own short name only: a subclass inherits its parent's attribute until it sets its
+    # own, and must not take the parent's name (ListCheckpointerCallback once took
+    # "checkpointer" from CheckpointerCallback).
+    short = vars(cls).get("registered_name")
     if isinstance(short, str):
         names.add(short)
     return names
