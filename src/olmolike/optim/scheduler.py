@@ -46,7 +46,8 @@ class SchedulerUnits(StrEnum):
 
 
 class DecayShape(StrEnum):
-    """How :class:`WSD` goes from ``initial_lr`` to its final value."""
+    """How a decay goes from ``initial_lr`` to its final value (:class:`WSD`'s choice;
+    :class:`LinearWithWarmup` and :class:`CosWithWarmup` are fixed to one)."""
 
     linear = "linear"
     cosine = "cosine"
@@ -176,6 +177,15 @@ def _cosine(initial_lr: float, final_lr: float, progress: float) -> float:
     return final_lr + (initial_lr - final_lr) * (1 + math.cos(math.pi * progress)) / 2
 
 
+def _shaped(shape: DecayShape, initial_lr: float, final_lr: float, progress: float) -> float:
+    """The learning rate ``progress`` (0 to 1) of the way from ``initial_lr`` to ``final_lr``."""
+    if shape == DecayShape.cosine:
+        return _cosine(initial_lr, final_lr, progress)
+    if shape == DecayShape.sqrt:
+        progress = math.sqrt(progress)
+    return initial_lr - (initial_lr - final_lr) * progress
+
+
 def _decay_progress(current: float, start: float, t_max: float) -> float:
     span = t_max - start
     return 1.0 if span <= 0 else (current - start) / span
@@ -194,9 +204,11 @@ class ConstantWithWarmup(WarmupScheduler):
 
 
 @dataclass
-class LinearWithWarmup(WarmupScheduler):
-    """Warm up, then decay linearly to ``alpha_f * initial_lr`` at ``t_max``."""
+class _DecayToFraction(WarmupScheduler):
+    """Warm up, then decay over the rest of training to ``alpha_f * initial_lr`` at ``t_max``,
+    in the subclass's :attr:`shape`."""
 
+    shape: ClassVar[DecayShape]
     alpha_f: float = 0.1
     """The final learning rate as a fraction of ``initial_lr``."""
 
@@ -209,26 +221,21 @@ class LinearWithWarmup(WarmupScheduler):
     ) -> float:
         assert t_max is not None
         progress = _decay_progress(current, warmup, t_max)
-        return initial_lr - (initial_lr - self.alpha_f * initial_lr) * progress
+        return _shaped(self.shape, initial_lr, self.alpha_f * initial_lr, progress)
 
 
 @dataclass
-class CosWithWarmup(WarmupScheduler):
+class LinearWithWarmup(_DecayToFraction):
+    """Warm up, then decay linearly to ``alpha_f * initial_lr`` at ``t_max``."""
+
+    shape: ClassVar[DecayShape] = DecayShape.linear
+
+
+@dataclass
+class CosWithWarmup(_DecayToFraction):
     """Warm up, then follow half a cosine down to ``alpha_f * initial_lr`` at ``t_max``."""
 
-    alpha_f: float = 0.1
-    """The final learning rate as a fraction of ``initial_lr``."""
-
-    def validate(self) -> None:
-        super().validate()
-        _check_alpha_f(self, self.alpha_f)
-
-    def _after_warmup(
-        self, initial_lr: float, current: float, warmup: float, t_max: int | None
-    ) -> float:
-        assert t_max is not None
-        progress = _decay_progress(current, warmup, t_max)
-        return _cosine(initial_lr, self.alpha_f * initial_lr, progress)
+    shape: ClassVar[DecayShape] = DecayShape.cosine
 
 
 @dataclass
@@ -287,12 +294,7 @@ class WSD(WarmupScheduler):
         if current < start:
             return initial_lr
         progress = (current - start) / decay
-        final_lr = self.alpha_f * initial_lr
-        if self.decay_shape == DecayShape.cosine:
-            return _cosine(initial_lr, final_lr, progress)
-        if self.decay_shape == DecayShape.sqrt:
-            progress = math.sqrt(progress)
-        return initial_lr - (initial_lr - final_lr) * progress
+        return _shaped(self.decay_shape, initial_lr, self.alpha_f * initial_lr, progress)
 
 
 @dataclass

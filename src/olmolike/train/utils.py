@@ -8,10 +8,8 @@ same reduction, for code written against OLMo-core's ``olmo_core.train.utils``: 
 
 from __future__ import annotations
 
-import math
 import random
 import sys
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +20,7 @@ import torch.distributed as dist
 from ..config import Config
 from ..distributed.utils import get_world_size, is_distributed
 from .common import ReduceType
+from .metrics import CollectedMetrics, reduce_collected
 
 __all__ = [
     "EnvRngStates",
@@ -88,86 +87,26 @@ def reduce_metrics(
 
     ``mean`` averages over the ranks that recorded the metric at that step, ``sum`` adds,
     ``max`` takes the largest, ``l2_norm`` combines per-rank norms into the norm of the whole,
-    and ``None`` keeps this rank's own value. All values travel in two collectives.
+    and ``None`` keeps this rank's own value. It is the trainer's own reduction
+    (:class:`~olmolike.train.metrics.MetricReducer`): the ranks first agree on the exact
+    metric keys, then all values travel in one SUM and one MAX all-reduce.
 
-    :param metrics_consistent: ``False`` when ranks may record different metrics (see
-        :func:`check_metrics_consistent`); the ranks then first agree on which metrics each
-        step has, which costs one more collective.
+    :param metrics_consistent: OLMo-core's flag for ranks that may record different metrics;
+        accepted for compatibility: the agreement on keys covers that case either way.
     """
-    metrics = move_metrics(metrics, device)
-    out: dict[int, dict[str, float]] = defaultdict(dict)
-    if not is_distributed() or get_world_size(process_group) == 1:
-        for step, step_metrics in metrics.items():
-            for name, value in step_metrics.items():
-                out[step][name] = value.item()
-        return dict(out)
-
-    kinds = {name: _reduce_type(kind) for name, kind in metrics_reduce_type.items()}
-    if metrics_consistent:
-        present = {s: {n: None for n in m if kinds.get(n) is not None} for s, m in metrics.items()}
-        counts: dict[int, dict[str, int]] | None = None
-    else:
-        present, counts = _agree_on_present(metrics, kinds, process_group)
-
-    sum_keys: list[tuple[int, str]] = []
-    max_keys: list[tuple[int, str]] = []
-    sums: list[torch.Tensor] = []
-    maxes: list[torch.Tensor] = []
-    zero = torch.zeros((), dtype=torch.float64, device=device)
-    for step in sorted(present):
-        for name in sorted(present[step]):
-            kind = kinds[name]
-            mine = metrics.get(step, {}).get(name)
-            if kind == ReduceType.max:
-                max_keys.append((step, name))
-                maxes.append(zero - math.inf if mine is None else mine.double().reshape(()))
-            else:
-                sum_keys.append((step, name))
-                term = zero if mine is None else mine.double().reshape(())
-                sums.append(term * term if kind == ReduceType.l2_norm else term)
-        for name, local in metrics.get(step, {}).items():
-            if kinds.get(name) is None:
-                out[step][name] = local.item()
-
-    world_size = get_world_size(process_group)
-    for keys, values, op in (
-        (sum_keys, sums, dist.ReduceOp.SUM),
-        (max_keys, maxes, dist.ReduceOp.MAX),
-    ):
-        if not values:
-            continue
-        reduced = torch.stack(values)
-        dist.all_reduce(reduced, op=op, group=process_group)
-        for (step, name), total in zip(keys, reduced.cpu().tolist()):
-            kind = kinds[name]
-            if kind == ReduceType.mean:
-                total /= counts[step][name] if counts is not None else world_size
-            elif kind == ReduceType.l2_norm:
-                total = math.sqrt(total)
-            out[step][name] = total
-    return dict(out)
-
-
-def _agree_on_present(
-    metrics: StepTensors,
-    kinds: dict[str, ReduceType | None],
-    process_group: dist.ProcessGroup | None,
-) -> tuple[dict[int, dict[str, None]], dict[int, dict[str, int]]]:
-    """Every step's reduced metric names over all ranks, and how many ranks have each."""
-    mine = {
-        step: [(name, kinds.get(name)) for name in names if kinds.get(name) is not None]
-        for step, names in metrics.items()
+    del metrics_consistent
+    values = {
+        (step, name): float(_local(value).reshape(()).item())
+        for step, step_metrics in metrics.items()
+        for name, value in step_metrics.items()
     }
-    present: dict[int, dict[str, None]] = defaultdict(dict)
-    counts: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    for rank_steps in _all_gather(mine, process_group):
-        for step, names in rank_steps.items():
-            for name, kind in names:
-                if kinds.get(name) is None:  # a metric this rank never recorded
-                    kinds[name] = kind
-                present[step][name] = None
-                counts[step][name] += 1
-    return present, counts
+    collected = CollectedMetrics(
+        steps=sorted(metrics),
+        reduce_types={n: _reduce_type(k) for n, k in metrics_reduce_type.items()},
+        numbers=values,
+    )
+    group = process_group or (dist.group.WORLD if is_distributed() else None)
+    return reduce_collected(collected, group, device)
 
 
 def _all_gather(obj: Any, process_group: dist.ProcessGroup | None) -> list[Any]:
