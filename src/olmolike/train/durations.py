@@ -1,4 +1,8 @@
-"""Converting durations (steps, tokens, epochs) into step counts."""
+"""Converting durations (steps, tokens, epochs) into step counts.
+
+Pure functions of values: a :class:`Progress` (where training stands and the batch geometry),
+the durations, and a :class:`Speed`. The trainer builds those from its own state.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +10,13 @@ import logging
 import math
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 from ..exceptions import ConfigurationError
 from .common import Duration, DurationUnit, TrainingProgress
 
-if TYPE_CHECKING:
-    from .trainer import Trainer
-
 __all__ = [
     "Progress",
+    "Speed",
     "duration_to_steps",
     "duration_to_tokens",
     "nothing_to_train",
@@ -72,49 +73,33 @@ def duration_to_tokens(duration: Duration, progress: Progress) -> int | None:
     return duration.value * progress.steps_per_epoch * progress.global_batch_size
 
 
-def progress_of(trainer: Trainer) -> Progress:
-    """Where ``trainer`` stands now."""
-    return Progress(
-        trainer.global_step,
-        trainer.global_train_tokens_seen,
-        trainer.global_batch_size,
-        trainer.steps_per_epoch,
-    )
-
-
-def stop_step(trainer: Trainer) -> int:
-    """The step training stops at: the earlier of ``max_duration`` and ``hard_stop``.
-
-    The trainer asks at every step, so its progress is only read when a duration needs it.
-    """
-    max_duration, hard_stop = trainer.max_duration, trainer.hard_stop
-    if hard_stop is None and max_duration.unit == DurationUnit.steps:
-        return max_duration.value
-    now = progress_of(trainer)
-    stop = duration_to_steps(max_duration, now, what="max_duration")
+def stop_step(max_duration: Duration, hard_stop: Duration | None, progress: Progress) -> int:
+    """The step training stops at: the earlier of ``max_duration`` and ``hard_stop``."""
+    stop = duration_to_steps(max_duration, progress, what="max_duration")
     if hard_stop is not None:
-        stop = min(stop, duration_to_steps(hard_stop, now, what="hard_stop"))
+        stop = min(stop, duration_to_steps(hard_stop, progress, what="hard_stop"))
     return stop
 
 
-def nothing_to_train(trainer: Trainer) -> bool:
+def nothing_to_train(
+    max_duration: Duration, hard_stop: Duration | None, progress: Progress, save_folder: str
+) -> bool:
     """Say loudly, with what to change, when a (resumed) run has no step left to train.
 
     Typically the save folder holds a finished run and the trainer resumed it, or ``hard_stop``
     is below the loaded step. Returns whether it warned.
     """
-    step, stop = trainer.global_step, stop_step(trainer)
+    step, stop = progress.step, stop_step(max_duration, hard_stop, progress)
     if step < stop:
         return False
-    hard_stop = trainer.hard_stop
-    by_hard_stop = hard_stop is not None and trainer.convert_duration_to_steps(hard_stop) == stop
+    by_hard_stop = hard_stop is not None and duration_to_steps(hard_stop, progress) == stop
     field = "hard_stop" if by_hard_stop else "max_duration"
     log.warning(
         "Nothing to train: the run is at step %d (loaded from %s) and %s ends it at step %d. "
         "To train on, raise %s (--trainer.%s.value=...); to start afresh, use a new "
         "save_folder or remove this one.",
         step,
-        trainer.save_folder,
+        save_folder,
         field,
         stop,
         field,
@@ -123,24 +108,36 @@ def nothing_to_train(trainer: Trainer) -> bool:
     return True
 
 
-def training_progress(trainer: Trainer) -> TrainingProgress:
-    """Where the run stands, with speed figures from the trainer's speed monitor if it has one."""
-    step = trainer.global_step
+@dataclass(frozen=True)
+class Speed:
+    """Recent throughput, as a speed monitor measures it (each ``None`` until known)."""
+
+    bps: float | None = None
+    """Batches (steps) per second."""
+    tps: float | None = None
+    """Tokens per second."""
+    mfu: float | None = None
+    """Model FLOPs utilisation."""
+
+
+def training_progress(
+    max_duration: Duration, hard_stop: Duration | None, progress: Progress, speed: Speed
+) -> TrainingProgress:
+    """Where the run stands; the time to go from ``speed`` when it knows the steps per second."""
+    step = progress.step
     try:
-        total: int | None = max(stop_step(trainer), step)
+        total: int | None = max(stop_step(max_duration, hard_stop, progress), step)
     except ConfigurationError:
         total = None
-    speed = next((cb for cb in trainer.callbacks.values() if hasattr(cb, "bps_avg")), None)
-    bps = getattr(speed, "bps_avg", None)
     remaining = None
-    if bps and total is not None and total > step:
-        remaining = timedelta(minutes=1 + int((total - step) / bps // 60))
+    if speed.bps and total is not None and total > step:
+        remaining = timedelta(minutes=1 + int((total - step) / speed.bps // 60))
     return TrainingProgress(
         current_step=step,
-        current_tokens=trainer.global_train_tokens_seen,
+        current_tokens=progress.tokens_seen,
         total_steps=total,
         time_remaining=remaining,
-        bps=bps,
-        tps=getattr(speed, "tps_avg", None),
-        mfu=getattr(speed, "mfu_avg", None),
+        bps=speed.bps,
+        tps=speed.tps,
+        mfu=speed.mfu,
     )

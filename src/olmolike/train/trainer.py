@@ -23,10 +23,12 @@ from . import durations
 from .bookkeeping import BookkeepingRunner, build_bookkeeping
 from .callbacks.callback import CALLBACK_HOOKS, Callback
 from .callbacks.hooks import EXTRA_HOOKS, HookCaller
+from .callbacks.speed_monitor import SpeedMonitorCallback
 from .cancellation import CancelCoordinator, exit_if_signaled, log_failure
 from .checkpoint import Checkpointer
 from .common import (
     Duration,
+    DurationUnit,
     LoadStrategy,
     MetricMergeStrategy,
     ReduceType,
@@ -196,7 +198,20 @@ class Trainer:
 
     def convert_duration_to_steps(self, duration: Duration) -> int:
         """The global step at which ``duration`` is reached."""
-        return durations.duration_to_steps(duration, durations.progress_of(self))
+        return durations.duration_to_steps(duration, self._progress())
+
+    def _progress(self) -> durations.Progress:
+        return durations.Progress(
+            self.global_step,
+            self.global_train_tokens_seen,
+            self.global_batch_size,
+            self.steps_per_epoch,
+        )
+
+    def _stop_step(self) -> int:
+        if self.hard_stop is None and self.max_duration.unit == DurationUnit.steps:
+            return self.max_duration.value  # asked every step: no progress to read
+        return durations.stop_step(self.max_duration, self.hard_stop, self._progress())
 
     @property
     def max_steps(self) -> int | None:
@@ -208,16 +223,26 @@ class Trainer:
 
     @property
     def max_tokens(self) -> int | None:
-        return durations.duration_to_tokens(self.max_duration, durations.progress_of(self))
+        return durations.duration_to_tokens(self.max_duration, self._progress())
 
     @property
     def training_complete(self) -> bool:
-        return self._cancel.canceled or self.global_step >= durations.stop_step(self)
+        return self._cancel.canceled or self.global_step >= self._stop_step()
 
     @property
     def training_progress(self) -> TrainingProgress:
         """Where the run stands, with speed figures from the speed monitor if there is one."""
-        return durations.training_progress(self)
+        monitor = next(
+            (cb for cb in self.callbacks.values() if isinstance(cb, SpeedMonitorCallback)), None
+        )
+        speed = (
+            durations.Speed(monitor.bps_avg, monitor.tps_avg, monitor.mfu_avg)
+            if monitor is not None
+            else durations.Speed()
+        )
+        return durations.training_progress(
+            self.max_duration, self.hard_stop, self._progress(), speed
+        )
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -428,7 +453,7 @@ class Trainer:
         """Train until ``max_duration`` or ``hard_stop`` is reached or the run is canceled."""
         with self._cancel.signals_cancel(), self._running():
             self._load_on_start()
-            durations.stop_step(self)  # an unknown step count is a clear error now, not mid-run
+            self._stop_step()  # an unknown step count is a clear error now, not mid-run
             self._fit()
         exit_if_signaled(self._cancel.reason, self.global_step, self.save_folder)
 
@@ -474,11 +499,14 @@ class Trainer:
         log.info(
             "Training from step %d to step %d (%s tokens per step, %d rank(s))",
             self.global_step,
-            durations.stop_step(self),
+            self._stop_step(),
             f"{self.global_batch_size:,d}",
             get_world_size(),
         )
-        durations.nothing_to_train(self)  # warns, naming the field to change
+        # Warns, naming the field to change.
+        durations.nothing_to_train(
+            self.max_duration, self.hard_stop, self._progress(), self.save_folder
+        )
         self._hooks("pre_train")
         while not self.training_complete:
             self._fit_epoch()
