@@ -60,9 +60,10 @@ TWO_STAGE_ARGS ?=
 two-stage-kl: install
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) src/examples/two_stage_kl/train.py two-stage-kl-demo $(TWO_STAGE_ARGS)
 
-# `make grpo`: GRPO on generated sums (exact-answer reward) after a short warm-up, a few CPU
-# minutes; prints held-out greedy accuracy before and after and draws the reward curve into
-# $(GRPO_OUT)/reward.png. GRPO_ARGS: [GRPO_STEPS [SFT_STEPS]].
+# `make grpo`: GRPO on generated sums (exact-answer reward) after a short warm-up, and the same
+# tokens spent on more supervised training from the same warm-up, a few CPU minutes; prints the
+# held-out greedy accuracy of each and draws GRPO's reward curve into $(GRPO_OUT)/reward.png.
+# GRPO_ARGS takes dotted overrides, e.g. '--trainer.max_duration.value=50 --warm_up.steps=200'.
 GRPO_OUT ?= runs/grpo-demo
 GRPO_ARGS ?=
 

@@ -83,7 +83,7 @@ def test_bad_pairs_name_the_record(tmp_path: Path) -> None:
         encode_preference_pairs([PreferencePair("p" * 9, "a", "b", "x:3")], TOK, 8)
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "a", "chosen": "b"}\n')
-    with pytest.raises(DataError, match=r"bad.jsonl:1: .*'rejected'"):
+    with pytest.raises(DataError, match=r"bad.jsonl, line 1: .*'rejected'"):
         read_preference_jsonl(path)
 
 

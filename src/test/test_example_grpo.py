@@ -16,7 +16,9 @@ SCRIPT = Path(__file__).parents[1] / "examples" / "grpo" / "train.py"
 
 def run(out: Path, *launcher: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [*(launcher or (sys.executable,)), str(SCRIPT), str(out), "2", "3"]
+    steps = ["--trainer.max_duration.value=2", "--warm_up.steps=3"]
+    warmup = ["--train_module.scheduler.warmup=0"]
+    command = [*(launcher or (sys.executable,)), str(SCRIPT), str(out), *steps, *warmup]
     return subprocess.run(command, capture_output=True, text=True, timeout=patient(280), env=env)
 
 
@@ -27,7 +29,9 @@ def test_grpo_example_reports_accuracy_and_writes_metrics(tmp_path: Path) -> Non
     assert result.returncode == 0, result.stderr[-3000:]
     assert "held-out greedy accuracy" in result.stdout
     figures = json.loads((tmp_path / "accuracy.json").read_text())
-    assert 0 <= figures["before"] <= 1 and 0 <= figures["after"] <= 1
+    assert all(0 <= figures[arm] <= 1 for arm in ("before", "grpo", "sft"))
+    # The supervised arm trains on as many tokens per step as GRPO generates and trains on.
+    assert abs(figures["sft_tokens_per_step"] - figures["grpo_tokens_per_step"]) <= 10
     lines = (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()
     assert "train/reward/exact_answer/mean" in json.loads(lines[-1])["metrics"]
 
@@ -42,3 +46,14 @@ def test_grpo_example_runs_under_torchrun(tmp_path: Path) -> None:
     result = run(tmp_path, *launcher)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 rank(s)" in result.stderr and "held-out greedy accuracy" in result.stdout
+
+
+def test_a_wrong_override_is_one_line(tmp_path: Path) -> None:
+    # It used to be a raw "ValueError: invalid literal for int()" traceback.
+    command = [sys.executable, str(SCRIPT), str(tmp_path), "--trainer.max_duration.value=x"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=patient(120))
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[0] == (
+        "error: trainer.max_duration.value: expected an integer, got 'x'"
+    ), result.stderr
+    assert "Traceback" not in result.stderr

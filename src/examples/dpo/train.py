@@ -6,7 +6,12 @@ Usage::
     torchrun --nproc-per-node=2 src/examples/dpo/train.py [RUN_NAME] [...]
 
 Each pair's prompt is 48 bytes of a stdlib ``.py`` file; the chosen response is the true next
-24 bytes, the rejected one the same bytes shuffled. Starting from a briefly pretrained policy
+24 bytes, the rejected one the same bytes shuffled. The pairs are written as preference JSONL
+(``runs/RUN_NAME/pairs.jsonl``: ``{"prompt", "chosen", "rejected"}`` per line) and prepared the
+way any dataset is, as ``olmolike prepare-data --dpo pairs.jsonl -o runs/RUN_NAME/pairs
+--sequence-length 80 --val-fraction 0.2`` would: the training rows and a held-out split (about
+``held_out_pairs`` of them: the split is a hash of each line). Starting from a briefly
+pretrained policy
 (which is also the frozen reference), DPO raises held-out preference accuracy (the fraction of
 pairs whose implicit reward margin is positive; ties count half) from ~0.5. The reference
 scores the training pairs once, before the first step (``precompute_reference_logps``), so each
@@ -20,18 +25,21 @@ checkpoint or a Hugging Face folder of the same architecture).
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from olmolike.config import Config
 from olmolike.data import TokenTensorDataLoader
-from olmolike.data.preference import PreferenceDataLoader, PreferencePair, encode_preference_pairs
+from olmolike.data.preference import PreferenceDataLoader, PreferencePair
+from olmolike.data.preference_prepare import load_preference_rows, prepare_preference_data
 from olmolike.data.sources import stdlib_python_files
 from olmolike.data.tokenizer import ByteTokenizer
-from olmolike.distributed.utils import get_rank, get_world_size
+from olmolike.distributed.utils import barrier, get_rank, get_world_size
 from olmolike.nn import TransformerConfig
 from olmolike.optim import AdamWConfig
 from olmolike.train import (
@@ -62,9 +70,11 @@ class DPOExperimentConfig(Config):
     pairs_per_batch: int = 16
     """Preference pairs per optimizer step, over all ranks (each pair is two sequences)."""
     train_pairs: int = 1024
-    """Distinct pairs DPO trains on (and the reference scores once, when precomputing)."""
+    """Distinct pairs DPO trains on, about (and the reference scores once, when precomputing)."""
     held_out_pairs: int = 256
-    """Pairs the policy never trains on: their preference accuracy is the example's figure."""
+    """Pairs the policy never trains on, about: their preference accuracy is the example's
+    figure. The prepared validation split holds each pair with probability
+    ``held_out_pairs / (train_pairs + held_out_pairs)``."""
     pretrain_steps: int = 60
     """LM steps on the prompts + true continuations before DPO, so the policy starts as a
     model of the data rather than at random; 0 skips it (e.g. with
@@ -157,10 +167,33 @@ def accuracy(module: object, rows: torch.Tensor) -> float:
     return float(module.preference_accuracy(batch))  # type: ignore[attr-defined]
 
 
+def prepare_pairs(config: DPOExperimentConfig) -> Path:
+    """Write the pairs as preference JSONL and prepare them as ``prepare-data --dpo`` does."""
+    folder = Path(config.trainer.save_folder)
+    total = config.train_pairs + config.held_out_pairs
+    if get_rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        records = (
+            json.dumps({"prompt": p.prompt, "chosen": p.chosen, "rejected": p.rejected})
+            for p in make_pairs(total, seed=1)
+        )
+        (folder / "pairs.jsonl").write_text("\n".join(records) + "\n")
+        prepare_preference_data(
+            [folder / "pairs.jsonl"],
+            folder / "pairs",
+            sequence_length=SEQ,
+            val_fraction=config.held_out_pairs / total,
+            overwrite=True,
+        )
+    barrier()
+    return folder / "pairs"
+
+
 def train(config: DPOExperimentConfig) -> None:
     torch.manual_seed(0)
-    train_rows = encode_preference_pairs(make_pairs(config.train_pairs, seed=1), TOK, SEQ)
-    held_out = encode_preference_pairs(make_pairs(config.held_out_pairs, seed=2), TOK, SEQ)
+    pairs = prepare_pairs(config)
+    train_rows = load_preference_rows(pairs, "train").long()
+    held_out = load_preference_rows(pairs, "val").long()
     model = config.model.build(seed=0)
     if config.pretrain_steps:
         pretrain(config, model, train_rows[:, :SEQ].contiguous())

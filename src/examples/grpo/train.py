@@ -1,29 +1,44 @@
-"""GRPO on small sums with an exact-answer reward, after a short warm-up on a stream of sums.
+"""GRPO on small sums, against the same compute spent on more supervised training.
 
 The task is generated here: the 400 sums ``a+b`` of ``a, b`` in 0..19, as prompts ``"07+15="``
-whose answer is ``"22"``. The warm-up is language modelling on documents of one to three sums
-(``"07+15=22;03+11=14<eos>"``): the model learns the sums and the format, but after an answer
-it as often goes on with ``";"`` and another sum as it stops. GRPO then samples ``group_size``
-answers per prompt and rewards exactly the right sum, ended (a completion that goes on earns
-nothing). It trains on 300 of the prompts (``OUT/train.jsonl``, prompt JSONL ``{"prompt":
-"07+15=", "answer": "22"}``); the other 100 (``OUT/heldout.jsonl``) are never GRPO prompts,
-and greedy accuracy on them is printed before and after GRPO. The metrics go to
-``OUT/grpo/metrics.jsonl`` for ``olmolike plot``.
+whose answer is ``"22"``. 300 of them are training prompts (``OUT/train.jsonl``, prompt JSONL
+``{"prompt": "07+15=", "answer": "22"}``); the other 100 (``OUT/heldout.jsonl``) are never
+trained on after the warm-up, and greedy exact-answer accuracy on them is the figure reported.
 
-    python src/examples/grpo/train.py [OUT] [GRPO_STEPS] [SFT_STEPS]
+1. **Warm-up**: language modelling on documents of one to three sums joined by ``";"``
+   (``"07+15=22;03+11=14<eos>"``), drawn from all 400 sums. The model learns the sums and the
+   format, but after an answer it goes on with ``";"`` as often as it stops. So what is left
+   to learn is to *stop*, not arithmetic: this demonstration measures how well each method
+   teaches a behaviour the model can already produce.
+2. From the same warm-up, two arms on the same 300 prompts, with the same number of tokens
+   per step (generated plus trained; ``GRPO's`` reference-model forward is not counted):
+
+   * **GRPO**: ``group_size`` samples per prompt, reward 1 for exactly the right sum ended by
+     EOS (a completion that goes on earns nothing);
+   * **SFT**: language modelling on the prompts with their right answers and EOS
+     (``"07+15=22<eos>"``), rows of the same width as GRPO's.
+
+Both accuracies go to ``OUT/accuracy.json``, GRPO's metrics to ``OUT/grpo/metrics.jsonl`` (for
+``olmolike plot``). Every setting is a dotted override, as for ``olmolike train``::
+
+    python src/examples/grpo/train.py [OUT] [--trainer.max_duration.value=50] [--warm_up.steps=300]
+        [--compare_with_sft=false] [--dry-run]
     torchrun --nproc-per-node=2 src/examples/grpo/train.py [OUT] [...]
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from olmolike.config import Config
 from olmolike.data import TokenTensorDataLoader
 from olmolike.data.prompts import PromptDataLoader, PromptRecord, read_prompt_jsonl
 from olmolike.data.tokenizer import ByteTokenizer
@@ -33,6 +48,7 @@ from olmolike.nn.generation import sample
 from olmolike.optim import AdamWConfig, ConstantWithWarmup
 from olmolike.train import (
     Duration,
+    DurationUnit,
     TrainerConfig,
     prepare_training_environment,
     teardown_training_environment,
@@ -50,8 +66,7 @@ from olmolike.train.train_module.grpo import (
 TOK = ByteTokenizer()
 SEQ = 32  # a warm-up document of three sums and its EOS fits
 HELD_OUT = 100
-PROMPTS_PER_STEP = 16  # over all ranks
-GROUP = 8
+PROMPT_TOKENS = 6  # "07+15="
 
 rewards = RewardRegistry()
 
@@ -60,6 +75,70 @@ rewards = RewardRegistry()
 def exact_answer(completions: list[str], answer: list[str], **_: Any) -> list[float]:
     """1 for exactly the right sum, ended by EOS (the completion holds nothing else), else 0."""
     return [float(c == a) for c, a in zip(completions, answer)]
+
+
+@dataclass
+class WarmUpConfig(Config):
+    """The language-modelling warm-up both arms start from."""
+
+    steps: int = 300
+    lr: float = 3e-3
+    batch: int = 64
+    """Documents per step, over all ranks."""
+
+
+@dataclass
+class GRPODemoConfig(Config):
+    """Everything the demonstration is built from; any field is a dotted override."""
+
+    out: str
+    """Where the task files, GRPO's metrics and ``accuracy.json`` go."""
+    model: TransformerConfig = field(
+        default_factory=lambda: TransformerConfig(
+            vocab_size=TOK.vocab_size, d_model=64, n_layers=2, n_heads=4, max_sequence_length=SEQ
+        )
+    )
+    warm_up: WarmUpConfig = field(default_factory=WarmUpConfig)
+    prompts_per_step: int = 16
+    """GRPO prompts per step, over all ranks."""
+    train_module: GRPOTrainModuleConfig = field(
+        default_factory=lambda: GRPOTrainModuleConfig(
+            rank_microbatch_size=16 * 8 * SEQ,
+            optim=AdamWConfig(lr=5e-4, weight_decay=0.0),
+            scheduler=ConstantWithWarmup(warmup=10),
+            max_grad_norm=1.0,
+            loss=GRPOLossConfig(group_size=8, kl_coef=0.02),
+            sampling=SamplingConfig(max_new_tokens=4),
+            rewards=[RewardConfig("exact_answer")],
+            num_iterations=2,
+        )
+    )
+    trainer: TrainerConfig = field(
+        default_factory=lambda: TrainerConfig(
+            save_folder="grpo",
+            max_duration=Duration.steps(300),
+            no_checkpoints=True,
+            metrics_collect_interval=10,
+            callbacks={"metric_saver": MetricSaverCallback()},
+        )
+    )
+    """GRPO's trainer; ``save_folder`` is under ``out``."""
+    compare_with_sft: bool = True
+    """Also train the supervised arm from the same warm-up with the same tokens per step."""
+
+    def validate(self) -> None:
+        if self.prompts_per_step % get_world_size():
+            raise self._invalid("prompts_per_step", "must be a multiple of the number of ranks")
+        if self.trainer.max_duration.unit != DurationUnit.steps:
+            raise self._invalid(
+                "trainer.max_duration.unit", "must be steps: the SFT arm trains as many steps"
+            )
+
+    def tokens_per_grpo_step(self) -> int:
+        """Generated tokens plus tokens through a training forward and backward, per step."""
+        rollouts = self.prompts_per_step * self.train_module.loss.group_size
+        new = self.train_module.sampling.max_new_tokens
+        return rollouts * new + rollouts * (PROMPT_TOKENS + new) * self.train_module.num_iterations
 
 
 def write_task(out: Path) -> None:
@@ -72,35 +151,55 @@ def write_task(out: Path) -> None:
         (out / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
 
 
-def model_config() -> TransformerConfig:
-    return TransformerConfig(
-        vocab_size=TOK.vocab_size, d_model=64, n_layers=2, n_heads=4, max_sequence_length=SEQ
-    )
-
-
-def warm_up_documents(records: list[PromptRecord], count: int) -> torch.Tensor:
-    """``count`` documents of one to three random sums joined by ``";"``, each ended by EOS
-    and padded with EOS: after an answer, a document ends as often as it goes on."""
-    rng = random.Random(1)
-    rows = torch.full((count, SEQ), TOK.eos_token_id, dtype=torch.long)
-    for i in range(count):
-        sums = rng.choices(records, k=rng.randint(1, 3))
-        ids = TOK.encode(";".join(r.prompt + r.fields["answer"] for r in sums))
+def rows_of(texts: list[str], width: int) -> torch.Tensor:
+    """Each text and its EOS, padded with EOS to ``width`` tokens."""
+    rows = torch.full((len(texts), width), TOK.eos_token_id, dtype=torch.long)
+    for i, text in enumerate(texts):
+        ids = TOK.encode(text)
         rows[i, : len(ids)] = torch.tensor(ids)
     return rows
 
 
-def warm_up(model: Transformer, records: list[PromptRecord], out: Path, steps: int) -> None:
-    batch = 64
+def language_model(model: Transformer, rows: torch.Tensor, batch: int, lr: float, steps: int,
+                   folder: Path) -> None:  # fmt: skip
+    """Train ``model`` on ``rows`` (``batch`` of them per step, over all ranks)."""
+    width = rows.shape[1]
     config = TransformerTrainModuleConfig(
-        rank_microbatch_size=batch // get_world_size() * SEQ, optim=AdamWConfig(lr=3e-3)
+        rank_microbatch_size=batch // get_world_size() * width, optim=AdamWConfig(lr=lr)
     )
-    rows = warm_up_documents(records, 20_000)
-    loader = TokenTensorDataLoader(rows, global_batch_size=batch * SEQ, seed=0)
+    loader = TokenTensorDataLoader(rows, global_batch_size=batch * width, seed=0)
     TrainerConfig(
-        save_folder=str(out / "sft"), max_duration=Duration.steps(steps), no_checkpoints=True,
-        device="cpu", metrics_collect_interval=50,
+        save_folder=str(folder), max_duration=Duration.steps(steps), no_checkpoints=True,
+        metrics_collect_interval=50,
     ).build(config.build(model), loader).fit()  # fmt: skip
+
+
+def warm_up(model: Transformer, records: list[PromptRecord], config: GRPODemoConfig) -> None:
+    """Documents of one to three sums joined by ";": a document ends after an answer as
+    often as it goes on."""
+    rng = random.Random(1)
+    documents = [
+        ";".join(r.prompt + r.fields["answer"] for r in rng.choices(records, k=rng.randint(1, 3)))
+        for _ in range(20_000)
+    ]
+    steps, lr, batch = config.warm_up.steps, config.warm_up.lr, config.warm_up.batch
+    language_model(model, rows_of(documents, SEQ), batch, lr, steps, Path(config.out) / "sft")
+
+
+def supervised_arm(model: Transformer, records: list[PromptRecord], config: GRPODemoConfig) -> int:
+    """The prompts with their right answers and EOS, as many tokens per step as GRPO's;
+    returns the tokens per step."""
+    width = PROMPT_TOKENS + config.train_module.sampling.max_new_tokens
+    ranks = get_world_size()
+    batch = max(ranks, config.tokens_per_grpo_step() // width // ranks * ranks)
+    steps = config.trainer.max_duration.value
+    rng = random.Random(2)
+    texts = [r.prompt + r.fields["answer"] for r in records]
+    epochs = [rng.sample(texts, len(texts)) for _ in range(-(-batch * steps // len(texts)))]
+    rows = rows_of([t for epoch in epochs for t in epoch], width)
+    lr = config.train_module.optim.lr
+    language_model(model, rows, batch, lr, steps, Path(config.out) / "sft-arm")
+    return batch * width
 
 
 @torch.no_grad()
@@ -119,55 +218,66 @@ def accuracy(model: torch.nn.Module, records: list[PromptRecord]) -> float:
     return sum(exact_answer(answers, [r.fields["answer"] for r in records])) / len(records)
 
 
-def grpo(model: Transformer, out: Path, steps: int) -> None:
-    config = GRPOTrainModuleConfig(
-        rank_microbatch_size=PROMPTS_PER_STEP * GROUP * SEQ,
-        optim=AdamWConfig(lr=5e-4, weight_decay=0.0),
-        scheduler=ConstantWithWarmup(warmup=min(10, steps)),
-        max_grad_norm=1.0,
-        loss=GRPOLossConfig(group_size=GROUP, kl_coef=0.02),
-        sampling=SamplingConfig(max_new_tokens=4),
-        rewards=[RewardConfig("exact_answer")],
-        num_iterations=2,
-    )
-    module = config.build(model, tokenizer=TOK, registry=rewards)
+def grpo(model: Transformer, config: GRPODemoConfig) -> None:
+    out = Path(config.out)
+    module = config.train_module.build(model, tokenizer=TOK, registry=rewards)
     loader = PromptDataLoader(
         read_prompt_jsonl(out / "train.jsonl"),
-        prompts_per_rank=PROMPTS_PER_STEP // get_world_size(),
+        prompts_per_rank=config.prompts_per_step // get_world_size(),
         seed=0,
     )
-    TrainerConfig(
-        save_folder=str(out / "grpo"), max_duration=Duration.steps(steps), no_checkpoints=True,
-        device="cpu", metrics_collect_interval=10, callbacks={"metric_saver": MetricSaverCallback()},
-    ).build(module, loader).fit()  # fmt: skip
+    trainer = config.trainer.replace(save_folder=str(out / config.trainer.save_folder))
+    trainer.build(module, loader).fit()
 
 
-def main(out: str = "runs/grpo-demo", grpo_steps: int = 300, sft_steps: int = 300) -> None:
-    prepare_training_environment(seed=0)
-    folder = Path(out)
+def run(config: GRPODemoConfig) -> None:
+    folder = Path(config.out)
     if get_rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
         write_task(folder)
     barrier()
     train, held_out = (read_prompt_jsonl(folder / f"{n}.jsonl") for n in ("train", "heldout"))
-    model = model_config().build(seed=0)
-    warm_up(model, [*train, *held_out], folder, sft_steps)  # the warm-up sees every sum
+    model = config.model.build(seed=0)
+    warm_up(model, [*train, *held_out], config)
     before = accuracy(model, held_out)
-    grpo(model, folder, grpo_steps)
-    after = accuracy(model, held_out)
+    sft_model = copy.deepcopy(model) if config.compare_with_sft else None
+    grpo(model, config)
+    result: dict[str, Any] = {
+        "warm_up_steps": config.warm_up.steps,
+        "steps": config.trainer.max_duration.value,
+        "before": before,
+        "grpo": accuracy(model, held_out),
+        "grpo_tokens_per_step": config.tokens_per_grpo_step(),
+    }
+    if sft_model is not None:
+        result["sft_tokens_per_step"] = supervised_arm(sft_model, train, config)
+        result["sft"] = accuracy(sft_model, held_out)
     if get_rank() == 0:
-        result = {
-            "sft_steps": sft_steps,
-            "grpo_steps": grpo_steps,
-            "before": before,
-            "after": after,
-        }
         (folder / "accuracy.json").write_text(json.dumps(result) + "\n")
-        print(f"held-out greedy accuracy ({HELD_OUT} sums): after the SFT warm-up {before:.3f}  "
-              f"after {grpo_steps} GRPO steps {after:.3f}")  # fmt: skip
-    teardown_training_environment()
+        line = (
+            f"held-out greedy accuracy ({HELD_OUT} sums): after the warm-up {before:.3f}, "
+            f"after {result['steps']} GRPO steps {result['grpo']:.3f}"
+        )
+        if "sft" in result:
+            line += f", after {result['steps']} SFT steps of as many tokens {result['sft']:.3f}"
+        print(line)
+
+
+def main(argv: list[str]) -> None:
+    # First: a mistake in the overrides is then one line on the console (once per job).
+    prepare_training_environment(seed=0)
+    try:
+        named = bool(argv) and not argv[0].startswith("-")
+        out, overrides = (argv[0], argv[1:]) if named else ("runs/grpo-demo", argv)
+        config = GRPODemoConfig(out=out).merge([o for o in overrides if o != "--dry-run"])
+        if "--dry-run" in overrides:
+            if get_rank() == 0:
+                print(config.to_yaml(), end="")
+            return
+        run(config)
+    finally:
+        teardown_training_environment()
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    main(*(args[:1]), *(int(a) for a in args[1:]))
+    main(sys.argv[1:])

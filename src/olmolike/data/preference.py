@@ -22,7 +22,6 @@ over rejected, so the train module scores both in one forward. ``olmolike prepar
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 from ..exceptions import DataError
 from .chat_template import ChatTemplate, Message
 from .data_loader import Batch, TokenTensorDataLoader
+from .prepared_io import read_jsonl
 from .tokenizer import Tokenizer
 
 __all__ = [
@@ -117,17 +117,10 @@ def parse_preference_record(record: Any, where: str) -> PreferencePair:
 
 def read_preference_jsonl(path: str | Path) -> list[PreferencePair]:
     """Read preference records, one per line; blank lines skipped."""
-    pairs: list[PreferencePair] = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e})") from e
-            pairs.append(parse_preference_record(record, where))
+    pairs = [
+        parse_preference_record(record, f"{path}, line {number}")
+        for number, record in read_jsonl(path)
+    ]
     if not pairs:
         raise DataError(f"{path} holds no preference records")
     return pairs
