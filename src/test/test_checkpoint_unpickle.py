@@ -8,6 +8,7 @@ olmolike, of stock DCP and of OLMo-core 3.0 still load.
 
 from __future__ import annotations
 
+import io
 import operator
 import pickle
 from pathlib import Path
@@ -38,6 +39,7 @@ from olmolike.distributed.checkpoint_format import (
     read_metadata,
     verify_checkpoint,
 )
+from olmolike.distributed.checkpoint_unpickle import unpickle_metadata
 from olmolike.exceptions import CheckpointError
 from olmolike.nn import TransformerConfig
 from olmolike.train import Duration
@@ -289,3 +291,83 @@ def test_readers_refuse_dcps_default_planner(tmp_path: Path) -> None:
     state = model_and_optim_state_dict(*stepped())
     with pytest.raises(BaseException, match="WeightsOnlyLoadPlanner"):
         dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
+
+
+# -- the unpickler itself -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "module, name",
+    [
+        ("builtins", "exec"),
+        ("builtins", "getattr"),
+        ("os", "system"),
+        ("subprocess", "Popen"),
+        ("torch", "load"),
+        ("torch", "serialization.os"),  # a dotted name reaches further: never resolved
+        ("torch.distributed.checkpoint.metadata", "torch"),
+    ],
+)
+def test_the_metadata_unpickler_refuses_every_other_name(module: str, name: str) -> None:
+    payload = b"\x80\x02c" + f"{module}\n{name}\n".encode() + b")R."  # call module.name()
+    with pytest.raises(CheckpointError, match=rf"refusing to unpickle {module}\.{name} from x"):
+        unpickle_metadata(io.BytesIO(payload), "x")
+
+
+def test_the_metadata_unpickler_wants_dcp_metadata() -> None:
+    with pytest.raises(CheckpointError, match="holds a dict, not DCP metadata"):
+        unpickle_metadata(io.BytesIO(pickle.dumps({"state_dict_metadata": {}})), "x")
+
+
+# -- what must still load -------------------------------------------------------------------------
+
+
+def assert_loads(dir: Path, model: nn.Module, optim: torch.optim.Optimizer, out: Path) -> None:
+    """``dir`` loads through the functional API, ``load_keys`` and unshard, as saved."""
+    fresh, fresh_optim = stepped(seed=7)
+    load_model_and_optim_state(dir, fresh, fresh_optim)
+    for key, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+    saved_lr = optim.state_dict()["param_groups"][0]["lr"]
+    assert fresh_optim.state_dict()["param_groups"][0]["lr"] == saved_lr
+    (weight,) = load_keys(dir, ["model.w1.weight"])
+    assert torch.equal(weight, model.w1.weight)
+    model_path, optim_path = unshard_checkpoint(dir, out, optim=True, quiet=True)
+    assert torch.equal(torch.load(model_path, weights_only=True)["w2.bias"], model.w2.bias)
+    assert optim_path is not None
+
+
+@pytest.mark.parametrize("single_file_per_rank", [True, False], ids=["one-file", "file-per-item"])
+def test_a_stock_dcp_checkpoint_loads(tmp_path: Path, single_file_per_rank: bool) -> None:
+    model, optim = stepped()
+    writer = dcp.FileSystemWriter(str(tmp_path / "c"), single_file_per_rank=single_file_per_rank)
+    dcp.save(model_and_optim_state_dict(model, optim), storage_writer=writer, no_dist=True)
+    assert_loads(tmp_path / "c", model, optim, tmp_path / "out")
+
+
+def test_an_olmo_core_3_checkpoint_loads(tmp_path: Path) -> None:
+    olmo_checkpoint = pytest.importorskip("olmo_core.distributed.checkpoint")
+    model, optim = stepped()
+    olmo_checkpoint.save_model_and_optim_state(str(tmp_path / "c"), model, optim)
+    # Its metadata names OLMo-core's own _StorageInfo; read as torch's (OLMo-core not imported).
+    assert b"olmo_core.distributed.checkpoint.filesystem" in (tmp_path / "c/.metadata").read_bytes()
+    assert_loads(tmp_path / "c", model, optim, tmp_path / "out")
+
+
+def test_metadata_of_older_torch_and_python_loads(tmp_path: Path) -> None:
+    """Older torch releases pickled TensorProperties from the sharded-tensor module; Python
+    3.13 pickles PosixPath as pathlib._local's; older pickle protocols name more classes."""
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    model, optim = stepped()
+    save_state_dict(tmp_path / "c", model_and_optim_state_dict(model, optim))
+    metadata = pickle.loads((tmp_path / "c/.metadata").read_bytes())
+    for item in metadata.state_dict_metadata.values():
+        if isinstance(item, TensorStorageMetadata):
+            item.properties = TensorProperties(dtype=item.properties.dtype)
+    old = pickle.dumps(metadata, protocol=2)
+    old = old.replace(b"cpathlib\nPosixPath\n", b"cpathlib._local\nPosixPath\n")
+    assert b"pathlib._local" in old and b"_shard.sharded_tensor.metadata" in old
+    (tmp_path / "c/.metadata").write_bytes(old)
+    assert_loads(tmp_path / "c", model, optim, tmp_path / "out")

@@ -55,7 +55,7 @@ def _metadata_classes() -> dict[tuple[str, str], Any]:
         # OLMo-core's writer pickles its own copy of it (without transform_descriptors, which
         # torch's class defaults to None): read as torch's, so OLMo-core need not be installed.
         ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-        # Before torch 2.3, DCP pickled TensorProperties from its sharded-tensor module.
+        # Older torch releases pickled TensorProperties from the sharded-tensor module.
         **{
             (old_metadata.__name__, name): getattr(old_metadata, name)
             for name in ("TensorProperties", "MEM_FORMAT_ENCODING")
@@ -75,7 +75,7 @@ def _metadata_classes() -> dict[tuple[str, str], Any]:
     for name, value in vars(torch).items():  # dtypes, layouts, memory formats: constants
         if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
             admitted[("torch", name)] = value
-    # Containers of plain values that older pickle protocols name instead of an opcode.
+    # Plain values that pickle names as a class (sets before protocol 4, for one); harmless.
     for kind in (set, frozenset, bytearray, complex):
         admitted[("builtins", kind.__name__)] = kind
     return admitted
