@@ -214,23 +214,35 @@ def trained(save_folder: Path, steps: int = 1, **callbacks: Any) -> None:
     ).fit()
 
 
-def test_resume_refuses_crafted_metadata_and_trainer_state(tmp_path: Path) -> None:
+def craft(step: Path, kind: str, marker: Path) -> None:
+    """Make the train checkpoint ``step`` run code (creating ``marker``) when read."""
+    dcp_dir = step / MODEL_AND_OPTIM
+    if kind == "metadata":
+        craft_metadata(dcp_dir, marker)
+    elif kind == "train state":
+        torch.save({"global_step": _RunsCode(marker)}, step / TRAIN_STATE / "rank0.pt")
+    elif any(key.startswith("optim.") for key in read_metadata(dcp_dir).state_dict_metadata):
+        # (The checkpoint saved before the first step has no optimizer state.)
+        model, optim = load_keys(dcp_dir, ["model", "optim"])
+        optim["param_groups"][0]["lr"] = _RunsCodeThenReturns(marker, 0.01)
+        save_state_dict(dcp_dir, {"model": model, "optim": optim}, save_overwrite=True)
+
+
+@pytest.mark.parametrize("kind", ["metadata", "value", "train state"])
+def test_resume_refuses_a_crafted_checkpoint(tmp_path: Path, kind: str) -> None:
     trained(tmp_path / "run")
     steps = sorted((tmp_path / "run").glob("step*"))
-    assert steps, "the run saved no checkpoint"
-    for kind in ("metadata", "train state"):
-        save = tmp_path / kind
-        marker = tmp_path / f"ran-{kind}"
-        for step in steps:
-            target = save / step.name
-            fsspec.filesystem("file").copy(str(step), str(target), recursive=True)
-            if kind == "metadata":
-                craft_metadata(target / MODEL_AND_OPTIM, marker)
-            else:
-                torch.save({"global_step": _RunsCode(marker)}, target / TRAIN_STATE / "rank0.pt")
-        with pytest.raises(CheckpointError, match=r"refusing|Weights only load failed"):
-            trained(save, steps=2)
-        assert not marker.exists(), kind
+    assert len(steps) == 2, steps  # before the first step and after it
+    marker = tmp_path / "ran"
+    for step in steps:
+        fsspec.filesystem("file").copy(
+            str(step), str(tmp_path / "save" / step.name), recursive=True
+        )
+        craft(tmp_path / "save" / step.name, kind, marker)
+    expected = {"metadata": REFUSED_METADATA, "value": REFUSED_VALUE, "train state": "Weights only"}
+    with pytest.raises(CheckpointError, match=expected[kind]):
+        trained(tmp_path / "save", steps=2)
+    assert not marker.exists()
 
 
 def test_the_reproducibility_check_refuses_a_crafted_metadata(
