@@ -9,8 +9,8 @@ signatures and meaning: save and load model and optimizer state (sync or async, 
 with a flattened optimizer state, renamed parameters or a partial load), read a checkpoint's
 metadata or chosen keys in a plain process, unshard it into plain files, and edit nested state
 dicts by dotted keys. A save to a URL is written locally, then uploaded (object stores have
-no rename, which DCP's writer needs). Non-tensor values are read with ``weights_only=True``:
-reading a checkpoint never runs code from it.
+no rename, which DCP's writer needs). DCP's ``.metadata`` and non-tensor values are
+unpickled by :mod:`.checkpoint_unpickle`: reading a checkpoint never runs code from it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import (
@@ -45,6 +44,7 @@ from .checkpoint_download import local_copy
 from .checkpoint_format import dcp_dir_of, read_metadata
 from .checkpoint_reader import load_keys
 from .checkpoint_storage import dcp_reader, dcp_writer, default_thread_count
+from .checkpoint_unpickle import WeightsOnlyLoadPlanner
 from .save_target import ShardWritten, after_async_save, save_target
 from .state_dict_keys import merge_state_dicts, prune_state_dict, swap_param_keys
 from .unshard import UnshardStrategy, UnshardStrategyType, unshard_checkpoint
@@ -261,7 +261,7 @@ def _load(
     dcp.load(
         state_dict,
         storage_reader=dcp_reader(dir, thread_count),
-        planner=DefaultLoadPlanner(allow_partial_load=not strict),
+        planner=WeightsOnlyLoadPlanner(allow_partial_load=not strict),
         process_group=group,
         no_dist=not is_distributed(),
     )

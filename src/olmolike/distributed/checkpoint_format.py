@@ -191,7 +191,11 @@ def dcp_dir_of(dir: str | Path) -> str:
 
 
 def read_metadata(dir: str | Path) -> Metadata:
-    """DCP's ``.metadata`` of the checkpoint in ``dir`` (which tensors, shapes, shard files)."""
+    """DCP's ``.metadata`` of the checkpoint in ``dir`` (which tensors, shapes, shard files),
+    unpickled without running code from it (:mod:`.checkpoint_unpickle`).
+
+    :raises CheckpointError: if it names anything DCP metadata is not made of.
+    """
     return dcp_reader(dir).read_metadata()
 
 

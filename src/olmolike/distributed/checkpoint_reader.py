@@ -2,8 +2,8 @@
 
 :func:`load_keys` (OLMo-core's name) returns chosen values of a checkpoint unsharded;
 :mod:`.unshard` streams a whole checkpoint into plain files through :class:`CheckpointSource`.
-Non-tensor values are unpickled with ``weights_only=True``: reading a checkpoint never runs
-code from it.
+Its ``.metadata`` and non-tensor values are unpickled by :mod:`.checkpoint_unpickle`:
+reading a checkpoint never runs code from it.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
 
 from .. import io
 from ..exceptions import CheckpointError
 from .checkpoint_download import download_dir
-from .checkpoint_format import dcp_dir_of, dcp_reader
+from .checkpoint_format import dcp_dir_of, dcp_reader, describe_error
+from .checkpoint_unpickle import WeightsOnlyLoadPlanner
 
 __all__ = ["CheckpointSource", "SavedTensor", "StatePath", "load_keys", "nest", "open_checkpoint"]
 
@@ -52,20 +52,6 @@ class SavedTensor:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
-
-
-class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner, but non-tensor values are unpickled with ``weights_only=True``.
-
-    The default runs arbitrary pickled code; these are plain numbers, strings and tuples.
-    Works on flat state dicts only (``flatten_state_dict=False``), which is all we load.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False)
-
-    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
-        self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
 
 class CheckpointSource:
@@ -151,8 +137,12 @@ class CheckpointSource:
         return nest((("", *path), state[k]) for k, path in below)[""]
 
     def _load(self, state: dict[str, Any]) -> None:
-        planner = _WeightsOnlyLoadPlanner()
-        dcp.load(state, storage_reader=self._reader, planner=planner, no_dist=True)
+        # The state is flat (DCP keys), so the planner must not flatten it again.
+        planner = WeightsOnlyLoadPlanner(flatten_state_dict=False)
+        try:
+            dcp.load(state, storage_reader=self._reader, planner=planner, no_dist=True)
+        except CheckpointException as e:  # a BaseException, one per failed read
+            raise CheckpointError(f"reading {self.dir} failed: {describe_error(e)}") from None
 
 
 @contextlib.contextmanager

@@ -5,7 +5,8 @@ written by as many threads; :func:`dcp_writer` picks that count (:func:`default_
 unless given) and can report each finished file, so that a save to an object store uploads a
 shard while the next ones are still being written. Reading: torch's readers read one item
 after another; the readers here split a load plan into byte-balanced parts read by a thread
-pool (each part opens its own file handles), also for a checkpoint written as a single file.
+pool (each part opens its own file handles), also for a checkpoint written as a single file,
+and never run code from the checkpoint (:mod:`.checkpoint_unpickle`).
 The bytes on disk are DCP's own: checkpoints stay readable by plain DCP, and older ones here.
 """
 
@@ -18,15 +19,17 @@ import os
 from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from .. import io
+from .checkpoint_unpickle import WeightsOnlyLoadPlanner, unpickle_metadata
 
 __all__ = ["MAX_DEFAULT_THREADS", "dcp_reader", "dcp_writer", "default_thread_count"]
 
@@ -107,26 +110,46 @@ def _read_in_parallel(
     return done
 
 
-class ParallelFileSystemReader(FileSystemReader):
-    """torch's local reader, reading a plan's items with ``thread_count`` threads."""
+class _SafeParallelReading(FileSystemReader):
+    """What olmolike's readers add to torch's: ``.metadata`` read by the restricted unpickler
+    of :mod:`.checkpoint_unpickle`, only :class:`WeightsOnlyLoadPlanner` accepted (so that no
+    non-tensor value is unpickled unrestricted), a plan's items read with several threads."""
+
+    thread_count: int
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        # torch's FileSystemReader.read_metadata, with pickle.load made safe.
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as file:
+            metadata = unpickle_metadata(cast(IO[bytes], file), str(path))
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if not isinstance(planner, WeightsOnlyLoadPlanner):
+            raise TypeError(
+                f"olmolike's checkpoint readers load with WeightsOnlyLoadPlanner, not "
+                f"{type(planner).__name__}: the default unpickles values unrestricted"
+            )
+        return _read_in_parallel(self, super().read_data, plan, planner, self.thread_count)
+
+
+class ParallelFileSystemReader(_SafeParallelReading):
+    """torch's local reader, made safe and reading with ``thread_count`` threads."""
 
     def __init__(self, path: str | os.PathLike[str], thread_count: int | None = None) -> None:
         super().__init__(path)
         self.thread_count = thread_count or default_thread_count()
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        return _read_in_parallel(self, super().read_data, plan, planner, self.thread_count)
 
-
-class ParallelFsspecReader(FsspecReader):
-    """torch's fsspec reader (object stores), reading with ``thread_count`` threads."""
+class ParallelFsspecReader(_SafeParallelReading, FsspecReader):
+    """torch's fsspec reader (object stores), made safe and reading with ``thread_count``
+    threads."""
 
     def __init__(self, path: str, thread_count: int | None = None) -> None:
         super().__init__(path)
         self.thread_count = thread_count or default_thread_count()
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        return _read_in_parallel(self, super().read_data, plan, planner, self.thread_count)
 
 
 def dcp_reader(dir: str | Path, thread_count: int | None = None) -> FileSystemReader:
