@@ -2,7 +2,7 @@
 
 :func:`load_pretrained_weights` loads *weights only* (no optimizer, scheduler, data position
 or step count) into a model that may be plain, wrapped in DDP or sharded with FSDP2, on one
-rank or many. :class:`InitWeightsCallback` does it at the start of a run that does not
+rank or many. :class:`~olmolike.train.callbacks.InitWeightsCallback` does it at the start of a run that does not
 resume from a checkpoint; ``TransformerTrainModuleConfig.init_weights`` adds it.
 """
 
@@ -11,9 +11,8 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
@@ -39,10 +38,9 @@ from ..nn.hf_import import (
 )
 from ..nn.rope import RopeScalingConfig
 from ..nn.transformer import TransformerConfig
-from .callbacks.callback import Callback
 from .checkpoint import Checkpointer
 
-__all__ = ["InitWeightsCallback", "load_pretrained_weights"]
+__all__ = ["load_pretrained_weights"]
 
 log = logging.getLogger(__name__)
 
@@ -261,37 +259,3 @@ def _checkpoint_model_config(checkpoint: str) -> dict[str, Any]:
             except (ConfigurationError, TypeError):
                 return {}  # not a TransformerConfig: the tensor shapes are still checked
     return {}
-
-
-# -- the run's start ------------------------------------------------------------------------
-
-
-@dataclass
-class InitWeightsCallback(Callback):
-    """Loads pretrained weights into the train module's model before the first step, unless
-    the run resumed from a checkpoint (which then has the weights the run had reached)."""
-
-    source: str = ""
-    """A Hugging Face model folder or an olmolike checkpoint / save folder."""
-
-    priority: ClassVar[int] = 100
-    """Before anything looks at the model at the start: evaluators, the step-0 checkpoint."""
-
-    def validate(self) -> None:
-        if not self.source:
-            raise ConfigurationError(
-                "must name a Hugging Face model folder or an olmolike checkpoint", path="source"
-            )
-
-    def pre_train(self) -> None:
-        if self.trainer.checkpoint_loaded:
-            log.info("resumed from a checkpoint: not loading the init weights %s", self.source)
-            return
-        model = getattr(self.trainer.train_module, "model", None)
-        if not isinstance(model, nn.Module):
-            raise ConfigurationError(
-                f"{type(self.trainer.train_module).__name__} has no `model` to load "
-                "pretrained weights into",
-                path="init_weights",
-            )
-        load_pretrained_weights(model, self.source, work_dir=self.trainer.work_dir)

@@ -19,6 +19,7 @@ from .gap_monitor import GAPMonitorCallback
 from .garbage_collector import GarbageCollectorCallback
 from .gpu_memory_monitor import GPUMemoryMonitorCallback
 from .hf_converter import HFConverterCallback
+from .init_weights import InitWeightsCallback
 from .list_checkpointer import CheckpointRemovalStrategy, ListCheckpointerCallback
 from .metric_saver import MetricSaverCallback
 from .model_merge import (
@@ -58,6 +59,7 @@ __all__ = [
     "GPUMemoryMonitorCallback",
     "GarbageCollectorCallback",
     "HFConverterCallback",
+    "InitWeightsCallback",
     "LMEvaluator",
     "LMEvaluatorCallbackConfig",
     "ListCheckpointerCallback",

@@ -24,8 +24,8 @@ from ...exceptions import ConfigurationError
 from ...nn.functional import cross_entropy_loss
 from ...optim import AdamWConfig, OptimConfig, Scheduler, SchedulerUnits
 from ...utils import get_default_device
+from ..callbacks.init_weights import InitWeightsCallback
 from ..common import ReduceType
-from ..weights import InitWeightsCallback
 from .train_module import ModelAndOptimTrainModule, labels_from_batch, microbatch_rows
 
 __all__ = [

@@ -52,8 +52,8 @@ from ....distributed.utils import get_rank
 from ....exceptions import ConfigurationError
 from ....optim import SchedulerUnits
 from ....utils import get_default_device
+from ...callbacks.init_weights import InitWeightsCallback
 from ...common import ReduceType
-from ...weights import InitWeightsCallback
 from ..reference import ReferenceModel, check_same_architecture
 from ..transformer import TransformerTrainModule, TransformerTrainModuleConfig
 from .loss import GRPOLossConfig, LossAggregation, grpo_loss

@@ -1,0 +1,53 @@
+"""Pretrained weights loaded into the model when a run starts (not when it resumes)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch.nn as nn
+
+from ...config_dict import register_config_class
+from ...exceptions import ConfigurationError
+from ..weights import load_pretrained_weights
+from .callback import Callback
+
+__all__ = ["InitWeightsCallback"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InitWeightsCallback(Callback):
+    """Loads pretrained weights into the train module's model before the first step, unless
+    the run resumed from a checkpoint (which then has the weights the run had reached)."""
+
+    source: str = ""
+    """A Hugging Face model folder or an olmolike checkpoint / save folder."""
+
+    priority: ClassVar[int] = 100
+    """Before anything looks at the model at the start: evaluators, the step-0 checkpoint."""
+
+    def validate(self) -> None:
+        if not self.source:
+            raise ConfigurationError(
+                "must name a Hugging Face model folder or an olmolike checkpoint", path="source"
+            )
+
+    def pre_train(self) -> None:
+        if self.trainer.checkpoint_loaded:
+            log.info("resumed from a checkpoint: not loading the init weights %s", self.source)
+            return
+        model = getattr(self.trainer.train_module, "model", None)
+        if not isinstance(model, nn.Module):
+            raise ConfigurationError(
+                f"{type(self.trainer.train_module).__name__} has no `model` to load "
+                "pretrained weights into",
+                path="init_weights",
+            )
+        load_pretrained_weights(model, self.source, work_dir=self.trainer.work_dir)
+
+
+# Its name before it moved here from olmolike.train.weights, for configs written then.
+register_config_class(InitWeightsCallback, "olmolike.train.weights.InitWeightsCallback")
