@@ -26,6 +26,7 @@ from .exceptions import NetworkError
 __all__ = [
     "create_file",
     "exists",
+    "fsync_path",
     "is_url",
     "join_path",
     "list_dir",
@@ -245,12 +246,12 @@ def _replace_atomically(target: Path, overwrite: bool, fill: Callable[[Path], ob
     tmp = _new_temp_file(target)
     try:
         fill(tmp)
-        _fsync_path(tmp)
+        fsync_path(tmp)
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_path(target.parent)  # the rename itself survives a crash only once its dir is synced
+    fsync_path(target.parent)  # the rename itself survives a crash only once its dir is synced
 
 
 def _new_temp_file(target: Path) -> Path:
@@ -265,8 +266,10 @@ def _new_temp_file(target: Path) -> Path:
             continue
 
 
-def _fsync_path(path: Path) -> None:
-    """Flush a file's or a directory's entries to disk (best effort for directories)."""
+def fsync_path(path: Path) -> None:
+    """Flush a file, or a directory's entries, to disk: a rename or a new file in a folder is
+    durable only once the folder is synced (best effort: some filesystems cannot fsync a
+    directory; a path that cannot be opened is skipped)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -308,7 +311,7 @@ def create_file(path: PathOrStr, contents: str | bytes) -> bool:
         return False
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_path(target.parent)
+    fsync_path(target.parent)
     return True
 
 

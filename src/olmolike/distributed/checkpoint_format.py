@@ -50,7 +50,6 @@ __all__ = [
     "describe_shape_mismatch",
     "dir_is_checkpoint",
     "find_checkpoints",
-    "fsync_dir",
     "latest_checkpoint",
     "load_train_state",
     "mark_damaged",
@@ -388,19 +387,6 @@ def write_synced(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries durable (the marker protocol relies on them)."""
-    if not path.is_dir():
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems cannot fsync a directory
-        pass
-    finally:
-        os.close(fd)
 
 
 def describe_error(error: BaseException | None) -> str:

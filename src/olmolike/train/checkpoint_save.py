@@ -34,7 +34,6 @@ from ..distributed.checkpoint_format import (
     TRAIN_STATE,
     describe_error,
     dir_is_checkpoint,
-    fsync_dir,
     remove_checkpoint,
     write_synced,
 )
@@ -237,13 +236,13 @@ class CheckpointSave:
             io.write_file(self.target, MARKER, marker, overwrite=True)
             return
         for folder in (self.staging / TRAIN_STATE, self.dcp_dir):
-            fsync_dir(folder)
+            io.fsync_path(folder)
         io.write_file(self.staging, MARKER, marker, overwrite=True)  # fsyncs it and its dir
         target = Path(self.target)
         if target.exists():
             remove_checkpoint(str(target))
         self.staging.rename(target)
-        fsync_dir(target.parent)
+        io.fsync_path(target.parent)
 
     # -- collectives -------------------------------------------------------------------------
 
