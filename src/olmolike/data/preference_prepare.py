@@ -26,9 +26,11 @@ from .prepared_io import (
     FORMAT_VERSION,
     SPLITS,
     begin_output,
+    check_settings,
     finish_output,
     in_validation,
     read_jsonl,
+    run_arguments,
     tokenizer_ids,
     write_atomically,
 )
@@ -55,10 +57,7 @@ def prepare_preference_data(
 ) -> dict[str, Any]:
     """Encode the preference JSONL ``inputs`` into pair rows under ``output_dir``; returns the
     metadata. ``chat_template`` (a Jinja file) replaces the tokenizer's template."""
-    if sequence_length < 2:
-        raise DataError(f"sequence_length must be at least 2, got {sequence_length}")
-    if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    check_settings(val_fraction, sequence_length)
     out = Path(output_dir)
     resolved = (tokenizer or TokenizerConfig()).resolve()
     built = resolved.build()
@@ -68,16 +67,15 @@ def prepare_preference_data(
         else chat_template_for(built.chat_template, chat_template)
     )
     sources = resolve_inputs(inputs, exclude=out)
-    arguments = {
-        "format_version": FORMAT_VERSION,
-        "kind": DPO_KIND,
-        "tokenizer": resolved.as_config_dict(),
-        "chat_template": None if template is None else template.source,
-        "sequence_length": sequence_length,
-        "val_fraction": val_fraction,
-        "seed": seed,
-        "sources": [{"path": s.name, "bytes": s.size} for s in sources],
-    }
+    arguments = run_arguments(
+        resolved,
+        sources,
+        kind=DPO_KIND,
+        chat_template=None if template is None else template.source,
+        sequence_length=sequence_length,
+        val_fraction=val_fraction,
+        seed=seed,
+    )
     finished = begin_output(out, arguments, overwrite)
     if finished is not None:
         return finished

@@ -37,8 +37,10 @@ from .prepared_io import (
     SPLITS,
     WORK_DIR,
     begin_output,
+    check_settings,
     finish_output,
     in_validation,
+    run_arguments,
     token_dtype,
     tokenizer_ids,
     write_atomically,
@@ -305,8 +307,7 @@ def prepare_data(
     Documents go to the validation split with probability ``val_fraction``, decided by a hash
     of ``(seed, source name, document index)``.
     """
-    if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    check_settings(val_fraction)
     if shard_tokens < 1 or workers < 1:
         raise DataError("shard_tokens and workers must be at least 1")
     out = Path(output_dir)
@@ -315,16 +316,15 @@ def prepare_data(
     dtype = token_dtype(resolved.vocab_size)
     sources = resolve_inputs(inputs, exclude=out)
     # Everything the output depends on; not ``workers``, which never changes it.
-    arguments = {
-        "format_version": FORMAT_VERSION,
-        "tokenizer": resolved.as_config_dict(),
-        "dtype": dtype.name,
-        "text_field": text_field,
-        "val_fraction": val_fraction,
-        "seed": seed,
-        "shard_tokens": shard_tokens,
-        "sources": [{"path": s.name, "bytes": s.size} for s in sources],
-    }
+    arguments = run_arguments(
+        resolved,
+        sources,
+        dtype=dtype.name,
+        text_field=text_field,
+        val_fraction=val_fraction,
+        seed=seed,
+        shard_tokens=shard_tokens,
+    )
     finished = begin_output(out, arguments, overwrite)
     if finished is not None:
         return PreparedData(out, finished)

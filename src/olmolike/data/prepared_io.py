@@ -37,10 +37,12 @@ __all__ = [
     "SPLITS",
     "WORK_DIR",
     "begin_output",
+    "check_settings",
     "claim_output",
     "finish_output",
     "in_validation",
     "read_jsonl",
+    "run_arguments",
     "token_dtype",
     "tokenizer_ids",
     "write_atomically",
@@ -99,6 +101,25 @@ def in_validation(seed: int, source: str, document: int, fraction: float) -> boo
 
 
 # -- output --------------------------------------------------------------------------------------
+
+
+def check_settings(val_fraction: float, sequence_length: int | None = None) -> None:
+    """Refuse a validation fraction outside [0, 1) and a sequence shorter than two tokens."""
+    if sequence_length is not None and sequence_length < 2:
+        raise DataError(f"sequence_length must be at least 2, got {sequence_length}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+
+
+def run_arguments(tokenizer: Any, sources: list[Any], **settings: Any) -> dict[str, Any]:
+    """Everything an output depends on, recorded before any work and compared on a rerun: the
+    format, the resolved tokenizer, ``settings`` and every source's name and size."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "tokenizer": tokenizer.as_config_dict(),
+        **settings,
+        "sources": [{"path": s.name, "bytes": s.size} for s in sources],
+    }
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

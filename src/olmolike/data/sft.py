@@ -38,9 +38,11 @@ from .prepared_io import (
     FORMAT_VERSION,
     SPLITS,
     begin_output,
+    check_settings,
     finish_output,
     in_validation,
     read_jsonl,
+    run_arguments,
     token_dtype,
     tokenizer_ids,
     write_atomically,
@@ -257,10 +259,7 @@ def prepare_sft_data(
 ) -> dict[str, Any]:
     """Prepare SFT sequences under ``output_dir`` (see the module docstring); returns the
     metadata. ``chat_template`` (a Jinja file) replaces the tokenizer's template."""
-    if sequence_length < 2:
-        raise DataError(f"sequence_length must be at least 2, got {sequence_length}")
-    if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    check_settings(val_fraction, sequence_length)
     packing, overlong = PackingMode(packing), OverlongPolicy(overlong)
     out = Path(output_dir)
     resolved = (tokenizer or TokenizerConfig()).resolve()
@@ -269,18 +268,17 @@ def prepare_sft_data(
     assert resolved.vocab_size is not None
     dtype = token_dtype(resolved.vocab_size)
     sources = resolve_inputs(inputs, exclude=out)
-    arguments = {
-        "format_version": FORMAT_VERSION,
-        "kind": SFT_KIND,
-        "tokenizer": resolved.as_config_dict(),
-        "chat_template": template.source,
-        "sequence_length": sequence_length,
-        "packing": packing.value,
-        "overlong": overlong.value,
-        "val_fraction": val_fraction,
-        "seed": seed,
-        "sources": [{"path": s.name, "bytes": s.size} for s in sources],
-    }
+    arguments = run_arguments(
+        resolved,
+        sources,
+        kind=SFT_KIND,
+        chat_template=template.source,
+        sequence_length=sequence_length,
+        packing=packing.value,
+        overlong=overlong.value,
+        val_fraction=val_fraction,
+        seed=seed,
+    )
     finished = begin_output(out, arguments, overwrite)
     if finished is not None:
         return finished
