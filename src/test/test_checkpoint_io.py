@@ -23,7 +23,7 @@ from olmolike.distributed.checkpoint_storage import MAX_DEFAULT_THREADS, default
 from olmolike.testing import TinyCausalLM
 from olmolike.train import BasicTrainModule, Duration
 from olmolike.train.callbacks import CheckpointerCallback
-from olmolike.train.checkpoint import MARKER, Checkpointer, CheckpointerConfig
+from olmolike.train.checkpoint import MARKER, Checkpointer, CheckpointerConfig, stagers_are_reusable
 
 __all__ = ["gcs_bucket", "gcs_server", "s3_bucket", "s3_server"]  # fixtures, found by name
 
@@ -134,6 +134,7 @@ def staged_copies(monkeypatch: pytest.MonkeyPatch) -> list[Staged]:
     it, and one to the stager that holds the buffers."""
     staged: list[Staged] = []
     real_stage = DefaultStager.stage
+    stagers_are_reusable()  # the once-per-process probe stages too: not here, uncounted
 
     def recording_stage(self: DefaultStager, state_dict: Any, **kwargs: Any) -> Any:
         copy = real_stage(self, state_dict, **kwargs)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 from collections.abc import Collection, Mapping
 from concurrent.futures import Future
@@ -283,6 +284,8 @@ class Checkpointer:
         """
         if self._ahead is not None or (self.keep_staging_buffers and self._stager is not None):
             return
+        if not stagers_are_reusable():
+            return  # the save's own staging would fail on a used stager: it allocates then
         stager = self._stager_for_save()
         state = train_module.state_dict_to_save()
 
@@ -309,7 +312,7 @@ class Checkpointer:
                 use_non_blocking_copy=False,
             )
         )
-        if self.keep_staging_buffers:
+        if self.keep_staging_buffers and stagers_are_reusable():
             self._stager = stager
         return stager
 
@@ -415,6 +418,30 @@ class Checkpointer:
         """Delete step folders without a marker, except those in ``keep`` and those being
         purged (see :func:`~olmolike.distributed.checkpoint_format.remove_abandoned`)."""
         return remove_abandoned(folder, keep=[*keep, *checkpoint_purge.in_flight()])
+
+
+@functools.cache
+def stagers_are_reusable() -> bool:
+    """Whether one ``DefaultStager`` can stage more than once in this torch.
+
+    torch 2.11's closes its copier at the end of every ``stage()`` (to break a reference
+    cycle), so a second stage fails with ``KeyError: <class 'type'>``; 2.13's keeps it until
+    ``close()``. Where it cannot, buffers are neither prepared a step ahead nor kept between
+    saves: each async save stages into a fresh stager (found on an H200 with torch 2.11,
+    where every async save after a prepared one failed).
+    """
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    probe = {"x": torch.zeros(1)}
+    try:
+        stager.stage(probe)
+        stager.stage(probe)
+        return True
+    except KeyError as e:
+        if e.args and e.args[0] is type:
+            return False
+        raise
+    finally:
+        stager.close()
 
 
 def return_freed_memory() -> None:
