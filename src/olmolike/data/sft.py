@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import StrEnum
+from ..config import StrEnum, check_choice
 from ..exceptions import DataError
 from .chat_template import ChatTemplate, Message
 from .numpy_dataset import METADATA_FILE
@@ -270,7 +270,8 @@ def prepare_sft_data(
         raise DataError(f"sequence_length must be at least 2, got {sequence_length}")
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    packing, overlong = PackingMode(packing), OverlongPolicy(overlong)
+    packing = check_choice(packing, PackingMode, "packing")
+    overlong = check_choice(overlong, OverlongPolicy, "overlong")
     out = Path(output_dir)
     resolved = (tokenizer or TokenizerConfig()).resolve()
     built = resolved.build()

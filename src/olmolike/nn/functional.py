@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..config import StrEnum
+from ..config import StrEnum, check_choice
 
 __all__ = [
     "DPOLossType",
@@ -53,8 +53,7 @@ def cross_entropy_loss(
     label is ignored gives 0 rather than NaN. ``"none"`` returns per-token values shaped like
     ``labels``, 0 at ignored tokens.
     """
-    if reduction not in ("sum", "mean", "none"):
-        raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
+    reduction = check_choice(reduction, Reduction, "reduction")
     if logits.shape[:-1] != labels.shape:
         raise ValueError(
             f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree: logits "
@@ -195,6 +194,7 @@ def dpo_loss(
     (``chosen_lengths`` / ``rejected_lengths``, required for them). Reference log-probs are
     treated as constants.
     """
+    loss_type = check_choice(loss_type, DPOLossType, "loss_type")
     if beta <= 0:
         raise ValueError(f"beta must be positive, got {beta}")
     if not 0.0 <= label_smoothing < 0.5:

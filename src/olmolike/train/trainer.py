@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from ..config import check_choice_fields
 from ..data.data_loader import DataLoaderBase
 from ..distributed.failure import report_rank_failure
 from ..distributed.utils import get_rank, get_world_size, is_distributed
@@ -105,6 +106,7 @@ class Trainer:
     _files: TrainerCheckpoints = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        check_choice_fields(self)
         self.work_dir = Path(self.work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._check_settings()

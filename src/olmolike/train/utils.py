@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..config import Config
+from ..config import Config, check_choice
 from ..distributed.utils import get_world_size, is_distributed
 from .common import ReduceType
 
@@ -94,6 +94,7 @@ def reduce_metrics(
         :func:`check_metrics_consistent`); the ranks then first agree on which metrics each
         step has, which costs one more collective.
     """
+    kinds = {name: _reduce_type(kind) for name, kind in metrics_reduce_type.items()}
     metrics = move_metrics(metrics, device)
     out: dict[int, dict[str, float]] = defaultdict(dict)
     if not is_distributed() or get_world_size(process_group) == 1:
@@ -102,7 +103,6 @@ def reduce_metrics(
                 out[step][name] = value.item()
         return dict(out)
 
-    kinds = {name: _reduce_type(kind) for name, kind in metrics_reduce_type.items()}
     if metrics_consistent:
         present = {s: {n: None for n in m if kinds.get(n) is not None} for s, m in metrics.items()}
         counts: dict[int, dict[str, int]] | None = None
@@ -177,7 +177,7 @@ def _all_gather(obj: Any, process_group: dist.ProcessGroup | None) -> list[Any]:
 
 
 def _reduce_type(kind: ReduceType | str | None) -> ReduceType | None:
-    return None if kind is None else ReduceType(kind)
+    return None if kind is None else check_choice(kind, ReduceType, "reduce_type")
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
