@@ -210,6 +210,12 @@ def _dpo() -> None:
     dpo_loss(x, x, x, x, beta=0.1, loss_type=BAD)  # type: ignore[arg-type]
 
 
+def _check_label_smoothing() -> None:
+    from olmolike.nn.functional import check_label_smoothing
+
+    check_label_smoothing(BAD, 0.1)  # type: ignore[arg-type]
+
+
 def _cross_entropy() -> None:
     from olmolike.nn.functional import cross_entropy_loss
 
@@ -268,6 +274,7 @@ def _reduce_metrics() -> None:
 FUNCTIONS: dict[str, tuple[Callable[..., None], str]] = {
     "olmolike.nn.functional.dpo_loss": (_dpo, "loss_type"),
     "olmolike.nn.functional.cross_entropy_loss": (_cross_entropy, "reduction"),
+    "olmolike.nn.functional.check_label_smoothing": (_check_label_smoothing, "loss_type"),
     "olmolike.data.sft.prepare_sft_data": (_prepare_sft, "packing"),
     "olmolike.data.sft.prepare_sft_data/overlong": (_prepare_sft_overlong, "overlong"),
     "olmolike.utils.setup_logging": (_setup_logging, "log_filter_type"),
