@@ -29,7 +29,15 @@ import fsspec
 import torch
 import yaml
 
-from .config_coerce import apply_overrides, check_separated_value, coerce, parse_override
+from .config_coerce import (
+    apply_overrides,
+    check_choice,
+    check_choice_fields,
+    check_separated_value,
+    choice_fields,
+    coerce,
+    parse_override,
+)
 from .config_dict import (
     _REGISTRY,
     CLASS_KEY,
@@ -50,9 +58,12 @@ from .exceptions import ConfigurationError
 
 __all__ = [
     "CLASS_KEY",
+    "CheckedChoices",
     "Config",
     "DType",
     "StrEnum",
+    "check_choice",
+    "check_choice_fields",
     "lookup_registered_class",
     "register_config_class",
     "registered_name",
@@ -78,6 +89,28 @@ class StrEnum(str, enum.Enum):
     def __repr__(self) -> str:
         return repr(self.value)
 
+    @classmethod
+    def _missing_(cls, value: object) -> Any:
+        # An alias (a second name bound to a member, such as TRL's name for a loss) is found by
+        # its name, so ``DPOLossType("sigmoid_norm")`` works like ``DPOLossType.sigmoid_norm``.
+        return cls.__members__.get(value) if isinstance(value, str) else None
+
+
+class CheckedChoices:
+    """A dataclass mixin: every assignment to a field typed with an enum or a ``Literal`` (the
+    constructor's included) converts a name to its member, and refuses a name that is none of
+    them with a :class:`ConfigurationError` listing the valid ones.
+
+    Without it a misspelt or foreign name (``loss_type="sigmoid_nrom"``) is stored as is and,
+    compared with each member in turn, silently takes whatever branch comes last.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        tp = choice_fields(type(self)).get(name)
+        if tp is not None:
+            value = check_choice(value, tp, name)
+        super().__setattr__(name, value)
+
 
 class DType(StrEnum):
     """A floating-point dtype by name, for config fields (``--x.param_dtype=bfloat16``)."""
@@ -95,11 +128,12 @@ class DType(StrEnum):
 
 
 @dataclasses.dataclass
-class Config:
+class Config(CheckedChoices):
     """Base class for configuration dataclasses.
 
     Subclasses override :meth:`validate` to reject impossible values; it runs on construction
     and again whenever a config is rebuilt (``from_dict``, ``merge``) or built into an object.
+    Enum-valued fields are checked on every assignment (see :class:`CheckedChoices`).
     """
 
     CLASS_NAME_FIELD: ClassVar[str] = CLASS_KEY

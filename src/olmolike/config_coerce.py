@@ -13,9 +13,10 @@ import datetime
 import enum
 import functools
 import re
+import sys
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,16 @@ from .config_dict import (
 )
 from .exceptions import ConfigurationError
 
-__all__ = ["apply_overrides", "check_separated_value", "coerce", "parse_override"]
+__all__ = [
+    "apply_overrides",
+    "check_choice",
+    "check_choice_fields",
+    "check_separated_value",
+    "choice_fields",
+    "choice_names",
+    "coerce",
+    "parse_override",
+]
 
 
 def apply_overrides(data: dict[str, Any], items: Sequence[str]) -> dict[str, Any]:
@@ -137,7 +147,8 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
     if origin is typing.Literal:
         if value in typing.get_args(tp):
             return value
-        raise ConfigurationError(f"must be one of {typing.get_args(tp)}, got {value!r}", path=path)
+        valid = ", ".join(choice_names(tp))
+        raise ConfigurationError(f"{value!r} is not valid; choose one of: {valid}", path=path)
     if origin in (list, Sequence, tuple, dict, Mapping, set, frozenset, AbstractSet):
         return _coerce_container(value, tp, origin, path)
     if tp is type(None):
@@ -210,7 +221,7 @@ def _coerce_class(value: Any, tp: type, path: str) -> Any:
         try:
             return tp(value)
         except ValueError:
-            valid = ", ".join(str(m.value) for m in tp)
+            valid = ", ".join(choice_names(tp))
             raise ConfigurationError(
                 f"{value!r} is not a valid {tp.__name__}; choose one of: {valid}", path=path
             ) from None
@@ -241,6 +252,77 @@ def _coerce_class(value: Any, tp: type, path: str) -> Any:
     if isinstance(value, tp):
         return value
     raise ConfigurationError(f"expected a {tp.__name__}, got {value!r}", path=path)
+
+
+def choice_names(tp: Any) -> list[str]:
+    """The names a value of the enum or ``Literal`` type ``tp`` may take, for error messages:
+    an enum's values, then its aliases (second names of a member, e.g. TRL's names)."""
+    if typing.get_origin(tp) is typing.Literal:
+        return [str(v) for v in typing.get_args(tp)]
+    values = [str(m.value) for m in tp]
+    return values + [n for n, m in tp.__members__.items() if m.name != n and n not in values]
+
+
+def check_choice(value: Any, tp: Any, name: str) -> Any:
+    """``value`` as a member of the enum (or ``Literal``, or ``Optional`` of either) ``tp``.
+
+    For functions that take an enum-valued argument: a string that names no member raises
+    :class:`ConfigurationError` listing the valid names, where comparing it with each member
+    in turn would silently fall through to a default branch.
+    """
+    if type(value) is tp:
+        return value  # the common case: a member, checked without a call
+    return coerce(value, tp, name)
+
+
+def check_choice_fields(obj: Any) -> None:
+    """Check every enum- or ``Literal``-typed field of dataclass ``obj`` with
+    :func:`check_choice`, once: for a class that cannot check each assignment (see
+    :class:`~olmolike.config.CheckedChoices`)."""
+    for name, tp in choice_fields(type(obj)).items():
+        setattr(obj, name, check_choice(getattr(obj, name), tp, name))
+
+
+def _choice_fields(cls: type) -> dict[str, Any]:
+    try:
+        hints = _type_hints(cls)
+    except NameError:
+        # An annotation names something imported only under ``TYPE_CHECKING``: no enum of
+        # olmolike is, so keep the fields whose annotations resolve.
+        return _resolvable_choice_fields(cls)
+    return {
+        f.name: hints[f.name]
+        for f in dataclasses.fields(cls)
+        if f.init and f.name in hints and _has_choice(hints[f.name])
+    }
+
+
+choice_fields: Callable[[type], dict[str, Any]] = functools.cache(_choice_fields)
+"""The fields of dataclass ``cls`` whose type involves an enum or a ``Literal``, with their
+types: the fields :class:`~olmolike.config.CheckedChoices` checks on every assignment."""
+
+
+def _resolvable_choice_fields(cls: type) -> dict[str, Any]:
+    module = sys.modules.get(cls.__module__)
+    namespace = dict(vars(module)) if module is not None else {}
+    out = {}
+    for f in dataclasses.fields(cls):
+        try:
+            # What ``typing.get_type_hints`` does, one field at a time.
+            tp = eval(f.type, namespace) if isinstance(f.type, str) else f.type
+        except NameError:
+            continue
+        if f.init and _has_choice(tp):
+            out[f.name] = tp
+    return out
+
+
+def _has_choice(tp: Any) -> bool:
+    if typing.get_origin(tp) is typing.Literal:
+        return True
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return True
+    return any(_has_choice(a) for a in typing.get_args(tp))
 
 
 def _coerce_number(value: Any, tp: type, path: str) -> Any:

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from .config import StrEnum
+from .config import StrEnum, check_choice
 from .distributed.utils import get_local_rank, get_rank, get_world_size
 
 __all__ = [
@@ -71,9 +71,11 @@ def setup_logging(
     Calling it again replaces the previous olmolike handler rather than adding another.
     The storage clients' own loggers (:data:`_QUIET_LIBRARIES`) are silenced unless set.
     """
-    filter_type = LogFilterType(
-        log_filter_type or os.environ.get(LOG_FILTER_ENV) or LogFilterType.rank0_only
-    )
+    if log_filter_type is not None:
+        filter_type = check_choice(log_filter_type, LogFilterType, "log_filter_type")
+    else:
+        from_env = os.environ.get(LOG_FILTER_ENV) or LogFilterType.rank0_only
+        filter_type = check_choice(from_env, LogFilterType, f"${LOG_FILTER_ENV}")
     root = logging.getLogger()
     for handler in list(root.handlers):
         if handler.get_name() == _HANDLER_NAME:

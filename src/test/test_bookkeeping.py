@@ -98,3 +98,66 @@ def test_daemon_pool_is_an_executor() -> None:
     pool.shutdown()
     with pytest.raises(RuntimeError):
         pool.submit(sum, [1])
+
+
+# -- allow_multiple=False (OLMo-core's option) -------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_one_at_a_time_skips_a_local_op_while_an_earlier_one_runs() -> None:
+    r = runner()
+    started, release = threading.Event(), threading.Event()
+    runs: list[str] = []
+
+    def op(tag: str) -> None:
+        started.set()
+        release.wait()
+        runs.append(tag)
+
+    first = r.submit(op, "first", op_name="tags", distributed=False, allow_multiple=False)
+    assert started.wait(timeout=30), "the first invocation never started"
+    second = r.submit(op, "second", op_name="tags", distributed=False, allow_multiple=False)
+    assert second.cancelled()
+    release.set()
+    first.result()
+    third = r.submit(op, "third", op_name="tags", distributed=False, allow_multiple=False)
+    third.result()  # the earlier one is done (delivered or not): this one runs
+    r.wait_all()
+    assert runs == ["first", "third"]
+    r.shutdown(wait=True)
+
+
+@pytest.mark.timeout(120)
+def test_one_at_a_time_cancels_a_queued_local_op_for_the_newer_one() -> None:
+    r = runner()
+    release = threading.Event()
+    busy = [r.submit(release.wait, distributed=False) for _ in range(4)]  # every worker busy
+    runs: list[str] = []
+    queued = r.submit(runs.append, "old", op_name="x", distributed=False, allow_multiple=False)
+    newer = r.submit(runs.append, "new", op_name="x", distributed=False, allow_multiple=False)
+    assert queued.cancelled() and not newer.cancelled()
+    release.set()
+    r.wait_all()
+    assert runs == ["new"] and all(f.done() for f in busy)
+    r.shutdown(wait=True)
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_one_at_a_time_skips_a_distributed_op_until_its_result_is_delivered(
+    asynchronous: bool,
+) -> None:
+    """Whether it has finished differs between ranks, its delivery step does not: the rule
+    depends on delivery only, so every rank skips the same invocations."""
+    r = runner(asynchronous=asynchronous)
+    delivered: list[int] = []
+    r.step = 4
+    r.submit(lambda: 1, cb=delivered.append, op_name="agree", allow_multiple=False)
+    skipped = r.submit(lambda: 2, cb=delivered.append, op_name="agree", allow_multiple=False)
+    assert skipped.cancelled()
+    r.submit(lambda: 3, cb=delivered.append, op_name="other")  # another name is not affected
+    r.poll(5)
+    r.step = 6
+    r.submit(lambda: 4, cb=delivered.append, op_name="agree", allow_multiple=False)
+    r.wait_all()
+    assert delivered == [1, 3, 4]
+    r.shutdown(wait=True)

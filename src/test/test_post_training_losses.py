@@ -96,30 +96,42 @@ def _pairs() -> tuple[torch.Tensor, ...]:
 def test_dpo_loss_formulas(loss_type: DPOLossType) -> None:
     pc, pr, rc, rr = _pairs()
     lc, lr = torch.tensor([3.0, 5.0, 1.0, 2.0]), torch.tensor([2.0, 4.0, 6.0, 1.0])
-    beta = 0.2
+    beta, e = 0.2, 0.2 if loss_type.smooths_labels else 0.0
     out = dpo_loss(
-        pc, pr, rc, rr, beta=beta, loss_type=loss_type, chosen_lengths=lc, rejected_lengths=lr
-    )
-    if loss_type in (DPOLossType.ipo, DPOLossType.length_normalized):
-        pc, rc, pr, rr = pc / lc, rc / lc, pr / lr, rr / lr
+        pc, pr, rc, rr, beta=beta, loss_type=loss_type, label_smoothing=e,
+        chosen_lengths=lc, rejected_lengths=lr,
+    )  # fmt: skip
     h = (pc - pr) - (rc - rr)
+    h_avg = (pc - rc) / lc - (pr - rr) / lr
     expected = {
         DPOLossType.sigmoid: -F.logsigmoid(beta * h),
-        DPOLossType.length_normalized: -F.logsigmoid(beta * h),
+        DPOLossType.cdpo: -(1 - e) * F.logsigmoid(beta * h) - e * F.logsigmoid(-beta * h),
+        DPOLossType.robust: (-(1 - e) * F.logsigmoid(beta * h) + e * F.logsigmoid(-beta * h))
+        / (1 - 2 * e),
+        DPOLossType.length_normalized: -F.logsigmoid(beta * h_avg),
         DPOLossType.hinge: torch.relu(1 - beta * h),
-        DPOLossType.ipo: (h - 1 / (2 * beta)) ** 2,
+        DPOLossType.ipo: (h_avg - 1 / (2 * beta)) ** 2,
     }[loss_type].mean()
     assert torch.allclose(out.loss, expected)
+    # The rewards are on summed log-probs for every loss type (TRL's logged rewards).
     assert torch.allclose(out.chosen_rewards, beta * (pc - rc))
     assert torch.allclose(out.rejected_rewards, beta * (pr - rr))
 
 
-def test_conservative_dpo_label_smoothing() -> None:
+def test_trls_name_for_length_normalized_dpo_is_an_alias() -> None:
+    assert DPOLossType("sigmoid_norm") is DPOLossType.length_normalized
     pc, pr, rc, rr = _pairs()
-    h = (pc - pr) - (rc - rr)
-    out = dpo_loss(pc, pr, rc, rr, beta=0.1, label_smoothing=0.2)
-    expected = (-0.8 * F.logsigmoid(0.1 * h) - 0.2 * F.logsigmoid(-0.1 * h)).mean()
-    assert torch.allclose(out.loss, expected)
+    lengths = {"chosen_lengths": torch.ones(4) * 3, "rejected_lengths": torch.ones(4)}
+    a = dpo_loss(pc, pr, rc, rr, beta=0.1, loss_type="sigmoid_norm", **lengths)  # type: ignore[arg-type]
+    b = dpo_loss(pc, pr, rc, rr, beta=0.1, loss_type=DPOLossType.length_normalized, **lengths)
+    assert torch.equal(a.loss, b.loss)
+
+
+def test_conservative_dpo_without_smoothing_is_dpo() -> None:
+    pc, pr, rc, rr = _pairs()
+    for loss_type in (DPOLossType.cdpo, DPOLossType.robust):
+        out = dpo_loss(pc, pr, rc, rr, beta=0.1, loss_type=loss_type)
+        assert torch.allclose(out.loss, dpo_loss(pc, pr, rc, rr, beta=0.1).loss)
 
 
 def test_dpo_loss_bad_arguments() -> None:
@@ -128,5 +140,8 @@ def test_dpo_loss_bad_arguments() -> None:
         dpo_loss(pc, pr, rc, rr, beta=0.0)
     with pytest.raises(ValueError, match="needs chosen_lengths"):
         dpo_loss(pc, pr, rc, rr, beta=0.1, loss_type=DPOLossType.ipo)
-    with pytest.raises(ValueError, match="sigmoid loss only"):
-        dpo_loss(pc, pr, rc, rr, beta=0.1, loss_type=DPOLossType.hinge, label_smoothing=0.1)
+    for loss_type in ("sigmoid", "hinge", "ipo", "sigmoid_norm"):
+        with pytest.raises(ValueError, match=r"no effect on loss_type=.*use loss_type=cdpo"):
+            dpo_loss(pc, pr, rc, rr, beta=0.1, loss_type=loss_type, label_smoothing=0.1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"must be in \[0, 0.5\)"):
+        dpo_loss(pc, pr, rc, rr, beta=0.1, loss_type=DPOLossType.robust, label_smoothing=0.5)

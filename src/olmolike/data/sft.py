@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import StrEnum
+from ..config import StrEnum, check_choice
 from ..exceptions import DataError
 from .chat_template import ChatTemplate, Message, chat_template_for
 from .prepared_io import (
@@ -260,7 +260,8 @@ def prepare_sft_data(
     """Prepare SFT sequences under ``output_dir`` (see the module docstring); returns the
     metadata. ``chat_template`` (a Jinja file) replaces the tokenizer's template."""
     check_settings(val_fraction, sequence_length)
-    packing, overlong = PackingMode(packing), OverlongPolicy(overlong)
+    packing = check_choice(packing, PackingMode, "packing")
+    overlong = check_choice(overlong, OverlongPolicy, "overlong")
     out = Path(output_dir)
     resolved = (tokenizer or TokenizerConfig()).resolve()
     built = resolved.build()

@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..config import StrEnum
+from ..config import StrEnum, check_choice
 
 __all__ = [
     "DPOLossType",
     "DPOOutput",
+    "check_label_smoothing",
     "cross_entropy_loss",
     "dpo_loss",
     "log_probs_of_labels",
@@ -53,8 +54,7 @@ def cross_entropy_loss(
     label is ignored gives 0 rather than NaN. ``"none"`` returns per-token values shaped like
     ``labels``, 0 at ignored tokens.
     """
-    if reduction not in ("sum", "mean", "none"):
-        raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
+    reduction = check_choice(reduction, Reduction, "reduction")
     if logits.shape[:-1] != labels.shape:
         raise ValueError(
             f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree: logits "
@@ -144,24 +144,55 @@ def token_kl_divergence(
 
 
 class DPOLossType(StrEnum):
-    """Which preference loss :func:`dpo_loss` computes from the four sequence log-probs.
+    """Which preference loss :func:`dpo_loss` computes from the four sequence log-probs, under
+    TRL's names and with TRL 1.16's numbers.
 
-    With ``h = (log pi(c) - log pi(r)) - (log ref(c) - log ref(r))``:
+    With ``h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r))`` on summed response
+    log-probs, ``h_avg`` the same on per-token averaged ones, and ``e`` the label smoothing:
     """
 
     sigmoid = "sigmoid"
-    """DPO (Rafailov et al. 2023): ``-log sigmoid(beta * h)``. With ``label_smoothing`` e > 0
-    it is conservative DPO (cDPO): ``-(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h)``,
-    for pairs whose labels are wrong with probability e."""
+    """DPO (Rafailov et al. 2023): ``-log sigmoid(beta * h)``. Takes no label smoothing (TRL's
+    ``sigmoid`` ignores it; :attr:`cdpo` is the smoothed form)."""
+    cdpo = "cdpo"
+    """Conservative DPO, for pairs whose labels are wrong with probability e:
+    ``-(1 - e) log sigmoid(beta h) - e log sigmoid(-beta h)`` (TRL's ``sigmoid`` before 1.0)."""
+    robust = "robust"
+    """Robust DPO (Chowdhury et al. 2024), an unbiased loss under label noise e:
+    ``(-(1 - e) log sigmoid(beta h) + e log sigmoid(-beta h)) / (1 - 2e)``."""
     hinge = "hinge"
     """SLiC-style hinge: ``relu(1 - beta * h)``; pairs past the margin give no gradient."""
     ipo = "ipo"
-    """IPO (Azar et al. 2023): ``(h - 1 / (2 beta))**2`` on *length-averaged* log-probs (as in
-    the paper's token-level formulation and TRL): a regression to a fixed margin that does
-    not push the margin to infinity on deterministic preferences."""
+    """IPO (Azar et al. 2023): ``(h_avg - 1 / (2 beta))**2``, on per-token averaged log-probs
+    (as in the paper's token-level formulation and TRL): a regression to a fixed margin that
+    does not push the margin to infinity on deterministic preferences."""
     length_normalized = "length_normalized"
-    """Length-normalised DPO (Tulu 3): the sigmoid loss on per-token *average* log-probs,
-    ``-log sigmoid(beta * h_avg)``, so a long response is not favoured for its length."""
+    """Length-normalised DPO (Tulu 3): ``-log sigmoid(beta * h_avg)``, so a long response is not
+    favoured for its length. TRL's name for it, ``sigmoid_norm``, is an alias."""
+    sigmoid_norm = "length_normalized"
+
+    @property
+    def averages_lengths(self) -> bool:
+        """Whether the loss compares per-token averages (needs the response lengths)."""
+        return self in (DPOLossType.ipo, DPOLossType.length_normalized)
+
+    @property
+    def smooths_labels(self) -> bool:
+        """Whether ``label_smoothing`` enters the loss; for the others it must be 0."""
+        return self in (DPOLossType.cdpo, DPOLossType.robust)
+
+
+def check_label_smoothing(loss_type: DPOLossType, label_smoothing: float) -> str | None:
+    """Why ``label_smoothing`` does not fit ``loss_type``, or ``None`` if it does."""
+    loss_type = check_choice(loss_type, DPOLossType, "loss_type")
+    if not 0.0 <= label_smoothing < 0.5:
+        return f"must be in [0, 0.5), got {label_smoothing}"
+    if label_smoothing and not loss_type.smooths_labels:
+        return (
+            f"has no effect on loss_type={loss_type} (TRL ignores it there); use "
+            "loss_type=cdpo for conservative DPO or robust for robust DPO, or set it to 0"
+        )
+    return None
 
 
 @dataclass
@@ -171,8 +202,9 @@ class DPOOutput:
     loss: Tensor
     """Mean of the per-pair losses."""
     chosen_rewards: Tensor
-    """Implicit reward ``beta * (log pi(c) - log ref(c))`` (on averaged log-probs for
-    ``ipo`` / ``length_normalized``), detached."""
+    """Implicit reward ``beta * (log pi(c) - log ref(c))`` on *summed* log-probs, detached, for
+    every loss type (TRL's definition: the logged margins keep the sign of TRL's even where
+    the loss compares averages)."""
     rejected_rewards: Tensor
     """The same for the rejected response, detached."""
 
@@ -191,34 +223,42 @@ def dpo_loss(
 ) -> DPOOutput:
     """Preference loss of a batch of pairs from summed response log-probs, each (B,).
 
-    ``ipo`` and ``length_normalized`` divide each summed log-prob by its response's token count
+    ``ipo`` and ``length_normalized`` divide each log-ratio by its response's token count
     (``chosen_lengths`` / ``rejected_lengths``, required for them). Reference log-probs are
-    treated as constants.
+    treated as constants. The operations follow TRL's ``DPOTrainer._compute_loss`` in order,
+    so the results agree to float rounding.
     """
+    loss_type = check_choice(loss_type, DPOLossType, "loss_type")
     if beta <= 0:
         raise ValueError(f"beta must be positive, got {beta}")
-    if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
-    if label_smoothing and loss_type != DPOLossType.sigmoid:
-        raise ValueError(f"label_smoothing applies to the sigmoid loss only, not {loss_type}")
-    ref_c, ref_r = reference_chosen.detach(), reference_rejected.detach()
-    pol_c, pol_r = policy_chosen, policy_rejected
-    if loss_type in (DPOLossType.ipo, DPOLossType.length_normalized):
+    if (problem := check_label_smoothing(loss_type, label_smoothing)) is not None:
+        raise ValueError(f"label_smoothing {problem}")
+    chosen_ratio = policy_chosen - reference_chosen.detach()
+    rejected_ratio = policy_rejected - reference_rejected.detach()
+    if loss_type.averages_lengths:
         if chosen_lengths is None or rejected_lengths is None:
             raise ValueError(f"loss_type {loss_type} needs chosen_lengths and rejected_lengths")
         c_len, r_len = chosen_lengths.clamp(min=1), rejected_lengths.clamp(min=1)
-        pol_c, ref_c, pol_r, ref_r = pol_c / c_len, ref_c / c_len, pol_r / r_len, ref_r / r_len
-    h = (pol_c - pol_r) - (ref_c - ref_r)
-    if loss_type == DPOLossType.ipo:
-        losses = (h - 1.0 / (2.0 * beta)).pow(2)
-    elif loss_type == DPOLossType.hinge:
-        losses = torch.relu(1.0 - beta * h)
+        h = chosen_ratio / c_len - rejected_ratio / r_len
     else:
-        losses = -(1.0 - label_smoothing) * F.logsigmoid(beta * h)
-        if label_smoothing:
-            losses = losses - label_smoothing * F.logsigmoid(-beta * h)
+        h = chosen_ratio - rejected_ratio
     return DPOOutput(
-        loss=losses.mean(),
-        chosen_rewards=(beta * (pol_c - ref_c)).detach(),
-        rejected_rewards=(beta * (pol_r - ref_r)).detach(),
+        loss=_preference_losses(loss_type, h, beta, label_smoothing).mean(),
+        chosen_rewards=(beta * chosen_ratio).detach(),
+        rejected_rewards=(beta * rejected_ratio).detach(),
     )
+
+
+def _preference_losses(loss_type: DPOLossType, h: Tensor, beta: float, e: float) -> Tensor:
+    if loss_type in (DPOLossType.sigmoid, DPOLossType.length_normalized):
+        return -F.logsigmoid(beta * h)
+    if loss_type == DPOLossType.cdpo:
+        return -(1 - e) * F.logsigmoid(beta * h) - e * F.logsigmoid(-beta * h)
+    if loss_type == DPOLossType.robust:
+        clean, flipped = -(1 - e) * F.logsigmoid(beta * h), -e * F.logsigmoid(-beta * h)
+        return (clean - flipped) / (1 - 2 * e)
+    if loss_type == DPOLossType.hinge:
+        return torch.relu(1 - beta * h)
+    if loss_type == DPOLossType.ipo:
+        return (h - 1 / (2 * beta)) ** 2
+    raise NotImplementedError(f"dpo_loss has no formula for loss_type {loss_type}")

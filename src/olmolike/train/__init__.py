@@ -12,6 +12,7 @@ import logging
 
 import torch.distributed as dist
 
+from ..config import check_choice
 from ..distributed.failure import (
     install_error_hook,
     install_exit_on_error,
@@ -86,6 +87,8 @@ def prepare_training_environment(
     :param shared_filesystem: whether local checkpoint/work directories are on a drive shared by
         all nodes (e.g. NFS). Ranks of a single node always share their local filesystem.
     """
+    if log_filter_type is not None:  # before anything is set up
+        log_filter_type = check_choice(log_filter_type, LogFilterType, "log_filter_type")
     # An OLMoLikeError escaping the script is one line (once per job), not a traceback.
     install_error_hook()
     if backend is not None and launched_distributed():

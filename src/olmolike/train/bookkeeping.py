@@ -69,6 +69,13 @@ class BookkeepingRunner:
     A callback may then change which collectives run (stop, skip a save) and all ranks do the
     same. Non-distributed ops (``distributed=False``) are delivered once they are done, which
     may be a different step on each rank: their callbacks must not change collectives.
+
+    ``allow_multiple=False`` keeps one invocation of an op name at a time (OLMo-core's option).
+    A non-distributed op cancels the earlier invocations still queued, or is itself ignored if
+    one is running. A distributed op is ignored while an earlier invocation has not been
+    delivered, and cancels nothing: whether an op has started differs from rank to rank,
+    whether it has been delivered does not, so every rank ignores the same invocations and
+    runs the same collectives.
     """
 
     DELIVERY_DELAY = 1
@@ -115,11 +122,24 @@ class BookkeepingRunner:
         op_name: str | None = None,
         soft_timeout: float | None = None,
         distributed: bool = True,
+        allow_multiple: bool = True,
         **kwargs: Any,
     ) -> Future[T]:
         """Run ``op(*args, **kwargs)``; ``cb(result)`` later runs on the training thread (see
-        the class docstring for the step), and an exception in ``op`` is raised there."""
-        name = op_name or str(getattr(op, "__name__", "bookkeeping op"))
+        the class docstring for the step), and an exception in ``op`` is raised there. An
+        invocation ignored under ``allow_multiple=False`` returns a cancelled future."""
+        name = op_name or str(getattr(op, "__qualname__", "bookkeeping op"))
+        if not allow_multiple and self._another_in_the_way(name, distributed):
+            log.warning(
+                "Bookkeeping op %r was submitted while an earlier invocation is still %s; with "
+                "allow_multiple=False this one is skipped (if this repeats, the op takes longer "
+                "than its interval).",
+                name,
+                "undelivered" if distributed else "running",
+            )
+            ignored: Future[T] = Future()
+            ignored.cancel()
+            return ignored
         timeout = self.soft_timeout if soft_timeout is None else soft_timeout
         group = self.group if distributed else _NO_GROUP
         if not self.asynchronous:
@@ -136,6 +156,20 @@ class BookkeepingRunner:
             queue_ = self._agreed if distributed else self._local
             queue_.append(_PendingOp(name, future, cb, self.step + self.DELIVERY_DELAY))
         return future
+
+    def _another_in_the_way(self, name: str, distributed: bool) -> bool:
+        """For ``allow_multiple=False``: cancel the queued earlier invocations of a local op;
+        whether an earlier one (running, or for a distributed op undelivered) makes this one be
+        ignored (see the class docstring)."""
+        with self._lock:
+            if distributed:
+                return any(p.name == name for p in self._agreed)
+            for pending in self._local:  # in submission order: those running come first
+                if pending.name != name or pending.future.cancel():
+                    continue  # another op, or a queued one, now cancelled
+                if not pending.future.done():
+                    return True  # running
+        return False
 
     def poll(self, step: int) -> None:
         """At the end of ``step``: deliver every distributed op due by now, waiting for it, and

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..config import check_choice
 from ..exceptions import MetricError
 from .common import MetricMergeStrategy, ReduceType
 
@@ -85,8 +86,9 @@ class MetricBuffer:
         merge_strategy: MetricMergeStrategy = MetricMergeStrategy.warn,
     ) -> None:
         value = _as_metric_value(name, value)
-        if reduce_type is not None and type(reduce_type) is not ReduceType:
-            reduce_type = ReduceType(reduce_type)  # a plain string; the enum call costs ~1 us
+        if reduce_type is not None:
+            reduce_type = check_choice(reduce_type, ReduceType, "reduce_type")
+        merge_strategy = check_choice(merge_strategy, MetricMergeStrategy, "merge_strategy")
         previous_type = self._reduce_types.setdefault(name, reduce_type)
         if previous_type != reduce_type:
             raise MetricError(
@@ -95,9 +97,7 @@ class MetricBuffer:
             )
         metrics = self._steps.setdefault(step, {})
         if name in metrics:
-            value = self._merge(
-                name, step, metrics[name], value, MetricMergeStrategy(merge_strategy)
-            )
+            value = self._merge(name, step, metrics[name], value, merge_strategy)
         metrics[name] = value
 
     def get(self, step: int, name: str) -> torch.Tensor | None:

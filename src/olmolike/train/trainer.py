@@ -4,6 +4,7 @@ checkpoints live in components of their own; this file wires them into the loop.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from ..config import check_choice_fields
 from ..data.data_loader import DataLoaderBase
 from ..distributed.failure import report_rank_failure
 from ..distributed.utils import get_rank, get_world_size, is_distributed
@@ -107,6 +109,7 @@ class Trainer:
     _files: TrainerCheckpoints = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        check_choice_fields(self)
         self.work_dir = Path(self.work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self._check_settings()
@@ -163,6 +166,10 @@ class Trainer:
         self.callbacks[name] = callback
         self._attach_callbacks({name: callback})
 
+    def has_callback(self, cb_class: type[Callback]) -> bool:
+        """Whether an instance of ``cb_class`` (or of a subclass) is attached."""
+        return any(isinstance(cb, cb_class) for cb in self.callbacks.values())
+
     def get_callback_name(self, callback: Callback) -> str:
         """The name under which ``callback`` is attached."""
         names = [name for name, attached in self.callbacks.items() if attached is callback]
@@ -186,6 +193,12 @@ class Trainer:
     def rank_batch_size(self) -> int:
         """Tokens in each training batch on this rank."""
         return self.data_loader.rank_batch_size
+
+    @property
+    def tokens_per_batch(self) -> int:
+        """Tokens in each training batch, all ranks together (OLMo-core's other name for
+        :attr:`global_batch_size`)."""
+        return self.global_batch_size
 
     @property
     def steps_per_epoch(self) -> int | None:
@@ -272,13 +285,32 @@ class Trainer:
         *args: Any,
         cb: Callable[[T], None] | None = None,
         op_name: str | None = None,
+        cancel_in_progress: bool | None = None,
+        allow_multiple: bool = True,
         soft_timeout: int | None = None,
         distributed: bool = True,
         **kwargs: Any,
     ) -> Future[T]:
         """Run a bookkeeping op, in the background when bookkeeping is asynchronous; when
         ``cb(result)`` runs (a step every rank agrees on, for a distributed op) is the
-        :class:`~olmolike.train.bookkeeping.BookkeepingRunner`'s rule."""
+        :class:`~olmolike.train.bookkeeping.BookkeepingRunner`'s rule.
+
+        :param op_name: names the op in logs and for ``allow_multiple`` (default: the op's
+            qualified name, as in OLMo-core).
+        :param allow_multiple: ``False`` runs one invocation of ``op_name`` at a time; an
+            invocation that is skipped returns a cancelled future. For a distributed op, "at a
+            time" means until its result is delivered, the same step on every rank (see
+            :class:`~olmolike.train.bookkeeping.BookkeepingRunner`).
+        :param cancel_in_progress: OLMo-core's former name for ``not allow_multiple``.
+        """
+        if cancel_in_progress is not None:
+            warnings.warn(
+                "run_bookkeeping_op(cancel_in_progress=...) is deprecated (as in OLMo-core): "
+                "use allow_multiple=not cancel_in_progress",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            allow_multiple = not cancel_in_progress
         return self._bookkeeping.submit(
             op,
             *args,
@@ -286,6 +318,7 @@ class Trainer:
             op_name=op_name,
             soft_timeout=soft_timeout,
             distributed=distributed,
+            allow_multiple=allow_multiple,
             **kwargs,
         )
 

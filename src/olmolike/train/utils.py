@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..config import Config
+from ..config import Config, check_choice
 from ..distributed.utils import get_world_size, is_distributed
 from .common import ReduceType
 from .metrics import CollectedMetrics, reduce_collected
@@ -116,7 +116,7 @@ def _all_gather(obj: Any, process_group: dist.ProcessGroup | None) -> list[Any]:
 
 
 def _reduce_type(kind: ReduceType | str | None) -> ReduceType | None:
-    return None if kind is None else ReduceType(kind)
+    return None if kind is None else check_choice(kind, ReduceType, "reduce_type")
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:

@@ -71,7 +71,6 @@ class BatchSizeSchedulerCallback(Callback, name="batch_size_scheduler"):
     _waiting_for: int | None = field(default=None, init=False, repr=False)
 
     def validate(self) -> None:
-        self.units = BatchSizeUnits(self.units)
         if not self.schedule:
             raise ConfigurationError(
                 "needs at least one stage, e.g. [BatchSizeStage(start=0, factor=1), "

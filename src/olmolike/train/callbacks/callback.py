@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ...config import register_config_class, require_class_name
+from ...config import CheckedChoices, register_config_class, require_class_name
 from .hooks import CallbackHooks
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ callback_registry: dict[str, type[Callback]] = {}
 
 
 @dataclass
-class Callback(CallbackHooks):
+class Callback(CallbackHooks, CheckedChoices):
     """Base class for trainer callbacks. Subclasses are dataclasses of their settings.
 
     Register a subclass under a short name with ``class MyCallback(Callback, name="my_cb")``:

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from ...config import StrEnum
+from ...config import StrEnum, check_choice
 from ...distributed.utils import backend_supports_cpu, get_rank, is_distributed
 from ...exceptions import CheckpointError, ConfigurationError
 from ..checkpoint import Checkpointer
@@ -45,6 +45,7 @@ def checkpoints_to_remove(
 
     ``keep`` (e.g. the checkpoint just saved) is never removed; neither is step 0's.
     """
+    strategy = check_choice(strategy, CheckpointRemovalStrategy, "strategy")
     kept, fixed = set(keep), set(fixed_steps)
     out = []
     for step, path, ephemeral in sorted(found):

@@ -50,7 +50,6 @@ class EarlyStoppingCallback(Callback, name="early_stopping"):
     _evals_without_improvement: int = field(default=0, init=False, repr=False)
 
     def validate(self) -> None:
-        self.mode = EarlyStoppingMode(self.mode)
         if self.patience < 1:
             raise ConfigurationError(
                 f"must be >= 1 (evaluations without improvement before stopping), "

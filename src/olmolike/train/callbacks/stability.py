@@ -162,7 +162,6 @@ class StabilityMonitorCallback(SpikeScore, Callback, name="stability_monitor"):
     priority = 2  # before the checkpointer, so a guarded save can be prevented
 
     def validate(self) -> None:
-        self.policy = StabilityPolicy(self.policy)
         if self.window < 1:
             raise ConfigurationError(f"must be >= 1, got {self.window}", path="window")
         if self.warmup_steps < 1:

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from ...data.preference import PreferenceDataLoader
 from ...exceptions import ConfigurationError
-from ...nn.functional import DPOLossType, dpo_loss, sequence_log_probs
+from ...nn.functional import DPOLossType, check_label_smoothing, dpo_loss, sequence_log_probs
 from ...utils import get_default_device
 from ..common import ReduceType
 from .reference import ReferenceModel, cached_reference_logps, check_same_architecture
@@ -43,9 +43,10 @@ class DPOTrainModuleConfig(TransformerTrainModuleConfig):
     """Strength of the implicit KL constraint to the reference: larger keeps the policy
     closer to it. 0.1 is the usual DPO value; IPO's beta is its tau."""
     loss_type: DPOLossType = DPOLossType.sigmoid
+    """The preference loss, under TRL's names (see :class:`DPOLossType`)."""
     label_smoothing: float = 0.0
-    """Conservative DPO (sigmoid only): the assumed probability that a pair's labels are
-    flipped; 0 is plain DPO."""
+    """For ``cdpo`` and ``robust`` only: the assumed probability that a pair's labels are
+    flipped. The other loss types refuse a non-zero value (TRL ignores it there)."""
     reference: str | None = None
     """The frozen reference's weights: a Hugging Face model folder or an olmolike checkpoint
     or save folder (its newest checkpoint), local or remote. It must have the policy's
@@ -62,10 +63,8 @@ class DPOTrainModuleConfig(TransformerTrainModuleConfig):
         super().validate()
         if self.beta <= 0:
             raise self._invalid("beta", f"must be positive, got {self.beta}")
-        if not 0.0 <= self.label_smoothing < 0.5:
-            raise self._invalid("label_smoothing", "must be in [0, 0.5) for DPO")
-        if self.label_smoothing and self.loss_type != DPOLossType.sigmoid:
-            raise self._invalid("label_smoothing", "applies to loss_type=sigmoid only")
+        if (problem := check_label_smoothing(self.loss_type, self.label_smoothing)) is not None:
+            raise self._invalid("label_smoothing", problem)
 
     def build(
         self,

@@ -152,7 +152,7 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         self._check_rewarm = False
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._autocast = (
-            torch.autocast(device.type, dtype=DType(config.autocast_precision).as_pt())
+            torch.autocast(device.type, dtype=config.autocast_precision.as_pt())
             if config.autocast_precision is not None
             else contextlib.nullcontext()
         )
