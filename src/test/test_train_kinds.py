@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from olmolike.data.sft_dataset import SFTDatasetConfig
 from olmolike.data.tokenizer import ByteTokenizer
 from olmolike.exceptions import ConfigurationError
 from olmolike.experiment import ExperimentConfig, load_experiment
+from olmolike.experiment_kinds import kind_of
 from olmolike.nn import TransformerConfig
 from olmolike.train import Duration, TrainerConfig
 from olmolike.train.callbacks import MetricSaverCallback
@@ -248,3 +250,16 @@ def test_grpo_under_torchrun(grpo_run: tuple[Path, dict[str, str]]) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0 of 2" in result.stderr
     assert [m["step"] for m in metrics(path.parent / "run")] == [1, 2]
+
+
+def test_the_docs_example_configs_load(tmp_path: Path) -> None:
+    docs = Path(__file__).parents[2] / "docs" / "post-training.md"
+    section = docs.read_text().split("## Any kind of run from a config file")[1]
+    blocks = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
+    kinds = []
+    for i, block in enumerate(blocks):
+        path = tmp_path / f"{i}.yaml"
+        path.write_text(block)
+        config = load_experiment(str(path), [])
+        kinds.append(kind_of(config.train_module, config.dataset))
+    assert kinds == ["SFT", "DPO", "GRPO"]
