@@ -52,15 +52,18 @@ DatasetConfig = (
 )
 """The ``dataset`` section: which one is named by its ``_CLASS_`` (``numpy`` if none)."""
 
-for _cls, _alias in (
-    (TransformerTrainModuleConfig, "transformer"),
-    (DPOTrainModuleConfig, "dpo"),
-    (GRPOTrainModuleConfig, "grpo"),
-    (TwoStageKLTrainModuleConfig, "two_stage_kl"),
-    (NumpyDatasetConfig, "numpy"),
-    (SFTDatasetConfig, "sft"),
-):
-    register_config_class(_cls, _alias, _cls.__name__)
+_ALIASES: dict[type, str] = {
+    TransformerTrainModuleConfig: "transformer",
+    DPOTrainModuleConfig: "dpo",
+    GRPOTrainModuleConfig: "grpo",
+    TwoStageKLTrainModuleConfig: "two_stage_kl",
+    NumpyDatasetConfig: "numpy",
+    SFTDatasetConfig: "sft",
+}
+"""Short ``_CLASS_`` names (the data configs defined for experiments carry their own), and
+the bare class names, as the optimizers have."""
+for cls, alias in _ALIASES.items():
+    register_config_class(cls, alias, cls.__name__)
 
 
 @dataclass(frozen=True)
