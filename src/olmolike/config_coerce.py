@@ -114,10 +114,26 @@ def _set_in(data: dict[str, Any], keys: list[str], value: Any) -> None:
         node = child
     last = node.get(keys[-1])
     parsed = value.parsed if isinstance(value, _CliValue) else value
+    if keys[-1] == CLASS_KEY and isinstance(parsed, str):
+        _keep_fields_of(node, parsed)
     if isinstance(last, dict) and isinstance(parsed, Mapping):
+        if isinstance(parsed.get(CLASS_KEY), str):
+            _keep_fields_of(last, parsed[CLASS_KEY])
         last.update(parsed)
     else:
         node[keys[-1]] = value
+
+
+def _keep_fields_of(section: dict[str, Any], class_name: str) -> None:
+    """An override that changes a section's ``_CLASS_`` (``--train_module._CLASS_=dpo``, or
+    names one where the section named none) keeps only the keys the new class has too: the old
+    class's own would be unknown keys."""
+    old, new = _REGISTRY.get(str(section.get(CLASS_KEY))), _REGISTRY.get(class_name)
+    if new is None or old is new or not dataclasses.is_dataclass(new):
+        return
+    names = {f.name for f in init_fields(new)}
+    for key in [k for k in section if k not in names and k != CLASS_KEY]:
+        del section[key]
 
 
 @functools.cache
@@ -173,6 +189,9 @@ def _accepts_raw_string(tp: Any, parsed: Any) -> bool:
 def _coerce_union(value: Any, options: tuple[Any, ...], path: str) -> Any:
     if value is None and type(None) in options:
         return None
+    named = _member_named(value, options, path)
+    if named is not None:
+        return coerce(value, named, path)
     errors = []
     for option in options:
         if option is type(None):
@@ -185,6 +204,29 @@ def _coerce_union(value: Any, options: tuple[Any, ...], path: str) -> Any:
         raise errors[0]
     names = " or ".join(_type_name(o) for o in options)
     raise ConfigurationError(f"expected {names}, got {value!r}", path=path)
+
+
+def _member_named(value: Any, options: tuple[Any, ...], path: str) -> type | None:
+    """The config class of a union that a mapping's ``_CLASS_`` names (or derives from).
+
+    Trying every member instead would bury the chosen class's own mistake (a misspelt key)
+    under "expected A or B"; a name that fits no member is an error listing the members.
+    """
+    name = value.get(CLASS_KEY) if isinstance(value, Mapping) else None
+    members = [o for o in options if isinstance(o, type) and dataclasses.is_dataclass(o)]
+    if not isinstance(name, str) or not members:
+        return None
+    for member in members:
+        if name in own_names(member):
+            return member
+    cls = _REGISTRY.get(name)
+    for member in members:
+        if cls is not None and _is_subclass(cls, member):
+            return member
+    names = ", ".join(
+        min([k for k, c in _REGISTRY.items() if c is m] or own_names(m), key=len) for m in members
+    )
+    raise ConfigurationError(f"{CLASS_KEY} {name!r} is none of: {names}", path=path)
 
 
 def _coerce_container(value: Any, tp: Any, origin: Any, path: str) -> Any:

@@ -1,11 +1,17 @@
 """Training from a config file, without a script: ``olmolike train CONFIG.yaml [--overrides]``.
 
-An :class:`ExperimentConfig` holds what the ``train_lm`` example builds: the model, the train
-module, the dataset and its loader, and the trainer with its callbacks. The file is the
-example's ``--dry-run`` output, a :meth:`~olmolike.config.Config.to_yaml` of this class, or
-written by hand; dotted overrides on the command line change any field. Under ``torchrun``
-(``torchrun --nproc-per-node=N -m olmolike train CONFIG.yaml``) every rank reads the same file
-and the model is sharded or replicated as ``train_module.dp_config`` says.
+An :class:`ExperimentConfig` holds what the example scripts build: the model, the train
+module, the dataset and its loader, and the trainer with its callbacks. The train module's
+``_CLASS_`` picks what is trained (pretraining, SFT, DPO, GRPO: see
+:mod:`olmolike.experiment_kinds`) and the dataset's ``_CLASS_`` the data it needs, checked
+when the file is read. The file is an example's ``--dry-run`` output, a
+:meth:`~olmolike.config.Config.to_yaml` of this class, or written by hand; dotted overrides
+on the command line change any field. Under ``torchrun`` (``torchrun --nproc-per-node=N -m
+olmolike train CONFIG.yaml``) every rank reads the same file and the model is sharded or
+replicated as ``train_module.dp_config`` says.
+
+Nothing in the file is imported: ``_CLASS_`` names only classes the program has imported, and
+GRPO's reward functions come from installed packages (the ``olmolike.rewards`` entry points).
 """
 
 from __future__ import annotations
@@ -18,15 +24,25 @@ import yaml
 
 from . import io
 from .config import Config
+from .config_coerce import check_separated_value
 from .data.numpy_data_loader import NumpyDataLoaderConfig
 from .data.numpy_dataset import NumpyDatasetConfig
 from .data.tokenizer import TokenizerConfig
 from .distributed.utils import get_rank
 from .exceptions import ConfigurationError
+from .experiment_kinds import (
+    DatasetConfig,
+    build_data_loader,
+    build_train_module,
+    check_data,
+    kind_of,
+    load_rewards,
+)
 from .nn import TransformerConfig
 from .train import Trainer, TrainerConfig
 from .train.callbacks import ConfigSaverCallback
 from .train.train_module import TransformerTrainModuleConfig
+from .train.train_module.grpo import RewardRegistry
 
 __all__ = ["ExperimentConfig", "add_train_command", "load_experiment", "train"]
 
@@ -35,24 +51,34 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ExperimentConfig(Config):
-    """Everything one language-model training run is built from."""
+    """Everything one training run is built from: pretraining, SFT, DPO or GRPO."""
 
     run_name: str
     """A name for the run (logs and the saved config); where it is saved is
     ``trainer.save_folder``."""
     model: TransformerConfig
-    dataset: NumpyDatasetConfig
-    """The training tokens (``olmolike prepare-data`` output)."""
+    dataset: DatasetConfig
+    """The training data; its ``_CLASS_`` says which kind (``numpy`` when absent): ``numpy``
+    (``prepare-data`` tokens), ``sft`` (``prepare-data --sft``), ``preference_pairs``
+    (``prepare-data --dpo``) or ``prompts`` (a prompt JSONL file)."""
     data_loader: NumpyDataLoaderConfig
+    """Batching. ``global_batch_size`` counts tokens, except for preference pairs (pairs x 4 x
+    sequence length: chosen and rejected, ids and labels) and prompts (prompts)."""
     train_module: TransformerTrainModuleConfig
+    """What is trained, picked by its ``_CLASS_``: ``transformer`` (pretraining and SFT, the
+    default), ``dpo``, ``grpo`` or ``two_stage_kl``."""
     trainer: TrainerConfig
     """Where the run is saved, how long it trains, and its callbacks (evaluation included)."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    """Saved with the run so that ``olmolike generate`` decodes what the model writes."""
+    """Saved with the run so that ``olmolike generate`` decodes what the model writes; GRPO
+    also decodes its completions with it (and encodes the prompts)."""
     init_seed: int = 12536
     """Seeds Python, NumPy and torch before the model is built: the same seed, the same run."""
 
     def validate(self) -> None:
+        check_data(self.train_module, self.dataset, self.data_loader)
+        if not isinstance(self.dataset, NumpyDatasetConfig):
+            return  # the others' lengths are in their files, checked when the data is built
         seq_len = self.dataset.sequence_length
         if seq_len > self.model.max_sequence_length:
             raise self._invalid(
@@ -79,22 +105,35 @@ def load_experiment(path: str, overrides: list[str]) -> ExperimentConfig:
     if not isinstance(data, dict):
         raise ConfigurationError(f"{path} must hold a mapping at the top level")
     data.pop(Config.CLASS_NAME_FIELD, None)
-    return ExperimentConfig.from_dict(data).merge(overrides)
+    for previous, item in zip([None, *overrides], overrides, strict=False):
+        check_separated_value(previous, item)
+    # Overrides first, then one check: they can mend a file that is wrong on its own (a
+    # train module's class and its dataset's changed together).
+    return ExperimentConfig.from_dict(data, overrides)
 
 
-def train(config: ExperimentConfig) -> Trainer:
-    """Build the run's parts in the ``train_lm`` example's order and train; returns the trainer."""
+def train(config: ExperimentConfig, rewards: RewardRegistry | None = None) -> Trainer:
+    """Build the run's parts in the examples' order and train; returns the trainer.
+
+    ``rewards``: a script's own reward functions for GRPO; without it the config's reward names
+    are looked up in the installed ``olmolike.rewards`` entry points.
+    """
+    # First what is most likely wrong (a reward name, a missing folder), before the model.
+    registry = load_rewards(config.train_module, rewards)
+    data_loader = build_data_loader(config)
     # Built on the meta device: the train module shards it (if asked), then materialises it.
     model = config.model.build(init_device="meta")
-    train_module = config.train_module.build(model)
-    data_loader = config.data_loader.build(config.dataset.build())
+    train_module = build_train_module(config, model, registry)
     saver = ConfigSaverCallback(config=config.as_config_dict())  # for generate, evaluate
     trainer = config.trainer.with_callback("config_saver", saver).build(train_module, data_loader)
+    kind = kind_of(config.train_module, config.dataset)
     log.info(
-        "%s: %s parameters, %s tokens per step, %s steps",
+        "%s (%s): %s parameters, %s %s per step, %s steps",
         config.run_name,
+        kind,
         f"{config.model.num_params():,d}",
         f"{trainer.global_batch_size:,d}",
+        "prompts" if kind == "GRPO" else "tokens",
         trainer.max_steps,
     )
     trainer.fit()
@@ -127,9 +166,12 @@ def add_train_command(commands: argparse._SubParsersAction) -> None:
         "train",
         help="train from an experiment config file (YAML or JSON) with dotted overrides; under "
         "torchrun: torchrun --nproc-per-node=N -m olmolike train CONFIG.yaml",
-        description="Train a language model from an experiment config file: model, "
-        "train_module, dataset, data_loader, trainer (the train_lm example's sections; its "
-        "--dry-run prints one). Any field can be overridden: --trainer.max_duration.value=100.",
+        description="Train from an experiment config file: model, train_module, dataset, "
+        "data_loader, trainer (the train_lm example's --dry-run prints one). The train "
+        "module's _CLASS_ picks pretraining or SFT (transformer), dpo or grpo, and the "
+        "dataset's _CLASS_ its data (numpy, sft, preference_pairs, prompts). GRPO's reward "
+        "functions come from installed packages' olmolike.rewards entry points. Any field can "
+        "be overridden: --trainer.max_duration.value=100.",
     )
     cmd.add_argument("config", help="the experiment config file (.yaml, .yml or .json)")
     cmd.add_argument(
