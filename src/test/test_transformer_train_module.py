@@ -134,8 +134,13 @@ def assert_same_run(
     torch.testing.assert_close(
         torch.tensor(got_losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-6
     )
+    # Adam divides each gradient by its own running scale, so a parameter whose gradient is
+    # near zero moves by up to ~lr on a rounding difference in how micro-batches add up: a few
+    # of 8,192 did, by 2.4e-5 to 2.8e-5, on one CPU model and not on another. 1e-4 is 1% of a
+    # step's update at lr 1e-2: an accumulation error (a missing 1/n, a lost micro-batch)
+    # moves every parameter by far more.
     for g, w in zip(got_params, want_params):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
 
 def test_loss_falls_and_is_a_token_mean(reference: tuple[list[float], list[torch.Tensor]]) -> None:
