@@ -175,14 +175,18 @@ def test_a_failure_on_one_rank_fails_every_rank_at_once_on_gcs(
 
 def _public_async_save_with_staging_failure(folder: str) -> str:
     import torch
+    from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.staging import DefaultStager
 
     from olmolike.distributed.checkpoint import async_save_model_and_optim_state
     from olmolike.distributed.utils import get_rank
 
     model = torch.nn.Linear(4, 4)
-    patch = mock.patch.object(DefaultStager, "stage", _raise(MemoryError("no room for the copy")))
-    with patch if get_rank() == 1 else contextlib.nullcontext():
+    with contextlib.ExitStack() as patches:
+        if get_rank() == 1:  # whichever stager copies (DCP's default is the writer itself)
+            for stager in (DefaultStager, FileSystemWriter):
+                no_room = _raise(MemoryError("no room for the copy"))
+                patches.enter_context(mock.patch.object(stager, "stage", no_room))
         future = async_save_model_and_optim_state(folder, model)
     try:
         future.result(timeout=patient(PROMPT_S))

@@ -160,7 +160,7 @@ class CheckpointSave:
             try:
                 self._finish_uploads(upload_rest=error is None)
             except Exception as e:
-                log.exception("Uploading this rank's part of %s failed", self.target)
+                log.exception("Saving this rank's part of %s failed", self.target)
                 error = error or e
         self._agree(f"saving {self.target}", error)
         commit_error: Exception | None = None
