@@ -216,8 +216,8 @@ class Checkpointer:
         state_bytes = b""
         failed: Exception | None = None
         try:  # one rank's failure is told to all at the save's first agreement
+            state = train_module.state_dict_to_save()  # first: every rank gets here
             state_bytes = plan.prepare(train_state)
-            state = train_module.state_dict_to_save()
         except Exception as e:
             failed = e
         cause: BaseException | None = None
@@ -256,9 +256,9 @@ class Checkpointer:
         stager: DefaultStager | None = None
         failed: Exception | None = None
         try:  # one rank's failure is told to all at the save's first agreement
+            state = train_module.state_dict_to_save()  # first: every rank gets here
             state_bytes = plan.prepare(train_state)
             stager = self._prepared_stager()
-            state = train_module.state_dict_to_save()
         except Exception as e:
             failed = e
         dcp_future = async_save_state_dict(
@@ -302,8 +302,8 @@ class Checkpointer:
         if self._ahead is not None or (self.keep_staging_buffers and self._stager is not None):
             return
         try:
-            stager = self._stager_for_save()
             state = train_module.state_dict_to_save()
+            stager = self._stager_for_save()
         except Exception as e:  # raised by the save it was for, which tells every rank
             self._ahead = Future()
             self._ahead.set_exception(e)
