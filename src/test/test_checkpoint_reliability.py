@@ -39,42 +39,58 @@ def checkpointer(**kwargs: Any) -> dict[str, Any]:
 # -- a failed save --------------------------------------------------------------------------
 
 
-def _disk_full_on_rank1(save: str, save_async: bool) -> dict[str, Any]:
+def _fail_on_rank1(save: str, save_async: bool, failure: str) -> dict[str, Any]:
+    """Train 3 steps saving at step 2, where rank 1 alone fails: its disk is full, or (the
+    async save's copy to CPU memory) it runs out of memory."""
     from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.staging import DefaultStager
 
     from olmolike.distributed.utils import get_rank
 
-    if get_rank() == 1:
-        write_data = FileSystemWriter.write_data
-
-        def no_space(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if "step2" in str(self.path):
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return write_data(self, *args, **kwargs)
-
-        FileSystemWriter.write_data = no_space  # type: ignore[method-assign]
     trainer = build_trainer(
         save, max_duration=Duration.steps(3), **checkpointer(save_interval=2, save_async=save_async)
     )
+    owner, name = (
+        (FileSystemWriter, "write_data") if failure == "disk" else (DefaultStager, "stage")
+    )
+    original = getattr(owner, name)
+
+    def failing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if failure == "disk" and "step2" in str(self.path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if failure == "memory" and trainer.global_step >= 2:  # the copy is made at step 2
+            raise MemoryError("cannot allocate the staging copy")
+        return original(self, *args, **kwargs)
+
+    if get_rank() == 1:
+        setattr(owner, name, failing)
     try:
         trainer.fit()
     except BaseException as e:
-        return {"type": type(e).__name__, "is_exception": isinstance(e, Exception), "msg": str(e)}
-    return {"type": None}
+        return {"checkpoint_error": isinstance(e, CheckpointError), "msg": str(e)}
+    return {"checkpoint_error": False}
 
 
-@pytest.mark.parametrize("save_async", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    ("save_async", "failure", "expected"),
+    [
+        (False, "disk", "OSError: [Errno 28] No space left"),
+        (True, "disk", "OSError: [Errno 28] No space left"),
+        (True, "memory", "MemoryError: cannot allocate the staging copy"),
+    ],
+    ids=["sync", "async", "async-copy"],
+)
 def test_a_failed_save_raises_checkpoint_error_on_every_rank_and_removes_its_staging(
-    tmp_path: Path, save_async: bool
+    tmp_path: Path, save_async: bool, failure: str, expected: str
 ) -> None:
-    outcomes = run_distributed(_disk_full_on_rank1, 2, args=(str(tmp_path), save_async))
+    outcomes = run_distributed(_fail_on_rank1, 2, args=(str(tmp_path), save_async, failure))
     for outcome in outcomes:
         assert outcome.error is None, outcome.error
         result = outcome.result
-        assert result["type"] == "CheckpointError", result
-        assert result["is_exception"]  # never torch's CheckpointException, a BaseException
-        assert "step2" in result["msg"]
-    assert outcomes[0].result["msg"] != "" and "No space left" in outcomes[1].result["msg"]
+        # never torch's CheckpointException, a BaseException
+        assert result["checkpoint_error"], result
+        # on every rank, not only the failed one: the failed rank and its original error
+        assert f"step2 failed on rank 1: {expected}" in result["msg"], result["msg"]
     leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".step", "step")))
     assert leftovers == ["step0"], leftovers  # the pre-train checkpoint only: no .step2.tmp
 

@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -37,15 +38,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import io
 from ..exceptions import CheckpointError, ConfigurationError
+from ..threads import DaemonThreadPool
 from .checkpoint_download import local_copy
 from .checkpoint_format import dcp_dir_of, read_metadata
 from .checkpoint_reader import load_keys
 from .checkpoint_storage import dcp_reader, dcp_writer, default_thread_count
 from .checkpoint_unpickle import WeightsOnlyLoadPlanner
-from .save_target import ShardWritten, after_async_save, save_target
+from .save_failures import SaveFailedError, agree_on_failures, failures_of
+from .save_target import save_target
 from .state_dict_keys import merge_state_dicts, prune_state_dict, swap_param_keys
 from .unshard import UnshardStrategy, UnshardStrategyType, unshard_checkpoint
 from .utils import is_distributed
@@ -150,6 +154,7 @@ def save_state_dict(
     thread_count: int | None = None,
     throttle_uploads: bool = False,
     on_shard_written: Callable[[Path], None] | None = None,
+    failed: BaseException | None = None,
 ) -> None:
     """Save every rank's shards of ``state_dict`` into ``dir``, a local directory or a URL.
 
@@ -158,18 +163,27 @@ def save_state_dict(
     ``throttle_uploads``. ``thread_count`` threads (files per rank) write; by default
     :func:`~.checkpoint_storage.default_thread_count`. ``on_shard_written(path)`` is called
     on a writing thread as each local shard file is complete (e.g. to upload it at once).
+
+    A save that fails on any rank raises :class:`~.save_failures.SaveFailedError` on every
+    rank, naming the ranks that failed and their errors. ``failed`` is this rank's error from
+    before the save (building its state, say): the rank still calls this, so that every rank
+    learns it at the save's first agreement instead of waiting for it in a collective.
     """
+    agree_on_failures(f"saving {dir}", failed, process_group)
     threads = thread_count or default_thread_count()
     target = save_target(
         dir, process_group, save_overwrite, throttle_uploads, threads, on_shard_written
     )
-    with target as (local, shard_written):
-        dcp.save(
-            state_dict,
-            storage_writer=dcp_writer(local, threads, shard_written),
-            process_group=process_group,
-            no_dist=not is_distributed(),
-        )
+    try:
+        with target as (local, shard_written):
+            dcp.save(
+                state_dict,
+                storage_writer=dcp_writer(local, threads, shard_written),
+                process_group=process_group,
+                no_dist=not is_distributed(),
+            )
+    except CheckpointException as e:  # DCP's, on every rank; a BaseException: make it an error
+        raise SaveFailedError(f"saving {dir}", failures_of(e, process_group)) from e
 
 
 def async_save_state_dict(
@@ -182,32 +196,55 @@ def async_save_state_dict(
     throttle_uploads: bool = False,
     stager: AsyncStager | None = None,
     on_shard_written: Callable[[Path], None] | None = None,
-) -> Future[Any]:
+    failed: BaseException | None = None,
+) -> Future[None]:
     """Copy ``state_dict`` to CPU memory now, write it to ``dir`` in a background thread.
 
     When this returns, later optimizer steps can no longer change what is saved. The
     ``process_group`` must support CPU tensors (gloo); use one that training does not use.
     Pass a stager kept across saves (torch's ``DefaultStager``) to reuse its CPU buffers
-    instead of re-allocating the copy. A URL's future completes once the files are uploaded
-    too. ``thread_count`` and ``on_shard_written`` as in :func:`save_state_dict`.
+    instead of re-allocating the copy. The future completes once the files are written (and
+    uploaded, for a URL). The other arguments are :func:`save_state_dict`'s, which the
+    background thread runs: a rank whose copy fails passes its error on as ``failed``, so
+    every rank's future raises it.
     """
-
-    threads = thread_count or default_thread_count()
-
-    def start(local: Path, shard_written: ShardWritten | None) -> Future[Any]:
-        future = dcp.async_save(
-            state_dict,
-            storage_writer=dcp_writer(local, threads, shard_written),
-            process_group=process_group,
-            async_stager=stager,
-            no_dist=not is_distributed(),
-        )
-        assert isinstance(future, Future)
-        return future
-
-    return after_async_save(
-        dir, process_group, save_overwrite, throttle_uploads, threads, start, on_shard_written
+    if is_distributed():
+        check_checkpoint_backend(str(dist.get_backend(process_group)))
+    own_stager = stager is None
+    stager = stager or DefaultStager(StagingOptions(False, False, False, False))  # DCP's default
+    staged: dict[str, Any] = {}
+    if failed is None:
+        try:
+            staged = _stage(state_dict, stager)
+        except Exception as e:  # MemoryError, say: one rank's only, so not raised here
+            failed = e
+    pool = DaemonThreadPool(1, "checkpoint-save")
+    future = pool.submit(
+        save_state_dict,
+        dir,
+        staged,
+        process_group=process_group,
+        save_overwrite=save_overwrite,
+        thread_count=thread_count,
+        throttle_uploads=throttle_uploads,
+        on_shard_written=on_shard_written,
+        failed=failed,
     )
+    pool.shutdown(wait=False)
+    if own_stager:
+        future.add_done_callback(lambda _: stager.close())
+    return future
+
+
+def _stage(state_dict: dict[str, Any], stager: AsyncStager) -> dict[str, Any]:
+    """``stager``'s CPU copy of ``state_dict``, complete (as ``dcp.async_save`` stages)."""
+    state = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+    staged = stager.stage(state)
+    if isinstance(staged, Future):
+        staged = staged.result()
+    if stager.should_synchronize_after_execute:
+        stager.synchronize_staging()
+    return staged
 
 
 @contextlib.contextmanager

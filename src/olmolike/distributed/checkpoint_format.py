@@ -400,7 +400,7 @@ def describe_error(error: BaseException | None) -> str:
     if error is None:
         return "unknown error"
     lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[-1][:300] if lines else ''}"
+    return f"{type(error).__name__}: {lines[-1][:300]}" if lines else type(error).__name__
 
 
 @dataclass

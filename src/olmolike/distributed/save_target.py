@@ -8,7 +8,8 @@ shard as soon as DCP has written it (on several threads, while DCP writes the ot
 ``.metadata`` for complete). With ``throttle_uploads`` the ranks upload one after another once
 everything is written, for stores that limit request rates.
 Every step that can fail on one rank ends in an agreement of all ranks, so a failure raises on
-every rank instead of leaving the others waiting in a collective.
+every rank instead of leaving the others waiting in a collective: what a rank does on its own
+(clearing, creating a staging folder) comes before the agreement, never after it.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import io
-from ..exceptions import CheckpointError
 from ..threads import DaemonThreadPool
 from .checkpoint_format import DCP_METADATA
+from .save_failures import agree_on_failures
 from .utils import all_agree, barrier, get_rank, get_world_size, is_distributed
 
-__all__ = ["ShardWritten", "after_async_save", "prepare_local_dir", "save_target"]
+__all__ = ["ShardWritten", "prepare_local_dir", "save_target"]
 
 ShardWritten = Callable[[Path], None]
 """Called by DCP's writer (see :func:`.checkpoint_storage.dcp_writer`) with each finished shard."""
@@ -63,18 +64,23 @@ class _EarlyUploads:
     def finish(self) -> set[Path]:
         """Wait for every started upload (raising the first error); the names uploaded."""
         errors = [future.exception() for future in self._started.values()]
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
+        self.close()
         for error in errors:
             if error is not None:
                 raise error
         return set(self._started)
 
+    def close(self) -> None:
+        """Let the upload threads end (once the uploads started so far are done)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
 
 def prepare_local_dir(
     dir: str | Path, group: dist.ProcessGroup | None, save_overwrite: bool
 ) -> Path:
-    """Make ``dir`` an empty local directory on every rank, or raise on every rank.
+    """Check on every rank that ``dir`` is a missing or empty local directory, or raise on
+    every rank; DCP's writer creates it.
 
     Without ``save_overwrite`` a non-empty ``dir`` is a :class:`FileExistsError`; with it, the
     lowest rank of each host that sees ``dir`` clears it. Every rank passes an agreement (a
@@ -84,15 +90,19 @@ def prepare_local_dir(
     error: str | None = None
     if save_overwrite:
         if _lowest_rank_seeing(path, group):
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-    elif path.exists() and (not path.is_dir() or any(path.iterdir())):
-        error = f"{path} exists and is not empty; pass save_overwrite=True to replace it"
+            with contextlib.suppress(OSError):  # what is left makes DCP's writer fail
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+    else:
+        try:
+            if path.exists() and (not path.is_dir() or any(path.iterdir())):
+                error = f"{path} exists and is not empty; pass save_overwrite=True to replace it"
+        except OSError as e:
+            error = f"cannot save into {path}: {e}"
     if not all_agree(error is None, group):
         raise FileExistsError(error or f"{path} exists and is not empty on another rank")
-    path.mkdir(parents=True, exist_ok=True)
     return path
 
 
@@ -105,10 +115,12 @@ def _lowest_rank_seeing(path: Path, group: dist.ProcessGroup | None) -> bool:
     return places.index(where) == get_rank(group)
 
 
-def _prepare_remote_dir(url: str, group: dist.ProcessGroup | None, save_overwrite: bool) -> None:
-    """Rank 0 checks (or, with ``save_overwrite``, clears) the prefix; every rank agrees."""
-    error: str | None = None
-    if get_rank(group) == 0:
+def _prepare_remote_dir(
+    url: str, group: dist.ProcessGroup | None, save_overwrite: bool, error: str | None
+) -> None:
+    """Rank 0 checks (or, with ``save_overwrite``, clears) the prefix; every rank agrees,
+    also on ``error``, this rank's failure to get ready."""
+    if get_rank(group) == 0 and error is None:
         try:
             if save_overwrite:
                 if io.exists(url):
@@ -118,7 +130,7 @@ def _prepare_remote_dir(url: str, group: dist.ProcessGroup | None, save_overwrit
         except Exception as e:  # every rank raises, not only this one
             error = f"cannot prepare {url}: {e}"
     if not all_agree(error is None, group):
-        raise FileExistsError(error or f"{url} could not be prepared on rank 0")
+        raise FileExistsError(error or f"{url} could not be prepared on another rank")
 
 
 @contextlib.contextmanager
@@ -130,62 +142,34 @@ def save_target(
     threads: int,
     on_shard_written: ShardWritten | None = None,
 ) -> Iterator[tuple[Path, ShardWritten | None]]:
-    """The local directory a synchronous save writes into, and what its writer calls with
-    each finished shard (``on_shard_written``, and for a URL the start of its upload on one
-    of ``threads`` threads). For a URL the rest is uploaded after the save, if it succeeded."""
+    """The local directory a save writes into, and what its writer calls with each finished
+    shard (``on_shard_written``, and for a URL the start of its upload on one of ``threads``
+    threads). For a URL the rest is uploaded after the save, if it succeeded."""
     if not io.is_url(dir):
         yield prepare_local_dir(dir, group, save_overwrite), on_shard_written
         return
-    _prepare_remote_dir(str(dir), group, save_overwrite)
-    with tempfile.TemporaryDirectory(prefix="olmolike-save-") as staging:
-        early = _EarlyUploads(Path(staging), str(dir), throttle, threads)
+    staging: Path | None = None
+    early: _EarlyUploads | None = None
+    error: str | None = None
+    try:
+        staging = Path(tempfile.mkdtemp(prefix="olmolike-save-"))
+        early = _EarlyUploads(staging, str(dir), throttle, threads)
+    except (OSError, RuntimeError) as e:  # told to every rank by the agreement next
+        error = f"cannot stage the upload to {dir} on rank {get_rank(group)}: {e}"
+    try:
+        _prepare_remote_dir(str(dir), group, save_overwrite, error)
+        assert staging is not None and early is not None
         try:
-            yield Path(staging), early.hook(on_shard_written)
+            yield staging, early.hook(on_shard_written)
         except BaseException:
             _wait_quietly(early)  # no upload outlives the save
             raise
-        _upload(Path(staging), str(dir), group, throttle, early)
-
-
-def after_async_save(
-    dir: str | Path,
-    group: dist.ProcessGroup | None,
-    save_overwrite: bool,
-    throttle: bool,
-    threads: int,
-    start: Callable[[Path, ShardWritten | None], Future[Any]],
-    on_shard_written: ShardWritten | None = None,
-) -> Future[Any]:
-    """Run ``start(local_dir, shard_written)`` (an async DCP save) into the right local
-    directory, as :func:`save_target`; for a URL, the returned future completes once the files
-    are uploaded too."""
-    if not io.is_url(dir):
-        return start(prepare_local_dir(dir, group, save_overwrite), on_shard_written)
-    _prepare_remote_dir(str(dir), group, save_overwrite)
-    staging = Path(tempfile.mkdtemp(prefix="olmolike-save-"))
-    early = _EarlyUploads(staging, str(dir), throttle, threads)
-    try:
-        written = start(staging, early.hook(on_shard_written))
-    except BaseException:
-        _wait_quietly(early)
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-    def upload() -> None:
-        try:
-            try:
-                written.result()
-            except BaseException:
-                _wait_quietly(early)
-                raise
-            _upload(staging, str(dir), group, throttle, early)
-        finally:
+        _upload(staging, str(dir), group, throttle, early)
+    finally:
+        if early is not None:
+            early.close()
+        if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
-
-    pool = DaemonThreadPool(1, "checkpoint-upload")
-    future = pool.submit(upload)
-    pool.shutdown(wait=False)
-    return future
 
 
 def _wait_quietly(early: _EarlyUploads) -> None:
@@ -239,8 +223,4 @@ def _agreeing(step: Callable[[], None], group: dist.ProcessGroup | None, url: st
         step()
     except Exception as e:
         error = e
-    if not all_agree(error is None, group):
-        raise CheckpointError(
-            f"uploading the checkpoint to {url} failed on at least one rank"
-            + (f" (this rank: {type(error).__name__}: {error})" if error else "")
-        )
+    agree_on_failures(f"uploading the checkpoint to {url}", error, group)

@@ -21,8 +21,11 @@ Saving is :mod:`.checkpoint_save`, loading :mod:`.checkpoint_load`; the checkpoi
 what lasts across saves (threads, staging buffers, the lease).
 
 Removing a checkpoint deletes its marker first; :meth:`Checkpointer.purge_checkpoint` deletes
-the rest in the background (:mod:`.checkpoint_purge`). A save that fails raises
-:class:`~olmolike.exceptions.CheckpointError` on every rank and removes its staging folder.
+the rest in the background (:mod:`.checkpoint_purge`). A save that fails, at any stage and on
+any rank, raises :class:`~olmolike.exceptions.CheckpointError` on every rank, naming the
+failed ranks and their errors, and removes its staging folder: a rank that fails keeps
+joining the save's collectives and hands its error to the next agreement
+(:mod:`~olmolike.distributed.save_failures`), so no rank waits for it until a timeout.
 Loading first checks that the checkpoint is intact (:mod:`.checkpoint_format`). Trainer state
 is saved with ``torch.save`` and loaded with ``weights_only=True``: loading never runs code
 from a file. The run's lease on the save folder (:mod:`.lease`) is held by the checkpointer.
@@ -36,13 +39,13 @@ import functools
 import logging
 from collections.abc import Collection, Mapping
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from .. import io
@@ -68,7 +71,7 @@ from ..distributed.utils import is_distributed, using_group
 from ..threads import DaemonThreadPool
 from . import checkpoint_purge
 from .checkpoint_load import CheckpointLoad
-from .checkpoint_save import CheckpointSave, check_extra_file_name, encode_extra_files, serialize
+from .checkpoint_save import CheckpointSave, check_extra_file_name, encode_extra_files
 from .lease import DEFAULT_TIMEOUT, SaveFolderLease, acquire_lease
 
 if TYPE_CHECKING:
@@ -205,22 +208,32 @@ class Checkpointer:
 
         ``extra_files`` (name to contents, from rank 0) are written into the checkpoint folder
         before its marker, so they are part of the checkpoint: present exactly when it is.
+        A save that fails on any rank raises :class:`~olmolike.exceptions.CheckpointError` on
+        every rank, naming the ranks that failed and their errors.
         """
         self.wait_for_pending_save()
         plan = self._begin(dir, extra_files)
+        state: dict[str, Any] = {}
+        state_bytes = b""
+        failed: Exception | None = None
+        try:  # one rank's failure is told to all at the save's first agreement
+            state = train_module.state_dict_to_save()  # first: every rank gets here
+            state_bytes = plan.prepare(train_state)
+        except Exception as e:
+            failed = e
         cause: BaseException | None = None
         try:
             save_state_dict(
                 plan.dcp_dir,
-                train_module.state_dict_to_save(),
+                state,
                 process_group=self.process_group,
                 thread_count=self.save_thread_count,
                 on_shard_written=plan.shard_written,
+                failed=failed,
             )
-        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-            log.error("Writing the model and optimizer state of %s failed: %s", plan.target, e)
+        except Exception as e:
             cause = e
-        plan.finish(serialize(train_state), ephemeral, cause)
+        plan.finish(state_bytes, ephemeral, cause)
 
     def save_async(
         self,
@@ -233,41 +246,46 @@ class Checkpointer:
         """Like :meth:`save`, but returns once the state is copied to CPU memory.
 
         The files are written by a background thread on this checkpointer's process group;
-        the returned future completes when the checkpoint is complete (or failed).
+        the returned future completes when the checkpoint is complete (or failed). A rank
+        that fails before the files are written (copying its state, say) raises nothing
+        here: its error reaches every rank's future, as the save's failure.
         """
         self.wait_for_pending_save()
         plan = self._begin(dir, extra_files)
-        state_bytes = serialize(train_state)
-        stager = self._prepared_stager()
-        try:
-            dcp_future = async_save_state_dict(
-                plan.dcp_dir,
-                train_module.state_dict_to_save(),
-                process_group=self.process_group,
-                thread_count=self.save_thread_count,
-                stager=stager,
-                on_shard_written=plan.shard_written,
-            )
-        except (Exception, CheckpointException) as e:  # planning failed, on every rank
-            self._done_with(stager)
-            plan.finish(state_bytes, ephemeral, e)
+        state: dict[str, Any] = {}
+        state_bytes = b""
+        stager: DefaultStager | None = None
+        failed: Exception | None = None
+        try:  # one rank's failure is told to all at the save's first agreement
+            state = train_module.state_dict_to_save()  # first: every rank gets here
+            state_bytes = plan.prepare(train_state)
+            stager = self._prepared_stager()
+        except Exception as e:
+            failed = e
+        dcp_future = async_save_state_dict(
+            plan.dcp_dir,
+            state,
+            process_group=self.process_group,
+            thread_count=self.save_thread_count,
+            stager=stager,
+            on_shard_written=plan.shard_written,
+            failed=failed,
+        )
 
         def finish() -> None:
-            # The group belongs to this save (DCP's thread, then this one) until it is done.
+            # The group belongs to this save (the save's thread, then this one) until it is done.
             with using_group(self.process_group, "checkpointer"):
                 cause: BaseException | None = None
                 try:
                     dcp_future.result()
-                except (Exception, CheckpointException) as e:  # a BaseException: never let it out
-                    log.error(
-                        "Writing the model and optimizer state of %s failed: %s", plan.target, e
-                    )
+                except Exception as e:
                     cause = e
-                self._done_with(stager)
+                if stager is not None:
+                    self._done_with(stager)
                 try:
                     plan.finish(state_bytes, ephemeral, cause)
                 finally:
-                    if stager is not self._stager:  # DCP's threads have let go of the copy
+                    if stager is not self._stager:  # the save's threads have let go of the copy
                         return_freed_memory()
 
         self._pending = self._writer_thread().submit(finish)
@@ -286,8 +304,13 @@ class Checkpointer:
             return
         if not stagers_are_reusable():
             return  # the save's own staging would fail on a used stager: it allocates then
-        stager = self._stager_for_save()
-        state = train_module.state_dict_to_save()
+        try:
+            state = train_module.state_dict_to_save()
+            stager = self._stager_for_save()
+        except Exception as e:  # raised by the save it was for, which tells every rank
+            self._ahead = Future()
+            self._ahead.set_exception(e)
+            return
 
         def allocate() -> DefaultStager:
             stager.stage(state)
@@ -352,7 +375,7 @@ class Checkpointer:
         if pending is not None:
             pending.result()
         if self._ahead is not None:  # buffers for the next save: stay prepared
-            self._ahead.result()
+            futures_wait([self._ahead])  # a failure is that save's (on every rank), not ours
 
     # -- loading -----------------------------------------------------------------------------
 

@@ -32,19 +32,12 @@ from ..distributed.checkpoint_format import (
     MODEL_AND_OPTIM,
     STEP_DIR,
     TRAIN_STATE,
-    describe_error,
     dir_is_checkpoint,
     remove_checkpoint,
     write_synced,
 )
-from ..distributed.utils import (
-    all_agree,
-    barrier,
-    broadcast_object,
-    get_rank,
-    get_world_size,
-    using_group,
-)
+from ..distributed.save_failures import agree_on_failures
+from ..distributed.utils import barrier, get_rank, get_world_size, using_group
 from ..exceptions import CheckpointError
 from . import checkpoint_purge
 from .lease import SaveFolderLease
@@ -116,54 +109,59 @@ class CheckpointSave:
             self.staging = mine / name
         else:
             self.staging = Path(target).parent / f".{name}.tmp"
-        error: str | None = None
+        error: Exception | None = None
         if get_rank() == 0:
-            error = self._prepare_target()
+            try:
+                self._prepare_target()
+            except Exception as e:
+                error = e
         with using_group(self.group, "checkpointer"):
-            error = broadcast_object(error, group=self.group)
-        if error is not None:
-            raise CheckpointError(error)
-        (self.staging / TRAIN_STATE).mkdir(parents=True, exist_ok=True)
+            agree_on_failures(f"preparing {self.target}", error, self.group)
 
-    def _prepare_target(self) -> str | None:
+    def _prepare_target(self) -> None:
         """Rank 0, before any rank writes: check the lease, clear what is in the way."""
-        try:
-            if self.lease is not None:
-                self.lease.check()
-            if self.remote:
-                # Marker first: from here on no reader trusts what the prefix holds.
-                remove_checkpoint(self.target)
-            else:
-                shutil.rmtree(self.staging, ignore_errors=True)
-        except Exception as e:
-            return f"cannot save {self.target}: {e}"
-        return None
+        if self.lease is not None:
+            self.lease.check()
+        if self.remote:
+            # Marker first: from here on no reader trusts what the prefix holds.
+            remove_checkpoint(self.target)
+        else:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+    def prepare(self, train_state: dict[str, Any]) -> bytes:
+        """This rank's part before DCP writes (rank-local: a failure here must be handed to
+        the save's next agreement): the trainer state's bytes, and its folder."""
+        state_bytes = serialize(train_state)
+        (self.staging / TRAIN_STATE).mkdir(parents=True, exist_ok=True)
+        return state_bytes
 
     def finish(self, state_bytes: bytes, ephemeral: bool, cause: BaseException | None) -> None:
         """Write this rank's trainer state (and rank 0 the extra files), upload, agree, commit.
 
-        ``cause`` is this rank's failure in writing the DCP state, if any; every rank raises
-        :class:`CheckpointError` if any rank failed, and the checkpoint then has no marker.
+        ``cause`` is the failure of the DCP save, if any (agreed, or this rank's own); every
+        rank raises :class:`~olmolike.distributed.save_failures.SaveFailedError` naming the
+        failed ranks if any rank failed, and the checkpoint then has no marker.
         """
         rank = get_rank()
+        if cause is not None:
+            log.error("Writing the model and optimizer state of %s failed: %s", self.target, cause)
+        error = cause
         try:
             if cause is None:
                 write_synced(self.staging / TRAIN_STATE / f"rank{rank}.pt", state_bytes)
                 if rank == 0:
                     for name, data in self.extra_files.items():
                         write_synced(self.staging / name, data)
-            if self.remote:  # also when failed: no upload may outlive the save
-                self._finish_uploads(upload_rest=cause is None)
         except Exception as e:
             log.exception("Saving this rank's part of %s failed", self.target)
-            cause = cause or e
-        if not self._all_agree(cause is None):
-            self._clean_staging()
-            reason = f": {describe_error(cause)}" if cause is not None else ""
-            raise CheckpointError(
-                f"saving {self.target} failed on at least one rank (this rank: "
-                f"{'failed' if cause else 'ok'}{reason}); it has no marker"
-            ) from None
+            error = e
+        if self.remote:  # also when failed: no upload may outlive the save
+            try:
+                self._finish_uploads(upload_rest=error is None)
+            except Exception as e:
+                log.exception("Saving this rank's part of %s failed", self.target)
+                error = error or e
+        self._agree(f"saving {self.target}", error)
         commit_error: Exception | None = None
         if rank == 0:
             try:
@@ -171,15 +169,19 @@ class CheckpointSave:
             except Exception as e:
                 log.exception("Committing %s failed", self.target)
                 commit_error = e
-        if not self._all_agree(commit_error is None):
-            self._clean_staging()
-            raise CheckpointError(
-                f"committing {self.target} failed; it has no marker"
-                + (f": {commit_error}" if commit_error else "")
-            )
+        self._agree(f"committing {self.target}", commit_error)
         if self.remote:
             shutil.rmtree(self.staging.parent, ignore_errors=True)
         log.info("Saved checkpoint %s", self.target)
+
+    def _agree(self, what: str, error: BaseException | None) -> None:
+        """Raise on every rank if ``what`` failed on any (cleaning up what was staged)."""
+        try:
+            with using_group(self.group, "checkpointer"):
+                agree_on_failures(what, error, self.group, consequence="it has no marker")
+        except CheckpointError:
+            self._clean_staging()
+            raise
 
     def _clean_staging(self) -> None:
         """After a failed save (every rank is past writing): free the disk it used."""
@@ -200,8 +202,13 @@ class CheckpointSave:
         """Wait for the shards uploaded while DCP wrote, then upload the rest of this rank's
         files (DCP's ``.metadata`` and the small files), all of them before the marker."""
         errors = [f.exception() for f in list(self._uploads.values())]
-        if not upload_rest:
-            return
+        if self.throttle_uploads:  # every rank takes its turn: the turns are collectives
+            self._take_turns(lambda: self._upload_rest(errors) if upload_rest else None)
+        elif upload_rest:
+            self._upload_rest(errors)
+
+    def _upload_rest(self, errors: list[BaseException | None]) -> None:
+        """Upload this rank's files not uploaded yet, unless an early upload failed."""
         for error in errors:
             if error is not None:
                 raise error
@@ -209,15 +216,12 @@ class CheckpointSave:
             (p for p in self.staging.rglob("*") if p.is_file() and p not in self._uploads),
             key=lambda p: (p.suffix != ".distcp", str(p)),  # shards first, as DCP writes them
         )
-        if self.throttle_uploads:
-            self._take_turns(lambda: self._upload_all(rest))
+        if self.throttle_uploads:  # one at a time: this rank's turn
+            for path in rest:
+                self._upload(path)
             return
         for future in [self.uploader.submit(self._upload, path) for path in rest]:
             future.result()
-
-    def _upload_all(self, paths: list[Path]) -> None:
-        for path in paths:
-            self._upload(path)
 
     def _commit(self, ephemeral: bool) -> None:
         if self.lease is not None:
@@ -245,10 +249,6 @@ class CheckpointSave:
         io.fsync_path(target.parent)
 
     # -- collectives -------------------------------------------------------------------------
-
-    def _all_agree(self, ok: bool) -> bool:
-        with using_group(self.group, "checkpointer"):
-            return all_agree(ok, self.group)
 
     def _take_turns(self, upload: Callable[[], Any]) -> None:
         error: Exception | None = None

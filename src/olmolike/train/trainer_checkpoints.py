@@ -96,11 +96,12 @@ class TrainerCheckpoints:
         return done
 
     def deliver_finished(self, upto: int | None = None, *, wait: bool = False) -> None:
-        """``post_checkpoint_saved`` for finished background saves, in order (failed ones
-        skipped).
+        """``post_checkpoint_saved`` for finished background saves, in order; a failed one
+        raises its error.
 
         ``upto`` is how many saves every rank has seen finish (agreed by the periodic cancel
-        check), so a hook that issues collectives runs at the same step on every rank;
+        check), so a hook that issues collectives runs at the same step on every rank, and a
+        failed save (whose error every rank's save holds) stops every rank at the same step;
         ``None`` (one process, or the end of training) takes every finished one. ``wait``
         first waits for the saves still running.
         """
@@ -111,8 +112,12 @@ class TrainerCheckpoints:
                 break
             path, future = self.pending.pop(0)
             self.delivered += 1
-            if not future.cancelled() and future.exception() is None:
-                self.hooks("post_checkpoint_saved", path)
+            if future.cancelled():
+                continue
+            error = future.exception()
+            if error is not None:
+                raise error
+            self.hooks("post_checkpoint_saved", path)
 
     # -- loading -----------------------------------------------------------------------------
 

@@ -252,8 +252,13 @@ class CheckpointerCallback(Callback, name="checkpointer"):
 
     def _collect_finished(self, *, wait: bool) -> None:
         while self._pending and (wait or self._pending[0][1].done()):
-            path, future, ephemeral = self._pending.pop(0)
-            future.result()  # a failed save raises here, in the training loop
+            path, future, ephemeral = self._pending[0]
+            if not wait and future.exception() is not None:
+                # Each rank sees it fail at a step of its own: the trainer raises it at a step
+                # every rank agrees on (a rank raising alone would leave the others waiting).
+                return
+            self._pending.pop(0)
+            future.result()  # a failed save raises here when waited for (every rank waits)
             self._after_save(path, ephemeral)
 
     def _after_save(self, path: str, ephemeral: bool) -> None:
