@@ -95,3 +95,40 @@ def mismatched_steps() -> str:
 def test_fsdp_refuses_different_max_new_tokens_on_each_rank() -> None:
     for message in run_distributed_test(mismatched_steps, timeout=120):
         assert "max_new_tokens differs across ranks" in message
+
+
+def first_token_stops() -> dict[str, Any]:
+    rank = dist.get_rank()
+    model, alone = CONFIG.build(seed=0), CONFIG.build(seed=0)
+    apply_fsdp(model, dist.device_mesh.init_device_mesh("cpu", (2,)))
+    calls: list[int] = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    # Every token stops rank 0's sequences: they all end with their first token.
+    stop = list(range(CONFIG.vocab_size)) if rank == 0 else None
+
+    def run(m: torch.nn.Module) -> tuple[Any, torch.Tensor]:
+        generator = torch.Generator().manual_seed(7 + rank)
+        out = sample(
+            m, rank_prompts(rank), max_new_tokens=NEW_TOKENS, stop_token_ids=stop,
+            generator=generator,
+        )  # fmt: skip
+        return out, generator.get_state()
+
+    (sharded, state), (expected, expected_state) = run(model), run(alone)
+    return {
+        "lengths": sharded.completion_lengths.tolist(),
+        "equal": torch.equal(sharded.completion_ids, expected.completion_ids),
+        "same_draws": torch.equal(state, expected_state),
+        "calls": len(calls),
+    }
+
+
+@pytest.mark.slow
+def test_a_rank_stopped_at_the_first_token_steps_on_without_sampling() -> None:
+    """Rank 0 keeps calling the sharded model until rank 1 is done, but draws nothing more
+    from its generator: its output and random state are those of sampling alone."""
+    ranks = run_distributed_test(first_token_stops, timeout=180)
+    assert ranks[0]["lengths"] == [1, 1] and ranks[1]["lengths"] == [NEW_TOKENS] * 3
+    assert ranks[0]["calls"] == ranks[1]["calls"] == NEW_TOKENS
+    for result in ranks:
+        assert result["equal"] and result["same_draws"], result

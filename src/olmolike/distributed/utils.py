@@ -7,7 +7,8 @@ import datetime
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,7 +18,9 @@ from ..exceptions import ConfigurationError, OLMoLikeError
 
 __all__ = [
     "DEBUG_GROUPS_ENV",
+    "AgreedCounts",
     "GroupMisuseError",
+    "agree_counts",
     "all_agree",
     "backend_supports_cpu",
     "barrier",
@@ -256,6 +259,37 @@ def all_agree(ok: bool, group: dist.ProcessGroup | None = None) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+@dataclass(frozen=True)
+class AgreedCounts:
+    """What :func:`agree_counts` returns: each value's maximum and sum over the ranks."""
+
+    max: list[int]
+    sum: list[int]
+
+
+def agree_counts(values: Sequence[int], group: dist.ProcessGroup | None = None) -> AgreedCounts:
+    """Each of this rank's ``values`` (a few small integers), maxed and summed over ``group``.
+
+    This is how ranks whose data differ agree on how many collectives a step runs (micro-batches,
+    decoding steps): each rank counts what its own data needs, and all run the largest count,
+    padding where they have less. One all-gather of ``len(values)`` integers per call, whatever
+    the data; every rank of ``group`` must call it at the same point. On one rank (or without
+    torch.distributed) the values come back as they are, with no collective.
+    """
+    local = [int(v) for v in values]
+    if not is_distributed() or get_world_size(group) == 1:
+        return AgreedCounts(max=local, sum=local)
+    # On the CPU where the group can (no device sync); an NCCL-only group needs the GPU.
+    device = torch.device("cpu")
+    if not backend_supports_cpu(group):
+        device = torch.device("cuda", torch.cuda.current_device())
+    mine = torch.tensor(local, dtype=torch.int64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    every = torch.stack(parts)
+    return AgreedCounts(max=every.amax(0).tolist(), sum=every.sum(0).tolist())
 
 
 def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:

@@ -12,8 +12,9 @@ is run over the whole context at every step (as ``use_cache=False`` does).
 Distributed models: a DDP-wrapped model samples from its local replica (DDP's own forward
 would broadcast buffers at every call). An FSDP2-sharded model gathers its parameters in
 every forward call, so every rank of the job must call :func:`sample` together, with the same
-``max_new_tokens`` and ``use_cache``; ranks whose sequences finish early keep stepping (their
-outputs are dropped) until every rank is done, agreed by an all-reduce per step.
+``max_new_tokens`` and ``use_cache``; a rank whose sequences all finish early keeps stepping the
+model without sampling (nothing is drawn from its generator, and the extra steps are dropped
+from its output) until every rank is done, agreed by one small collective per step.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
+from ..distributed.utils import agree_counts
 from .kv_cache import KVCache
 from .transformer import Transformer
 
@@ -114,7 +116,7 @@ def sample(
     stops = _stop_table(stop_token_ids, ids.shape[0], ids.device)
     lockstep = dist.is_initialized() and any(isinstance(m, FSDPModule) for m in core.modules())
     if lockstep:
-        _check_same_on_every_rank(max_new_tokens, ids.device)
+        _check_same_on_every_rank(max_new_tokens)
     if not isinstance(core, Transformer) and not bool(valid.all()):
         raise ValueError(
             "prompts of different lengths need a model that takes a padding mask (an olmolike "
@@ -160,13 +162,20 @@ def _sample_steps(
     finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     columns: list[Tensor] = []
     emitted: list[Tensor] = []
+    done_here = False
     for step in range(max_new_tokens):
-        next_ids = pick(logits[:, :vocab_size].float()).masked_fill(finished, pad_token_id)
+        if done_here:  # in lockstep, waiting for other ranks: step the model, draw nothing
+            next_ids = torch.full_like(finished, pad_token_id, dtype=torch.long)
+        else:
+            next_ids = pick(logits[:, :vocab_size].float()).masked_fill(finished, pad_token_id)
         columns.append(next_ids)
         emitted.append(~finished)
         if stops is not None:
             finished = finished | (next_ids[:, None] == stops).any(-1)
-        if step + 1 == max_new_tokens or _all_finished(finished, lockstep):
+        if step + 1 == max_new_tokens:
+            break
+        done_here, done_everywhere = _finished(finished, lockstep)
+        if done_everywhere:
             break
         logits = steps.next(next_ids)
     return torch.stack(columns, 1), torch.stack(emitted, 1), finished
@@ -312,24 +321,23 @@ def _stop_table(
     return table.to(device)
 
 
-def _check_same_on_every_rank(max_new_tokens: int, device: torch.device) -> None:
-    bounds = torch.tensor([max_new_tokens, -max_new_tokens], device=device)
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
-    if int(bounds[0]) != -int(bounds[1]):
+def _check_same_on_every_rank(max_new_tokens: int) -> None:
+    most, negated_least = agree_counts([max_new_tokens, -max_new_tokens]).max
+    if most != -negated_least:
         raise ValueError(
-            f"max_new_tokens differs across ranks (from {-int(bounds[1])} to {int(bounds[0])}): "
+            f"max_new_tokens differs across ranks (from {-negated_least} to {most}): "
             "a sharded (FSDP) model needs every rank to take the same number of steps; pass "
             "the same value everywhere"
         )
 
 
-def _all_finished(finished: Tensor, lockstep: bool) -> bool:
-    """Whether every sequence stopped: on every rank, when the ranks step in lockstep."""
+def _finished(finished: Tensor, lockstep: bool) -> tuple[bool, bool]:
+    """Whether every sequence of this rank stopped, and whether every sequence stopped on every
+    rank that steps in lockstep with this one (one small collective per step)."""
+    here = bool(finished.all())
     if not lockstep:
-        return bool(finished.all())
-    running = (~finished).any().to(torch.int32).reshape(1)
-    dist.all_reduce(running, op=dist.ReduceOp.MAX)
-    return int(running) == 0
+        return here, here
+    return here, agree_counts([0 if here else 1]).max[0] == 0
 
 
 def _check_sampling_args(

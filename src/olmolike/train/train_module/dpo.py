@@ -23,7 +23,7 @@ from ...nn.functional import DPOLossType, check_label_smoothing, dpo_loss, seque
 from ...utils import get_default_device
 from ..common import ReduceType
 from .reference import ReferenceModel, cached_reference_logps, check_same_architecture
-from .train_module import labels_from_batch, microbatch_rows
+from .train_module import agreed_microbatches, is_padding, labels_from_batch, microbatch_rows
 from .transformer import TransformerTrainModule, TransformerTrainModuleConfig
 
 __all__ = ["DPOTrainModule", "DPOTrainModuleConfig"]
@@ -168,19 +168,26 @@ class DPOTrainModule(TransformerTrainModule):
         if self.config.precompute_reference_logps and self._cached_logps is None:
             # The first step of the run, on every rank alike: the reference's forwards run once.
             self._cached_logps = self._cached_reference_logps()
-        # Each rank holds the same number of pairs, so 1 / pairs per rank, with DDP / FSDP
-        # averaging over ranks, gives the mean over the global batch's pairs.
-        scale = 1.0 / pairs
+        # Micro-batches count pairs; the same collective sums the pairs over the ranks.
+        slices, agreed = agreed_microbatches(pairs, per_mb, self.dp_process_group, also=(pairs,))
+        # Times the world size, as DDP / FSDP average over ranks: the mean over the global
+        # batch's pairs, however many each rank holds.
+        scale = self.dp_world_size / max(1, agreed.sum[1])
+        live = self._cached_logps is None or index is None  # as _reference_log_probs decides
+        live_reference = (self.reference.model,) if live else ()
         stats = torch.zeros(7, device=ids.device)
-        starts = list(range(0, pairs, per_mb))
-        for i, start in enumerate(starts):
-            rows = torch.cat([torch.arange(start, min(start + per_mb, pairs))] * 2)
-            rows[len(rows) // 2 :] += pairs
-            mb_ids, mb_labels = ids[rows], labels[rows]
-            mb_index = None if index is None else index[start : start + per_mb]
-            ref_c, ref_r, lengths = self._reference_log_probs(mb_ids, mb_labels, mb_index)
-            with self._grad_sync(last=i == len(starts) - 1), self._autocast:
-                logits = self._forward_module(mb_ids)
+        for i, pair_rows in enumerate(slices):
+            with self._grad_sync(last=i == len(slices) - 1):
+                if is_padding(pair_rows):
+                    self._padding_step(*live_reference)
+                    continue
+                rows = torch.arange(pairs, device=ids.device)[pair_rows].repeat(2)
+                rows[len(rows) // 2 :] += pairs
+                mb_ids, mb_labels = ids[rows], labels[rows]
+                mb_index = None if index is None else index[pair_rows]
+                ref_c, ref_r, lengths = self._reference_log_probs(mb_ids, mb_labels, mb_index)
+                with self._autocast:
+                    logits = self._forward_module(mb_ids)
             pol, _ = sequence_log_probs(logits, mb_labels, ignore_index=ignore)
             pol_c, pol_r = pol.chunk(2)
             len_c, len_r = lengths.chunk(2)

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ...distributed.checkpoint import apply_model_and_optim_state_dict, model_and_optim_state_dict
-from ...distributed.utils import get_world_size, is_distributed
+from ...distributed.utils import AgreedCounts, agree_counts, get_world_size, is_distributed
 from ...exceptions import ConfigurationError
 from ..common import MetricMergeStrategy, ReduceType
 
@@ -158,6 +158,55 @@ def microbatch_rows(input_ids: torch.Tensor, rank_microbatch_size: int, path: st
     return rank_microbatch_size // seq_len
 
 
+def agreed_microbatches(
+    rows: int,
+    rows_per_microbatch: int,
+    group: dist.ProcessGroup | None,
+    *,
+    also: tuple[int, ...] = (),
+) -> tuple[list[slice], AgreedCounts]:
+    """This rank's micro-batches, as row slices, in a number every rank of ``group`` agrees on.
+
+    Under FSDP every forward all-gathers and every backward reduce-scatters, so a rank that ran
+    fewer micro-batches than another would leave it waiting forever. Each rank counts the
+    micro-batches of ``rows_per_microbatch`` rows its own ``rows`` need; all take the largest
+    count (one all-gather of a few integers, :func:`~olmolike.distributed.utils.agree_counts`,
+    none on one rank); a rank with fewer gets empty slices at the end, which the train module
+    runs as padding micro-batches (:func:`padding_loss`). ``also`` rides along in the same
+    collective: their maxima and sums over the ranks come back in the returned counts, after the
+    micro-batch count.
+    """
+    agreed = agree_counts([count_microbatches(rows, rows_per_microbatch), *also], group)
+    return padded_microbatches(slice(0, rows), rows_per_microbatch, agreed.max[0]), agreed
+
+
+def count_microbatches(rows: int, rows_per_microbatch: int) -> int:
+    """How many micro-batches ``rows`` rows need on their own (at least one)."""
+    return max(1, -(-rows // rows_per_microbatch))
+
+
+def padded_microbatches(rows: slice, rows_per_microbatch: int, count: int) -> list[slice]:
+    """Consecutive slices of at most ``rows_per_microbatch`` of ``rows``, then empty ones (the
+    padding micro-batches, see :func:`is_padding`) up to ``count`` slices in all."""
+    start, stop = rows.start or 0, rows.stop
+    slices = [
+        slice(s, min(s + rows_per_microbatch, stop))
+        for s in range(start, stop, rows_per_microbatch)
+    ]
+    return slices + [slice(stop, stop)] * (count - len(slices))
+
+
+def is_padding(rows: slice) -> bool:
+    """Whether a slice of :func:`agreed_microbatches` is a padding micro-batch (it has no rows)."""
+    return rows.start == rows.stop
+
+
+def padding_loss(module: nn.Module, device: torch.device) -> torch.Tensor:
+    """A zero loss from a forward over one token: its backward adds exactly 0 to every gradient,
+    yet runs the forward and backward collectives of a sharded model like any micro-batch."""
+    return module(torch.zeros((1, 1), dtype=torch.long, device=device)).float().sum() * 0.0
+
+
 def labels_from_batch(batch: dict[str, Any], ignore_index: int) -> torch.Tensor:
     """Next-token labels: ``batch["labels"]`` if given, else ``input_ids`` shifted left by one."""
     labels = batch.get("labels")
@@ -200,6 +249,7 @@ class BasicTrainModule(ModelAndOptimTrainModule):
         self.label_ignore_index = label_ignore_index
         self._params = list(model.parameters())  # not a fresh generator every step
         self._ddp: DDP | None = None
+        self._dp_group = dp_process_group
         # A model sharded with FSDP2 (DTensor parameters) already synchronises its gradients.
         sharded = any(isinstance(p, DTensor) for p in model.parameters())
         if is_distributed() and get_world_size(dp_process_group) > 1 and not sharded:
@@ -232,7 +282,8 @@ class BasicTrainModule(ModelAndOptimTrainModule):
         input_ids = batch["input_ids"]
         labels = labels_from_batch(batch, self.label_ignore_index)
         rows = microbatch_rows(input_ids, self.rank_microbatch_size, "rank_microbatch_size")
-        if rows >= input_ids.shape[0]:
+        slices, _ = agreed_microbatches(input_ids.shape[0], rows, self._dp_group)
+        if len(slices) == 1 and not is_padding(slices[0]):
             # One micro-batch, the common case: cross-entropy's own mean over the non-ignored
             # tokens is the same sum / count, bit for bit, without the separate count and
             # division ops (~0.1 ms a step on a small CPU model).
@@ -253,7 +304,7 @@ class BasicTrainModule(ModelAndOptimTrainModule):
         else:
             # Normalise by the whole rank batch's token count: the same loss for any split.
             num_tokens = (labels != self.label_ignore_index).sum().clamp(min=1)
-            mean_loss = self._accumulate(input_ids.split(rows), labels.split(rows), num_tokens)
+            mean_loss = self._accumulate(input_ids, labels, slices, num_tokens)
         if not dry_run:
             self.record_ce_loss(mean_loss, ReduceType.mean)
 
@@ -265,17 +316,22 @@ class BasicTrainModule(ModelAndOptimTrainModule):
 
     def _accumulate(
         self,
-        micro_ids: tuple[torch.Tensor, ...],
-        micro_labels: tuple[torch.Tensor, ...],
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        slices: list[slice],
         num_tokens: torch.Tensor,
     ) -> torch.Tensor:
-        """Forward and backward over micro-batches; gradients are synchronised on the last."""
-        total = torch.zeros((), device=micro_ids[0].device)
-        for i, (ids, labels) in enumerate(zip(micro_ids, micro_labels)):
-            last = i == len(micro_ids) - 1
+        """Forward and backward over micro-batches (padding ones included); gradients are
+        synchronised on the last."""
+        total = torch.zeros((), device=input_ids.device)
+        for i, rows in enumerate(slices):
+            last = i == len(slices) - 1
             sync = contextlib.nullcontext() if last or self._ddp is None else self._ddp.no_sync()
             with sync:
-                loss_sum = self._loss_sum(self._forward_module(ids), labels)
+                if is_padding(rows):
+                    padding_loss(self._forward_module, input_ids.device).backward()
+                    continue
+                loss_sum = self._loss_sum(self._forward_module(input_ids[rows]), labels[rows])
                 (loss_sum / num_tokens).backward()
             total += loss_sum.detach()
         return total / num_tokens

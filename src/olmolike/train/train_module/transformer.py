@@ -26,7 +26,14 @@ from ...optim import AdamWConfig, OptimConfig, Scheduler, SchedulerUnits
 from ...utils import get_default_device
 from ..callbacks.init_weights import InitWeightsCallback
 from ..common import ReduceType
-from .train_module import ModelAndOptimTrainModule, labels_from_batch, microbatch_rows
+from .train_module import (
+    ModelAndOptimTrainModule,
+    agreed_microbatches,
+    is_padding,
+    labels_from_batch,
+    microbatch_rows,
+    padding_loss,
+)
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -255,29 +262,30 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
             self.model.train()
         input_ids = batch["input_ids"]
         labels = labels_from_batch(batch, self.config.label_ignore_index)
-        split = microbatch_rows(
-            input_ids, self.config.rank_microbatch_size, "train_module.rank_microbatch_size"
-        )
-        micro_ids, micro_labels = input_ids.split(split), labels.split(split)
         doc_ids = batch.get("doc_ids")
-        micro_docs = doc_ids.split(split) if doc_ids is not None else [None] * len(micro_ids)
+        slices = self._microbatches(input_ids)
         # The denominator is this step's non-ignored token count over all ranks; each rank's
         # gradient is scaled by the world size because DDP and FSDP average across ranks.
         scale = self._global_token_count(labels).reciprocal() * self.dp_world_size
         ce_total = torch.zeros((), device=input_ids.device)
         z_total = torch.zeros((), device=input_ids.device)
-        for i, (ids, mb_labels, docs) in enumerate(zip(micro_ids, micro_labels, micro_docs)):
-            with self._grad_sync(last=i == len(micro_ids) - 1), self._autocast:
-                logits = self._forward_module(ids, **_doc_kwargs(docs))
-                ce_loss, z_loss = cross_entropy_loss(
-                    logits,
-                    mb_labels,
-                    ignore_index=self.config.label_ignore_index,
-                    reduction="sum",
-                    z_loss_multiplier=self.config.z_loss_multiplier,
-                    label_smoothing=self.config.label_smoothing,
-                )
-                loss = ce_loss if z_loss is None else ce_loss + z_loss
+        for i, rows in enumerate(slices):
+            with self._grad_sync(last=i == len(slices) - 1):
+                if is_padding(rows):
+                    self._padding_step()
+                    continue
+                docs = None if doc_ids is None else doc_ids[rows]
+                with self._autocast:
+                    logits = self._forward_module(input_ids[rows], **_doc_kwargs(docs))
+                    ce_loss, z_loss = cross_entropy_loss(
+                        logits,
+                        labels[rows],
+                        ignore_index=self.config.label_ignore_index,
+                        reduction="sum",
+                        z_loss_multiplier=self.config.z_loss_multiplier,
+                        label_smoothing=self.config.label_smoothing,
+                    )
+                    loss = ce_loss if z_loss is None else ce_loss + z_loss
             (loss * scale).backward()
             ce_total += ce_loss.detach()
             if z_loss is not None:
@@ -291,6 +299,26 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         if doc_ids is not None:
             padding = (doc_ids < 0).float().mean()
             self.record_metric("padding fraction", padding, ReduceType.mean, namespace="train")
+
+    def _microbatches(self, input_ids: torch.Tensor) -> list[slice]:
+        """This rank's micro-batches of ``rank_microbatch_size`` tokens, as row slices, padded
+        to the count of the rank that needs the most (:func:`agreed_microbatches`)."""
+        per = microbatch_rows(
+            input_ids, self.config.rank_microbatch_size, "train_module.rank_microbatch_size"
+        )
+        return agreed_microbatches(input_ids.shape[0], per, self.dp_process_group)[0]
+
+    def _padding_step(self, *references: nn.Module) -> None:
+        """A micro-batch that changes nothing (:func:`padding_loss`): forwards of the frozen
+        ``references`` and the model's forward and backward, each over one token. A rank with
+        fewer micro-batches than another runs these, so it joins every one of the other's
+        FSDP collectives, gradients included."""
+        with torch.no_grad():
+            for reference in references:
+                padding_loss(reference, self.device)
+        with self._autocast:
+            loss = padding_loss(self._forward_module, self.device)
+        loss.backward()
 
     def _global_token_count(self, labels: torch.Tensor) -> torch.Tensor:
         count = (labels != self.config.label_ignore_index).sum()

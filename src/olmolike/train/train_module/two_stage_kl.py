@@ -33,7 +33,7 @@ from ...nn.functional import cross_entropy_loss, token_kl_divergence
 from ...utils import get_default_device
 from ..common import ReduceType
 from .reference import ReferenceModel
-from .train_module import labels_from_batch, microbatch_rows
+from .train_module import is_padding, labels_from_batch
 from .transformer import TransformerTrainModule, TransformerTrainModuleConfig
 
 __all__ = ["TwoStageKLTrainModule", "TwoStageKLTrainModuleConfig"]
@@ -156,16 +156,20 @@ class TwoStageKLTrainModule(TransformerTrainModule):
             self.model.train()
         ignore = self.config.label_ignore_index
         ids, labels = batch["input_ids"], labels_from_batch(batch, ignore)
-        split = microbatch_rows(ids, self.config.rank_microbatch_size, "rank_microbatch_size")
-        micro = list(zip(ids.split(split), labels.split(split)))
+        slices = self._microbatches(ids)
         count = self._global_token_count(labels)
         scale = count.reciprocal() * self.dp_world_size
         ce_total = torch.zeros((), device=ids.device)
         kl_total = torch.zeros((), device=ids.device)
-        for i, (mb_ids, mb_labels) in enumerate(micro):
-            ref_logits = self.reference.logits(mb_ids)
-            with self._grad_sync(last=i == len(micro) - 1), self._autocast:
-                logits = self._forward_module(mb_ids)
+        for i, rows in enumerate(slices):
+            with self._grad_sync(last=i == len(slices) - 1):
+                if is_padding(rows):
+                    self._padding_step(self.reference.model)
+                    continue
+                mb_ids, mb_labels = ids[rows], labels[rows]
+                ref_logits = self.reference.logits(mb_ids)
+                with self._autocast:
+                    logits = self._forward_module(mb_ids)
             ce, _ = cross_entropy_loss(logits, mb_labels, ignore_index=ignore, reduction="sum")
             mb_tokens = (mb_labels != ignore).sum()
             kl = token_kl_divergence(logits, ref_logits, mb_labels, ignore_index=ignore)

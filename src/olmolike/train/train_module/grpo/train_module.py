@@ -48,13 +48,14 @@ from torch.distributed.tensor import DTensor
 
 from ....data.prompts import PromptDataLoader, PromptRecord
 from ....data.tokenizer import Tokenizer
-from ....distributed.utils import get_rank
+from ....distributed.utils import agree_counts, get_rank
 from ....exceptions import ConfigurationError
 from ....optim import SchedulerUnits
 from ....utils import get_default_device
 from ...callbacks.init_weights import InitWeightsCallback
 from ...common import ReduceType
 from ..reference import ReferenceModel, check_same_architecture
+from ..train_module import count_microbatches, is_padding, padded_microbatches, padding_loss
 from ..transformer import TransformerTrainModule, TransformerTrainModuleConfig
 from .loss import GRPOLossConfig, LossAggregation, grpo_loss
 from .rewards import RewardConfig, RewardFunctionError, RewardRegistry
@@ -266,9 +267,9 @@ class GRPOTrainModule(TransformerTrainModule):
         step = self.trainer.global_step
         self._refresh_reference(step)
         with self._gathered():
-            out = self._rollout(batch["records"], step)
-            old = self._logps(self.model, out) if self.updates_per_step > 1 else None
-        ref = self._logps(self.reference.model, out) if self.reference is not None else None
+            out, plan = self._rollout(batch["records"], step)
+            old = self._logps(self.model, out, plan) if self.updates_per_step > 1 else None
+        ref = self._logps(self.reference.model, out, plan) if self.reference is not None else None
         if not self.model.training:
             self.model.train()
         rows = out.input_ids.shape[0]
@@ -279,13 +280,15 @@ class GRPOTrainModule(TransformerTrainModule):
                 self._update(update - 1)
                 self.zero_grads()
             start = (update % self.config.num_minibatches) * size
-            stats += self._backward(out, slice(start, start + size), old, ref)
+            stats += self._backward(out, slice(start, start + size), plan, old, ref)
         self._pending = {"started": started, "rollout": out, "stats": stats, "dry_run": dry_run}
 
-    def _rollout(self, records: list[PromptRecord], step: int) -> Rollout:
-        """This rank's rollout; a reward function failing on any rank fails every rank here,
-        so that none is left waiting in a later collective."""
+    def _rollout(self, records: list[PromptRecord], step: int) -> tuple[Rollout, _Plan]:
+        """This rank's rollout and the step's agreed micro-batch counts (:class:`_Plan`). A
+        reward function failing on any rank fails every rank here, so that none is left
+        waiting in a later collective; the same collective agrees on the counts."""
         error: RewardFunctionError | None = None
+        out: Rollout | None = None
         try:
             out = rollout(
                 self.model,
@@ -299,17 +302,18 @@ class GRPOTrainModule(TransformerTrainModule):
             )
         except RewardFunctionError as e:
             error = e
-        if self.dp_world_size > 1:
-            failed = torch.tensor(0 if error is None else get_rank() + 1, device=self.device)
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.dp_process_group)
-            if error is None and int(failed):
-                raise RewardFunctionError(
-                    f"a reward function failed on rank {int(failed) - 1} at step {step} (its "
-                    "error is logged there); fix the function and resume"
-                )
+        plan = _Plan.local(out, self.config) if out is not None else _Plan(1, 0, 0)
+        failed = 0 if error is None else get_rank() + 1
+        agreed = agree_counts([failed, plan.full, plan.minibatch], self.dp_process_group).max
         if error is not None:
             raise error
-        return out
+        if agreed[0]:
+            raise RewardFunctionError(
+                f"a reward function failed on rank {agreed[0] - 1} at step {step} (its "
+                "error is logged there); fix the function and resume"
+            )
+        assert out is not None
+        return out, dataclasses.replace(plan, full=agreed[1], minibatch=agreed[2])
 
     def optim_step(self) -> None:
         self._update(self.updates_per_step - 1)
@@ -357,22 +361,20 @@ class GRPOTrainModule(TransformerTrainModule):
                 again = unit is not self.model and (dp is None or dp.reshard_after_forward)
                 unit.set_reshard_after_forward(again, recurse=False)
 
-    def _micro(self, out: Rollout, rows: slice) -> list[Rollout]:
-        per = max(1, self.config.rank_microbatch_size // out.input_ids.shape[1])
-        start, stop = rows.start or 0, rows.stop
-        return [_select(out, slice(i, min(i + per, stop))) for i in range(start, stop, per)]
-
     @torch.no_grad()
-    def _logps(self, model: nn.Module, out: Rollout) -> Tensor:
+    def _logps(self, model: nn.Module, out: Rollout, plan: _Plan) -> Tensor:
         parts = []
-        for part in self._micro(out, slice(0, out.input_ids.shape[0])):
+        for rows in plan.slices(slice(0, out.input_ids.shape[0]), plan.full):
             with self._autocast:
-                logps, _ = completion_logps(model, part, **self._sampled)
+                if is_padding(rows):
+                    padding_loss(model, self.device)
+                    continue
+                logps, _ = completion_logps(model, _select(out, rows), **self._sampled)
                 parts.append(logps.float())
         return torch.cat(parts)
 
     def _backward(
-        self, out: Rollout, rows: slice, old: Tensor | None, ref: Tensor | None
+        self, out: Rollout, rows: slice, plan: _Plan, old: Tensor | None, ref: Tensor | None
     ) -> Tensor:
         """Forward and backward over one minibatch; returns its loss and stat sums."""
         per_token = self.config.loss.aggregation == LossAggregation.token
@@ -384,16 +386,18 @@ class GRPOTrainModule(TransformerTrainModule):
         # DDP / FSDP average gradients over ranks: times the world size, the sum over ranks.
         scale = self.dp_world_size / count.clamp(min=1.0)
         sums = torch.zeros(len(_STATS) + 2, device=mask.device)
-        parts = self._micro(out, rows)
-        offset = rows.start or 0
-        for i, part in enumerate(parts):
-            n = part.input_ids.shape[0]
-            span = slice(offset, offset + n)
-            offset += n
-            with self._grad_sync(last=i == len(parts) - 1), self._autocast:
-                logps, entropy = completion_logps(
-                    self._forward_module, part, with_entropy=True, **self._sampled
-                )
+        slices = plan.slices(rows, plan.minibatch)
+        for i, span in enumerate(slices):
+            with self._grad_sync(last=i == len(slices) - 1):
+                if is_padding(span):
+                    self._padding_step()
+                    continue
+                part = _select(out, span)
+                n = part.input_ids.shape[0]
+                with self._autocast:
+                    logps, entropy = completion_logps(
+                        self._forward_module, part, with_entropy=True, **self._sampled
+                    )
             logps = logps.float()
             loss, stats = grpo_loss(
                 logps,
@@ -447,6 +451,33 @@ class GRPOTrainModule(TransformerTrainModule):
             self.record_metric(
                 "total grad norm", torch.stack(self._norms).mean(), namespace="optim"
             )
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How many micro-batches a step runs, the same on every rank: ``full`` for the
+    no-gradient passes over the whole rollout (old and reference log-probs), ``minibatch`` for
+    each minibatch's forward and backward. Ranks' rollouts differ in width (prompt plus
+    completion) and so in the completions a micro-batch holds (``rows``); a rank that needs
+    fewer micro-batches than another runs padding ones, so that FSDP's collectives match."""
+
+    rows: int
+    full: int
+    minibatch: int
+
+    @classmethod
+    def local(cls, out: Rollout, config: GRPOTrainModuleConfig) -> _Plan:
+        """The counts this rank's rollout needs by itself."""
+        rows = max(1, config.rank_microbatch_size // out.input_ids.shape[1])
+        completions = out.input_ids.shape[0]
+        return cls(
+            rows,
+            count_microbatches(completions, rows),
+            count_microbatches(completions // config.num_minibatches, rows),
+        )
+
+    def slices(self, rows: slice, count: int) -> list[slice]:
+        return padded_microbatches(rows, self.rows, count)
 
 
 def _select(out: Rollout, rows: slice) -> Rollout:
