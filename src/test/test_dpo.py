@@ -73,7 +73,7 @@ def test_jsonl_strings_and_chat_messages(tmp_path: Path) -> None:
         ("yes", "no"),
         ([{"role": "assistant", "content": "good"}], [{"role": "assistant", "content": "bad"}]),
     ]
-    assert not pairs[0].is_chat and pairs[1].is_chat and pairs[1].where.endswith(":2")
+    assert not pairs[0].is_chat and pairs[1].is_chat and pairs[1].where.endswith(", line 2")
 
 
 def test_bad_pairs_name_the_record(tmp_path: Path) -> None:
