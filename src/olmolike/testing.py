@@ -158,6 +158,7 @@ def _run_rank(
 
     import torch.distributed as dist
 
+    from .distributed.teardown import teardown_distributed
     from .utils import LogFilterType, setup_logging
 
     os.environ.update(
@@ -179,8 +180,12 @@ def _run_rank(
     setup_logging(LogFilterType.all_ranks if log_from_all_ranks else LogFilterType.rank0_only)
     try:
         func(*(func_args or ()), **(func_kwargs or {}))
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        teardown_distributed(every_rank=False)  # the other ranks may be gone
+        raise
+    # Barriers, then no gloo worker still releasing an op (DTensor's collectives leave such
+    # work behind) while this process exits: that would end it with SIGABRT.
+    teardown_distributed()
 
 
 def __getattr__(name: str) -> Any:

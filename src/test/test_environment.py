@@ -11,8 +11,10 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from testutils import patient
 
+from olmolike.distributed import failure, teardown
 from olmolike.distributed.parallel import DataParallelConfig, DataParallelType
 from olmolike.exceptions import ConfigurationError
 from olmolike.train import prepare_training_environment, teardown_training_environment
@@ -28,6 +30,22 @@ def test_single_process_without_launcher(monkeypatch: pytest.MonkeyPatch) -> Non
     prepare_training_environment(seed=42)
     assert torch.equal(first, torch.rand(3))
     teardown_training_environment()
+
+
+def test_after_this_rank_failed_the_teardown_skips_its_barriers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In a ``finally:`` on the way out of an error the other ranks may be gone: a barrier
+    would fail (and its error hide the real one) or wait for the whole timeout."""
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    monitor = failure.RankFailureMonitor(store, 0)  # reports, without its watching thread
+    monkeypatch.setattr(failure, "_monitor", monitor)
+    monkeypatch.setattr(failure, "_stopped_monitor", None)
+    monkeypatch.setattr(teardown, "barrier_every_group", lambda: pytest.fail("a barrier"))
+    monitor.report(RuntimeError("this rank crashed"))
+    teardown_training_environment()
+    assert not dist.is_initialized()
 
 
 def _record(level: int) -> logging.LogRecord:

@@ -28,9 +28,11 @@ from ..exceptions import OLMoLikeError
 
 __all__ = [
     "RankFailureMonitor",
+    "exiting_on_error",
     "install_error_hook",
     "install_exit_on_error",
     "print_uncaught",
+    "rank_failed",
     "report_rank_failure",
     "start_failure_monitor",
     "stop_failure_monitor",
@@ -80,6 +82,11 @@ class RankFailureMonitor:
         self._stopped.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.poll_interval + 30)
+
+    @property
+    def reported(self) -> bool:
+        """Whether this rank reported its failure."""
+        return self._reported
 
     def report(self, exc: BaseException) -> bool:
         """Tell every other rank that this one failed with ``exc``. Idempotent.
@@ -171,6 +178,22 @@ def stop_failure_monitor() -> None:
         _stopped_monitor, _monitor = _monitor, None
 
 
+_exiting = False
+"""Whether this rank is exiting on an uncaught error, without the interpreter's teardown."""
+
+
+def rank_failed() -> bool:
+    """Whether this rank reported a failure to the other ranks: they may be gone or stuck."""
+    monitor = _monitor or _stopped_monitor
+    return monitor is not None and monitor.reported
+
+
+def exiting_on_error() -> bool:
+    """Whether this rank is ending on an uncaught error with ``os._exit`` (after its ``atexit``
+    handlers), the way :func:`install_exit_on_error` ends it."""
+    return _exiting
+
+
 def report_rank_failure(exc: BaseException) -> bool:
     """Report ``exc`` to the other ranks; whether it is the job's first failure (True when
     not monitoring: a single process's failure is always the one to show)."""
@@ -259,6 +282,8 @@ def install_exit_on_error() -> None:
 
 
 def _exit_without_teardown(code: int) -> None:
+    global _exiting
+    _exiting = True
     finished = threading.Event()
 
     def run_handlers() -> None:

@@ -242,14 +242,17 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
 
 def barrier_every_group() -> None:
     """A barrier on the default group, then on each group that :func:`new_group` made, in the
-    order it made them; then it lets go of them. A barrier waits for the ops queued on its
-    group before it: after this, no collective that this process started is still running."""
+    order it made them; then it lets go of them, also when a barrier fails (a peer is gone).
+    A barrier waits for the ops queued on its group before it: after this, no collective that
+    this process started is still running."""
     if not is_distributed():
         return
-    dist.barrier()
-    for group, _ in _made:
-        dist.barrier(group)
-    _made.clear()
+    try:
+        dist.barrier()
+        for group, _ in _made:
+            dist.barrier(group)
+    finally:
+        _made.clear()
 
 
 def all_agree(ok: bool, group: dist.ProcessGroup | None = None) -> bool:

@@ -16,12 +16,11 @@ from ..config import check_choice
 from ..distributed.failure import (
     install_error_hook,
     install_exit_on_error,
+    rank_failed,
     start_failure_monitor,
-    stop_failure_monitor,
 )
-from ..distributed.quiesce import wait_for_idle_gloo_workers
+from ..distributed.teardown import teardown_at_exit, teardown_distributed
 from ..distributed.utils import (
-    barrier_every_group,
     get_rank,
     init_distributed,
     is_distributed,
@@ -78,6 +77,9 @@ def prepare_training_environment(
 
     Call it first thing in the ``if __name__ == "__main__":`` block. Without a launcher (no
     ``RANK``/``WORLD_SIZE`` in the environment) it sets up a single process and no group.
+    It also registers :func:`teardown_training_environment`'s work to run at interpreter exit,
+    so a process never exits with its process groups alive (which can abort it with SIGABRT),
+    whether or not the script reaches its own teardown.
 
     :param backend: ``None`` for no process group. Keep a CPU backend (gloo) in it even on GPUs:
         bookkeeping collectives then run on a separate gloo group without blocking training.
@@ -95,6 +97,7 @@ def prepare_training_environment(
         init_distributed(backend, timeout)
         start_failure_monitor(get_rank())
         install_exit_on_error()
+    teardown_at_exit()  # any process group: also when the script never reaches its teardown
     set_shared_filesystem(shared_filesystem)
     setup_logging(log_filter_type)  # after the process group: records carry the rank
     if is_distributed():
@@ -116,12 +119,13 @@ def teardown_training_environment() -> None:
     failure), then every process group is shut down and destroyed. Last, it waits for the
     worker threads of groups still referenced (by the trainer, a DDP model, the script) to
     finish releasing their last ops: one that does so while the interpreter exits aborts the
-    process (see :mod:`olmolike.distributed.quiesce`). Idle, they end with their group
-    without touching the interpreter.
-    Nothing that uses a group is left running at exit.
+    process (see :mod:`olmolike.distributed.quiesce`). Nothing that uses a group is left
+    running at exit. After this rank failed (a ``finally:`` on the way out of an error), no
+    barrier: the other ranks may be gone.
+
+    :func:`prepare_training_environment` also registers this to run when the interpreter
+    exits, so a script that skips it (``fit()`` raised ``SystemExit(143)`` after a SIGTERM,
+    an early ``sys.exit``) still exits with its own status; calling it is still the clean
+    way to end a script that goes on without the process groups.
     """
-    if is_distributed():
-        barrier_every_group()
-        stop_failure_monitor()
-        dist.destroy_process_group()
-        wait_for_idle_gloo_workers()
+    teardown_distributed(every_rank=not rank_failed())
