@@ -1,0 +1,144 @@
+"""The documentation site (``make docs``): a strict Sphinx build whose API reference holds every
+public name.
+
+The public names are derived, not listed: every name in the ``__all__`` of the documented
+packages and of each of their public modules, plus every field of each public dataclass. A new
+name missing from the site, or without a docstring, fails here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import os
+import pkgutil
+import subprocess
+import sys
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from types import FunctionType, ModuleType
+from typing import Any
+
+import pytest
+from testutils import patient
+
+pytest.importorskip("sphinx")
+pytest.importorskip("myst_parser")
+pytest.importorskip("furo")
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = REPO / "docs"
+# The packages the reference must cover (docs/conf.py's olmolike_api_packages may add more).
+PACKAGES = [
+    "olmolike.train",
+    "olmolike.nn",
+    "olmolike.data",
+    "olmolike.distributed",
+    "olmolike.optim",
+    "olmolike.config",
+    "olmolike.exceptions",
+]
+
+
+def _public_modules(package: str) -> Iterator[ModuleType]:
+    root = importlib.import_module(package)
+    yield root
+    for info in pkgutil.walk_packages(getattr(root, "__path__", []), package + "."):
+        if not any(part.startswith("_") for part in info.name.split(".")):
+            yield importlib.import_module(info.name)
+
+
+def _public_names() -> dict[str, Any]:
+    """Dotted path -> object, for every name in a public module's ``__all__``."""
+    return {
+        f"{module.__name__}.{name}": getattr(module, name)
+        for package in PACKAGES
+        for module in _public_modules(package)
+        for name in getattr(module, "__all__", ())
+    }
+
+
+def _is_code(obj: Any) -> bool:
+    return inspect.isclass(obj) or isinstance(obj, FunctionType)
+
+
+def _read_inventory(path: Path) -> dict[str, str]:
+    """``objects.inv``: full name -> role (``py:class``, ...). Four text lines, then zlib."""
+    data = path.read_bytes()
+    body = data.split(b"\n", 4)[4]
+    names = {}
+    for line in zlib.decompress(body).decode().splitlines():
+        name, role = line.split(" ", 2)[:2]
+        names[name] = role
+    return names
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site, built as `make docs` builds it: warnings are errors."""
+    out = tmp_path_factory.mktemp("docs")
+    cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-E", "-b", "html"]
+    cmd += ["-d", str(out / "doctrees"), str(DOCS), str(out / "html")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, timeout=patient(240), check=False
+    )
+    assert result.returncode == 0, f"the strict docs build failed:\n{result.stderr[-6000:]}"
+    return out / "html"
+
+
+@pytest.mark.slow
+def test_the_strict_build_passes_and_renders_the_guides(site: Path) -> None:
+    for guide in DOCS.glob("**/*.md"):
+        if "_build" not in guide.parts:
+            page = site / guide.relative_to(DOCS).with_suffix(".html")
+            assert page.is_file(), f"{guide.name} has no page in the site"
+    assert (site / "api" / "olmolike.train.html").is_file()
+
+
+@pytest.mark.slow
+def test_the_reference_holds_every_public_name_and_config_field(site: Path) -> None:
+    inventory = _read_inventory(site / "objects.inv")
+    public = _public_names()
+    # Every name an object is known by: where it is exported, and where it is defined.
+    known_as: dict[int, set[str]] = {}
+    for path, obj in public.items():
+        if _is_code(obj):
+            known_as.setdefault(id(obj), {f"{obj.__module__}.{obj.__qualname__}"}).add(path)
+    missing = [
+        path
+        for path, obj in public.items()
+        if not (known_as[id(obj)] if _is_code(obj) else {path}) & inventory.keys()
+    ]
+    assert not missing, f"public names missing from the API reference: {missing}"
+    documented_fields = 0
+    for obj in {id(o): o for o in public.values() if _is_code(o)}.values():
+        if not (inspect.isclass(obj) and dataclasses.is_dataclass(obj)):
+            continue
+        for field in dataclasses.fields(obj):
+            if field.name.startswith("_"):
+                continue
+            owner = next(c for c in obj.__mro__ if field.name in vars(c).get("__annotations__", {}))
+            pages = known_as.get(id(owner), {f"{owner.__module__}.{owner.__qualname__}"})
+            assert any(f"{page}.{field.name}" in inventory for page in pages), (
+                f"config field {owner.__qualname__}.{field.name} is missing from the reference"
+            )
+            documented_fields += 1
+    assert documented_fields > 100  # the walk found the configs
+
+
+def test_every_public_class_and_function_has_a_docstring() -> None:
+    """Also a warning (an error) in the strict build; here without building."""
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        from olmolike_api import has_own_docstring
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    undocumented = sorted(
+        path
+        for path, obj in _public_names().items()
+        if _is_code(obj) and not has_own_docstring(obj)
+    )
+    assert not undocumented, f"public names without a docstring: {undocumented}"
