@@ -10,6 +10,8 @@ without a docstring of its own is a warning, so the strict build (``make docs``)
 
 from __future__ import annotations
 
+import enum
+import functools
 import importlib
 import inspect
 import pkgutil
@@ -84,6 +86,18 @@ def _role(obj: Any) -> str:
     return "func" if isinstance(obj, FunctionType) else "data"
 
 
+def _public_bases(cls: Any, homes: dict[int, str]) -> str | None:
+    """For a class with a private olmolike base (``_PeriodicEvaluation``): the names of its
+    other bases, whose members stay on their own pages; else None."""
+    if not inspect.isclass(cls):
+        return None
+    bases = cls.__mro__[1:]
+    private = [b for b in bases if b.__module__.startswith("olmolike") and id(b) not in homes]
+    if not private:
+        return None
+    return ", ".join(b.__name__ for b in bases if b not in private)
+
+
 def _module_section(module: ModuleType, homes: dict[int, str], title: bool) -> list[str]:
     names = list(getattr(module, "__all__", ()))
 
@@ -92,6 +106,8 @@ def _module_section(module: ModuleType, homes: dict[int, str], title: bool) -> l
 
     own = [n for n in names if home(n) == f"{module.__name__}.{n}"]
     code = [n for n in own if _role(getattr(module, n)) != "data"]
+    with_private_bases = [n for n in code if _public_bases(getattr(module, n), homes) is not None]
+    code = [n for n in code if n not in with_private_bases]
     elsewhere = [n for n in names if n not in own]
     lines = [module.__name__, "-" * len(module.__name__), ""] if title else []
     lines.append(f".. automodule:: {module.__name__}")
@@ -101,6 +117,11 @@ def _module_section(module: ModuleType, homes: dict[int, str], title: bool) -> l
     if code:
         lines += [f"   :members: {', '.join(code)}", "   :undoc-members:", "   :show-inheritance:"]
     lines.append("")
+    # A class that inherits members (a config's fields) from a private base shows them itself.
+    for name in with_private_bases:
+        public_bases = _public_bases(getattr(module, name), homes)
+        lines += [f".. autoclass:: {module.__name__}.{name}", "   :members:", "   :undoc-members:"]
+        lines += ["   :show-inheritance:", f"   :inherited-members: {public_bases}", ""]
     # Constants and type aliases one by one: automodule skips data without a doc comment, and
     # data imported from another module, even when __all__ names it.
     for name in own:
@@ -191,8 +212,9 @@ def _plain_dataclass_signature(
     return_annotation: str | None,
 ) -> tuple[str, str | None] | None:
     """Configs get no constructor signature: their fields are listed right below, each with
-    its type, default and docstring, which reads better than one 30-argument line."""
-    if what == "class" and hasattr(obj, "__dataclass_fields__"):
+    its type, default and docstring, which reads better than one 30-argument line. Enums get
+    none either: their members are listed, and ``(value)`` says nothing."""
+    if what == "class" and (hasattr(obj, "__dataclass_fields__") or issubclass(obj, enum.Enum)):
         return "", return_annotation
     return None
 
@@ -214,6 +236,7 @@ def _import_path(path: str) -> bool:
     return False
 
 
+@functools.cache
 def _bound_in_olmolike(path: str) -> bool:
     """Whether some olmolike module binds ``path``'s first name to an object that has the rest:
     an annotation written against an import (``nn.Module``, ``Future``) that autodoc could
@@ -240,6 +263,26 @@ def _candidates(node: pending_xref) -> list[str]:
     parts = module.split(".") if module else []
     scopes += [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
     return [f"{scope}.{target}" for scope in scopes] + [target]
+
+
+def _by_last_names(env: BuildEnvironment) -> dict[str, list[str]]:
+    """Documented objects by each dotted tail of their names (``Checkpointer.load`` and
+    ``load`` for ``olmolike.train.Checkpointer.load``), built once references are resolved."""
+    index = getattr(env, "_olmolike_by_last_names", None)
+    if index is None:
+        index = {}
+        for name, obj in env.get_domain("py").objects.items():
+            if not obj.aliased:
+                parts = name.split(".")
+                for i in range(1, len(parts)):
+                    index.setdefault(".".join(parts[i:]), []).append(name)
+        env._olmolike_by_last_names = index  # type: ignore[attr-defined]
+    return index
+
+
+def _forget_index(app: Sphinx, env: BuildEnvironment) -> list[str]:
+    env.__dict__.pop("_olmolike_by_last_names", None)
+    return []
 
 
 def _resolve_alias(
@@ -270,11 +313,8 @@ def _resolve_alias(
             if home is not None and (ref := resolve(".".join([home, *parts[split:]]))):
                 return ref
     target = candidates[-1]
-    suffix = "." + target
-    matches = {
-        name for name, obj in domain.objects.items() if name.endswith(suffix) and not obj.aliased
-    }
-    if len(matches) == 1 and (ref := resolve(matches.pop())):
+    matches = _by_last_names(env).get(target, [])
+    if len(matches) == 1 and (ref := resolve(matches[0])):
         return ref
     if any(_import_path(c) for c in candidates) or _bound_in_olmolike(target):
         return contnode
@@ -294,5 +334,6 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.connect("autodoc-process-docstring", _drop_type_docstring)
     app.connect("autodoc-process-signature", _plain_dataclass_signature)
     app.connect("missing-reference", _resolve_alias)
+    app.connect("env-updated", _forget_index)
     app.connect("autodoc-process-bases", _drop_object_base)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
