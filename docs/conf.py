@@ -16,7 +16,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "_ext"))
 sys.path.insert(0, str(HERE.parent / "src"))  # the checkout's sources, installed or not
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # importing torch is all the work done here
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # autodoc imports torch; it computes nothing
 
 project = "olmolike"
 copyright = "the olmolike authors"
@@ -55,7 +55,7 @@ autodoc_preserve_defaults = True
 autodoc_inherit_docstrings = False  # a method without its own docstring shows none
 autoclass_content = "class"
 python_use_unqualified_type_names = True
-add_module_names = False  # each page is one module: "Trainer", not "olmolike.train.Trainer"
+add_module_names = False  # the section names the module: "Trainer", not "olmolike.train.Trainer"
 
 # Every cross-reference must resolve (olmolike_api also resolves aliases of re-exported names).
 # One to a real object without a page here (torch, numpy, the standard library: no
