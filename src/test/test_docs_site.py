@@ -164,3 +164,64 @@ def test_every_public_class_and_function_has_a_docstring() -> None:
         if _is_code(obj) and not has_own_docstring(obj)
     )
     assert not undocumented, f"public names without a docstring: {undocumented}"
+
+
+_FAKE_CONF = """
+import sys
+sys.path[:0] = [{ext!r}, {pkg!r}]
+extensions = ["sphinx.ext.autodoc", "myst_parser", "olmolike_api"]
+olmolike_api_packages = ["fakepkg"]
+nitpicky = True
+"""
+_FAKE_INIT = '''"""A package for the build's own checks."""
+from .mod import Settings, helper
+__all__ = ["Settings", "helper"]
+'''
+_FAKE_MOD = '''"""Its module."""
+from dataclasses import dataclass
+__all__ = ["Settings", "helper"]
+
+@dataclass
+class Settings:
+    """Settings; see :func:`helper` and :func:`fakepkg.mod.helper` (both the re-export)."""
+    size: int = 1
+
+def helper() -> None:
+    {doc}
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("doc", "error"),
+    [
+        ('"""Fine: uses :class:`Settings`."""', None),
+        ("pass", "fakepkg.helper has no docstring"),
+        ('"""Uses :class:`Setings`."""', "py:class reference target not found: Setings"),
+    ],
+    ids=["clean", "missing-docstring", "broken-reference"],
+)
+def test_the_strict_build_fails_on_a_missing_docstring_or_a_broken_reference(
+    tmp_path: Path, doc: str, error: str | None
+) -> None:
+    """The mechanism on a package of its own, so the check is seen failing (and fast)."""
+    pkg = tmp_path / "src" / "fakepkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(_FAKE_INIT)
+    (pkg / "mod.py").write_text(_FAKE_MOD.format(doc=doc))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "conf.py").write_text(_FAKE_CONF.format(ext=str(DOCS / "_ext"), pkg=str(pkg.parent)))
+    (docs / "index.rst").write_text("fakepkg\n=======\n\n.. autopackage:: fakepkg\n")
+    cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html"]
+    result = subprocess.run(
+        [*cmd, str(docs), str(tmp_path / "html")],
+        capture_output=True,
+        text=True,
+        timeout=patient(120),
+        check=False,
+    )
+    if error is None:
+        assert result.returncode == 0, result.stderr
+    else:
+        assert result.returncode != 0 and error in result.stderr, result.stderr
