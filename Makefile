@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 # torch first, pinned, so pip takes the local CPU wheel instead of resolving CUDA packages.
 TORCH_SPEC := torch==2.13.0
 
-.PHONY: install run dpo two-stage-kl grpo lint format typecheck pytest test bench clean
+.PHONY: install run dpo two-stage-kl grpo lint format typecheck pytest test docs bench clean
 
 install: $(STAMP)
 
@@ -89,7 +89,16 @@ PYTEST_WORKERS ?= 2
 pytest: install
 	$(PY) -m pytest src/test -q -n $(PYTEST_WORKERS)
 
+# pytest also runs this strict build (src/test/test_docs_site.py), with the check that the API
+# reference holds every public name and config field.
 test: lint typecheck pytest
+
+# `make docs`: the site (guides from docs/*.md, API reference from the docstrings) in
+# build/docs; open build/docs/index.html. Warnings (a broken reference, a public name without
+# a docstring) are errors.
+docs: install
+	OMP_NUM_THREADS=1 $(PY) -m sphinx -W --keep-going -q -b html docs build/docs
+	@echo "The site: build/docs/index.html"
 
 bench: install
 	$(PY) src/benchmarks/trainer_overhead.py

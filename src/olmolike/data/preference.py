@@ -6,8 +6,8 @@ response follows the prompt directly and gets an end-of-sequence token), or a co
 ``chosen`` / ``rejected`` the assistant's reply as a message list (or a string); without a
 ``prompt``, ``chosen`` and ``rejected`` are whole conversations that differ only in their last
 message. Conversations are rendered with the tokenizer's chat template, and only the tokens of
-the reply's assistant turns (see :meth:`~olmolike.data.chat_template.ChatTemplate.
-assistant_spans`) are scored.
+the reply's assistant turns (see
+:meth:`~olmolike.data.chat_template.ChatTemplate.assistant_spans`) are scored.
 
 Each pair becomes one int64 row of width ``4 * seq_len``, the concatenation of
 
@@ -55,6 +55,8 @@ Text = str | list[Message]
 
 @dataclass(frozen=True)
 class PreferencePair:
+    """One preference record, read and checked: a prompt, the chosen and the rejected reply."""
+
     prompt: Text
     chosen: Text
     rejected: Text

@@ -34,6 +34,8 @@ RESERVED_FIELDS = ("prompts", "completions")
 
 @dataclass
 class PromptRecord:
+    """One line of a GRPO prompt file: the prompt, and the rest of the record for the rewards."""
+
     prompt: str
     fields: dict[str, Any] = field(default_factory=dict)
     """Every other key of the record, for the reward functions (e.g. ``answer``)."""

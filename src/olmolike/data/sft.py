@@ -59,6 +59,8 @@ SFT_KIND = "sft"
 
 
 class PackingMode(StrEnum):
+    """How SFT examples are laid out in fixed-length training sequences."""
+
     packed = "packed"
     """Several examples per sequence, attention kept within each: little padding."""
     padded = "padded"
@@ -66,6 +68,8 @@ class PackingMode(StrEnum):
 
 
 class OverlongPolicy(StrEnum):
+    """What happens to an SFT example longer than a training sequence."""
+
     error = "error"
     """An example longer than a sequence stops the run, naming its file and line."""
     truncate = "truncate"

@@ -170,6 +170,7 @@ def start_failure_monitor(rank: int) -> RankFailureMonitor | None:
 
 
 def stop_failure_monitor() -> None:
+    """Stop and join the rank-failure monitor: from here on, a peer exiting is no failure."""
     global _monitor, _stopped_monitor
     if _monitor is not None:
         _monitor.stop()

@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 
 class DataParallelType(StrEnum):
+    """How the model is replicated or sharded across data-parallel ranks."""
+
     ddp = "ddp"
     """Every rank holds the whole model; gradients are all-reduced. Simplest and fastest when
     the model, its gradients and the optimizer state fit on one device."""
@@ -39,6 +41,8 @@ class DataParallelType(StrEnum):
 
 @dataclass
 class DataParallelConfig(Config):
+    """Data parallelism: DDP, FSDP2 or HSDP, and the dtypes FSDP gathers and reduces in."""
+
     name: DataParallelType = DataParallelType.fsdp
     param_dtype: DType | None = None
     """FSDP/HSDP: the dtype parameters are gathered in for forward and backward (e.g. bfloat16);

@@ -82,6 +82,8 @@ _SAFETENSORS_DTYPES = {
 
 
 class UnshardStrategyType(StrEnum):
+    """The file layout of unsharded model weights."""
+
     one_file = "one_file"
     """All model tensors in one file (and the optimizer state in another)."""
     one_file_per_tensor = "one_file_per_tensor"

@@ -47,22 +47,28 @@ _SHARED_FS_ENV = "OLMOLIKE_SHARED_FILESYSTEM"
 
 
 def is_distributed() -> bool:
+    """Whether a default process group is initialized (under a launcher, after
+    ``prepare_training_environment``)."""
     return dist.is_available() and dist.is_initialized()
 
 
 def get_rank(group: dist.ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (default: all ranks); 0 without a process group."""
     return dist.get_rank(group) if is_distributed() else 0
 
 
 def get_world_size(group: dist.ProcessGroup | None = None) -> int:
+    """The number of ranks in ``group`` (default: all ranks); 1 without a process group."""
     return dist.get_world_size(group) if is_distributed() else 1
 
 
 def get_local_rank() -> int:
+    """This process's rank on its node (``$LOCAL_RANK``, set by the launcher; else 0)."""
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def get_local_world_size() -> int:
+    """The number of ranks on this node (``$LOCAL_WORLD_SIZE``; else the world size)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", str(get_world_size())))
 
 
@@ -236,6 +242,7 @@ def using_group(group: dist.ProcessGroup | None, purpose: str = "") -> Iterator[
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """A barrier on ``group`` (default: all ranks); nothing to wait for in a single process."""
     if is_distributed():
         dist.barrier(group)
 
@@ -305,6 +312,8 @@ def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = N
 
 
 def set_shared_filesystem(shared: bool | None) -> None:
+    """Declare whether local paths are shared by all nodes (for this process and the ones it
+    starts, through the environment); ``None`` leaves the current setting."""
     if shared is not None:
         os.environ[_SHARED_FS_ENV] = "1" if shared else "0"
 

@@ -38,6 +38,9 @@ _Verdict = tuple[int, str] | None  # (canceling rank, reason)
 
 
 class CancelCoordinator:
+    """One rank's side of the cancel protocol above: its own request, the pending check and,
+    once a check found a request, who canceled and why."""
+
     def __init__(self, *, rank: int, world_size: int) -> None:
         self.rank = rank
         self.world_size = world_size

@@ -1,4 +1,4 @@
-"""Loading a train checkpoint (the read side of :mod:`.checkpoint`'s format): verify it, read
+"""Loading a train checkpoint (the read side of :mod:`~olmolike.train.checkpoint`'s format): verify it, read
 model and optimizer state with DCP, then this rank's trainer state."""
 
 from __future__ import annotations

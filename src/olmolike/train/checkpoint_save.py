@@ -1,4 +1,4 @@
-"""Saving a train checkpoint (the write side of :mod:`.checkpoint`'s format and its commit
+"""Saving a train checkpoint (the write side of :mod:`~olmolike.train.checkpoint`'s format and its commit
 protocol): claim the target, let DCP write every rank's shards, add the trainer state and the
 extra files, agree that every rank succeeded, then commit (marker last).
 

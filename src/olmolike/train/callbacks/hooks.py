@@ -54,7 +54,7 @@ class CallbackHooks:
         del path
 
     def pre_log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        """Called for each step right before :meth:`log_metrics`; may modify ``metrics``."""
+        """Called for each step right before :meth:`~olmolike.train.Callback.log_metrics`; may modify ``metrics``."""
         del step, metrics
 
     def post_checkpoint_saved(self, path: str) -> None:

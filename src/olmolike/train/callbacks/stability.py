@@ -1,6 +1,6 @@
 """Watches for loss and gradient-norm spikes and non-finite values, and reacts by policy.
 
-Detection happens where values are already on the host: in :meth:`log_metrics`, once per
+Detection happens where values are already on the host: in :meth:`~olmolike.train.Callback.log_metrics`, once per
 collect interval, with values reduced across ranks and delivered at the same step on every rank
 (so every rank decides the same, at the same step: disabling checkpoints changes collectives). That adds
 no host-device sync to the hot path. Only ``skip_step`` must act before the optimizer step of

@@ -90,6 +90,9 @@ class DPOTrainModuleConfig(TransformerTrainModuleConfig):
 
 
 class DPOTrainModule(TransformerTrainModule):
+    """Trains on preference pairs with the DPO loss against a frozen reference model; build it
+    with :meth:`DPOTrainModuleConfig.build`."""
+
     config: DPOTrainModuleConfig
 
     def __init__(

@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 
 class ActivationCheckpointingMode(StrEnum):
+    """Which blocks recompute their activations in backward instead of keeping them."""
+
     full = "full"
     """Recompute every block's activations in backward: the least memory, ~1/3 more compute."""
     selected_blocks = "selected_blocks"
@@ -54,6 +56,8 @@ class ActivationCheckpointingMode(StrEnum):
 
 @dataclass
 class ActivationCheckpointingConfig(Config):
+    """Activation checkpointing: trade compute for memory by recomputing block activations."""
+
     mode: ActivationCheckpointingMode = ActivationCheckpointingMode.full
     block_interval: int = 1
     """With ``selected_blocks``: checkpoint blocks 0, N, 2N, ..."""

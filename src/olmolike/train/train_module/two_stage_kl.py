@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TwoStageKLTrainModuleConfig(TransformerTrainModuleConfig):
+    """A :class:`TransformerTrainModuleConfig` for two stages: cross-entropy only, then
+    cross-entropy plus ``beta`` times the KL to a snapshot of the stage-1 model."""
+
     stage1_steps: int = 0
     """Optimizer steps of stage 1 (CE only); the snapshot is taken before step
     ``stage1_steps + 1``. The trainer's ``max_duration`` is the length of both stages."""
@@ -73,6 +76,9 @@ class TwoStageKLTrainModuleConfig(TransformerTrainModuleConfig):
 
 
 class TwoStageKLTrainModule(TransformerTrainModule):
+    """Stage 1 trains on cross-entropy; at its end the model is snapshotted, and stage 2 adds
+    the exact KL to that snapshot, which limits how far stage 2 drifts from stage 1."""
+
     config: TwoStageKLTrainModuleConfig
 
     def __init__(

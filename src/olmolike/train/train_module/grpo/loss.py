@@ -3,7 +3,7 @@
 For each prompt, G completions are sampled and scored; completion ``i`` of a group gets the
 advantage ``A_i = (r_i - mean(r)) / (std(r) + eps)`` (``std`` with Bessel's correction, as
 TRL computes it), or ``r_i - mean(r)`` with ``scale_by_std=False`` (Dr. GRPO: the std scaling
-up-weights groups whose rewards barely differ). Each completion token ``t`` then contributes
+up-weights groups whose rewards barely differ). Each completion token ``t`` then contributes::
 
     -min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A) + beta * KL_t
     rho_t = exp(log pi(t) - log pi_old(t))

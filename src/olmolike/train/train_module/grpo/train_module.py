@@ -154,6 +154,10 @@ class GRPOTrainModuleConfig(TransformerTrainModuleConfig):
 
 
 class GRPOTrainModule(TransformerTrainModule):
+    """Each step samples completions for a batch of prompts, scores them with the reward
+    functions and optimises the GRPO loss on them; build it with
+    :meth:`GRPOTrainModuleConfig.build`."""
+
     config: GRPOTrainModuleConfig
 
     def __init__(
