@@ -7,6 +7,12 @@ shard while the next ones are still being written. Reading: torch's readers read
 after another; the readers here split a load plan into byte-balanced parts read by a thread
 pool (each part opens its own file handles), also for a checkpoint written as a single file.
 The bytes on disk are DCP's own: checkpoints stay readable by plain DCP, and older ones here.
+
+Checking: every record DCP wrote (a tensor, or a pickled value) is a ``torch.save`` archive,
+whose records carry CRC-32s that torch writes but never checks, so a garbled shard would load
+as wrong numbers. The readers here check them (:func:`archive_problem`) as they read, from the
+bytes read for the load anyway, and raise :class:`~olmolike.exceptions.DamagedCheckpointError`
+naming the shard.
 """
 
 from __future__ import annotations
@@ -15,10 +21,11 @@ import contextlib
 import dataclasses
 import io as io_
 import os
+import zipfile
 from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -27,8 +34,15 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from .. import io
+from ..exceptions import DamagedCheckpointError
 
-__all__ = ["MAX_DEFAULT_THREADS", "dcp_reader", "dcp_writer", "default_thread_count"]
+__all__ = [
+    "MAX_DEFAULT_THREADS",
+    "archive_problem",
+    "dcp_reader",
+    "dcp_writer",
+    "default_thread_count",
+]
 
 MAX_DEFAULT_THREADS = 8
 """Cap of :func:`default_thread_count`: past a few streams a disk or a store gains nothing."""
@@ -107,7 +121,46 @@ def _read_in_parallel(
     return done
 
 
-class ParallelFileSystemReader(FileSystemReader):
+_CHECK_CHUNK = 1 << 24
+
+
+def archive_problem(data: bytes) -> str | None:
+    """Why ``data`` is not a whole ``torch.save`` archive whose every record matches its
+    CRC-32 (``None`` if it is one).
+
+    ``torch.load`` never checks these CRCs: a flipped byte in a tensor's data loads as a wrong
+    value. Checking costs a pass over bytes already in memory.
+    """
+    try:
+        with zipfile.ZipFile(io_.BytesIO(data)) as archive:
+            for info in archive.infolist():
+                with archive.open(info) as record:  # raises at the end on a CRC mismatch
+                    while record.read(_CHECK_CHUNK):
+                        pass
+    except Exception as e:  # any way of failing to parse the bytes means they are damaged
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+class _CheckedRecords(FileSystemReader):
+    """Reads each record whole and checks it (:func:`archive_problem`) before torch loads it:
+    the check costs no second read, and torch loads the same bytes from memory."""
+
+    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
+        start, length = int(sinfo.offset), int(sinfo.length)
+        what = f"{sinfo.relative_path} (its record at bytes {start}-{start + length})"
+        file.seek(start)
+        data = file.read(length)
+        if len(data) != length:
+            raise DamagedCheckpointError(f"{what} is truncated ({len(data)} of {length} bytes)")
+        # Transformed bytes (compressed, say) are no archive; their transform checks them.
+        problem = None if sinfo.transform_descriptors else archive_problem(data)
+        if problem is not None:
+            raise DamagedCheckpointError(f"{what} is garbled ({problem})")
+        return io_.BytesIO(data)
+
+
+class ParallelFileSystemReader(_CheckedRecords):
     """torch's local reader, reading a plan's items with ``thread_count`` threads."""
 
     def __init__(self, path: str | os.PathLike[str], thread_count: int | None = None) -> None:
@@ -118,7 +171,7 @@ class ParallelFileSystemReader(FileSystemReader):
         return _read_in_parallel(self, super().read_data, plan, planner, self.thread_count)
 
 
-class ParallelFsspecReader(FsspecReader):
+class ParallelFsspecReader(_CheckedRecords, FsspecReader):
     """torch's fsspec reader (object stores), reading with ``thread_count`` threads."""
 
     def __init__(self, path: str, thread_count: int | None = None) -> None:

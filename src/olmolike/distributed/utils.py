@@ -23,6 +23,7 @@ __all__ = [
     "barrier",
     "barrier_every_group",
     "broadcast_object",
+    "gather_objects",
     "get_local_rank",
     "get_local_world_size",
     "get_rank",
@@ -224,6 +225,16 @@ def all_agree(ok: bool, group: dist.ProcessGroup | None = None) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``obj``, by rank (one collective; ``[obj]`` without a process group).
+    Only use on values this program produced: they are pickled."""
+    if not is_distributed():
+        return [obj]
+    gathered: list[Any] = [None] * get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
 
 
 def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
