@@ -8,10 +8,11 @@ offline tools such as :mod:`.unshard` that never import :mod:`olmolike.train`.
 :mod:`olmolike.train.checkpoint` for how saves get there). Removal deletes the marker first.
 
 A marker says every rank's files landed; it cannot say they are still there and whole. A
-deleted or truncated shard, an unreadable DCP ``.metadata``, a truncated ``rank0.pt`` or a
-malformed marker each becomes one :class:`~olmolike.exceptions.CheckpointError` that names
-the checkpoint and what is wrong, so a resume can fall back to the previous checkpoint
-instead of failing half-way through loading (or, worse, loading garbage).
+deleted, truncated or garbled shard (its CRCs are checked as it is read), an unreadable DCP
+``.metadata``, a truncated or garbled ``rank{R}.pt`` or a malformed marker each becomes one
+:class:`~olmolike.exceptions.DamagedCheckpointError` that names the checkpoint and what is
+wrong, so a resume can fall back to the previous checkpoint instead of failing half-way
+through loading (or, worse, loading garbage).
 """
 
 from __future__ import annotations
@@ -280,7 +281,7 @@ def load_train_state(dir: str, rank: int) -> dict[str, Any]:
         raise DamagedCheckpointError(
             f"checkpoint {dir}: {TRAIN_STATE}/rank{rank}.pt is missing"
         ) from None
-    problem = archive_problem(data)  # torch.load would take garbled tensors as they are
+    problem = archive_problem(std_io.BytesIO(data))  # torch.load takes garbled tensors as they are
     if problem is None:
         try:
             state = torch.load(std_io.BytesIO(data), weights_only=True, map_location="cpu")
