@@ -6,6 +6,7 @@ __all__ = [
     "BookkeepingError",
     "CheckpointError",
     "ConfigurationError",
+    "DamagedCheckpointError",
     "DataError",
     "DistributedContextError",
     "MetricError",
@@ -40,6 +41,14 @@ class ConfigurationError(OLMoLikeError, ValueError):
 
 class CheckpointError(OLMoLikeError):
     """A checkpoint could not be saved, found, or loaded."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint with a marker whose files are missing, truncated, garbled or unreadable.
+
+    A resume skips such a checkpoint for the next older one; other checkpoint errors (a model
+    of another shape, say) are raised as they are.
+    """
 
 
 class DistributedContextError(OLMoLikeError, RuntimeError):

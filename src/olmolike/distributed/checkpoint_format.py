@@ -8,10 +8,11 @@ offline tools such as :mod:`.unshard` that never import :mod:`olmolike.train`.
 :mod:`olmolike.train.checkpoint` for how saves get there). Removal deletes the marker first.
 
 A marker says every rank's files landed; it cannot say they are still there and whole. A
-deleted or truncated shard, an unreadable DCP ``.metadata``, a truncated ``rank0.pt`` or a
-malformed marker each becomes one :class:`~olmolike.exceptions.CheckpointError` that names
-the checkpoint and what is wrong, so a resume can fall back to the previous checkpoint
-instead of failing half-way through loading (or, worse, loading garbage).
+deleted, truncated or garbled shard (its CRCs are checked as it is read), an unreadable DCP
+``.metadata``, a truncated or garbled ``rank{R}.pt`` or a malformed marker each becomes one
+:class:`~olmolike.exceptions.DamagedCheckpointError` that names the checkpoint and what is
+wrong, so a resume can fall back to the previous checkpoint instead of failing half-way
+through loading (or, worse, loading garbage).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from .. import io
 from ..config import Config
-from ..exceptions import CheckpointError
-from .checkpoint_storage import dcp_reader
+from ..exceptions import CheckpointError, DamagedCheckpointError
+from .checkpoint_storage import archive_problem, dcp_reader
 
 __all__ = [
     "DCP_METADATA",
@@ -41,6 +42,7 @@ __all__ = [
     "MARKER",
     "MODEL_AND_OPTIM",
     "TRAIN_STATE",
+    "CheckedCheckpoint",
     "CheckpointMetadata",
     "DamagedCheckpointError",
     "contains_checkpoint",
@@ -80,10 +82,6 @@ _MARKER_FIELDS: dict[str, type | tuple[type, ...]] = {
     "world_size": int,
     "ephemeral": bool,
 }
-
-
-class DamagedCheckpointError(CheckpointError):
-    """A checkpoint with a marker whose files are missing, truncated or unreadable."""
 
 
 DAMAGED = ".olmolike-damaged.json"
@@ -226,12 +224,21 @@ def read_marker(dir: str | Path) -> dict[str, Any]:
     return data
 
 
-def verify_checkpoint(dir: str) -> dict[str, Any]:
-    """Raise :class:`CheckpointError` unless ``dir`` is complete and intact; return its marker.
+@dataclass(frozen=True)
+class CheckedCheckpoint:
+    """What :func:`verify_checkpoint` read of a checkpoint, for the load to use."""
+
+    marker: dict[str, Any]
+    metadata: Metadata
+
+
+def verify_checkpoint(dir: str) -> CheckedCheckpoint:
+    """Raise :class:`DamagedCheckpointError` unless ``dir`` looks complete and intact.
 
     Checks the marker, the DCP metadata, that every shard it references exists with at least
-    the bytes it references, and that every rank's trainer state exists (``rank0.pt`` is
-    also parsed). Reads only metadata and ``rank0.pt``, never the shards themselves.
+    the bytes it references, and that every rank's trainer state exists. Reads only the
+    marker, the metadata and two listings: the bytes of the shards are checked as the load
+    reads them (see :mod:`.checkpoint_storage`), a trainer state by :func:`load_train_state`.
     """
     marker = read_marker(dir)
     dcp_dir = io.join_path(dir, MODEL_AND_OPTIM)
@@ -265,26 +272,28 @@ def verify_checkpoint(dir: str) -> dict[str, Any]:
             raise DamagedCheckpointError(
                 f"checkpoint {dir}: {TRAIN_STATE}/rank{rank}.pt is missing"
             )
-    load_train_state(dir, 0)
-    return marker
+    return CheckedCheckpoint(marker, metadata)
 
 
 def load_train_state(dir: str, rank: int) -> dict[str, Any]:
     """The trainer state saved by ``rank``; :class:`CheckpointError` if unreadable."""
     path = io.join_path(dir, f"{TRAIN_STATE}/rank{rank}.pt")
     try:
-        state = torch.load(
-            std_io.BytesIO(io.read_bytes(path)), weights_only=True, map_location="cpu"
-        )
+        data = io.read_bytes(path)
     except FileNotFoundError:
         raise DamagedCheckpointError(
             f"checkpoint {dir}: {TRAIN_STATE}/rank{rank}.pt is missing"
         ) from None
-    except Exception as e:
+    problem = archive_problem(std_io.BytesIO(data))  # torch.load takes garbled tensors as they are
+    if problem is None:
+        try:
+            state = torch.load(std_io.BytesIO(data), weights_only=True, map_location="cpu")
+        except Exception as e:
+            problem = f"{type(e).__name__}: {str(e)[:200]}"
+    if problem is not None:
         raise DamagedCheckpointError(
-            f"checkpoint {dir}: {TRAIN_STATE}/rank{rank}.pt is truncated or unreadable "
-            f"({type(e).__name__}: {str(e)[:200]})"
-        ) from None
+            f"checkpoint {dir}: {TRAIN_STATE}/rank{rank}.pt is truncated or unreadable ({problem})"
+        )
     if not isinstance(state, dict):
         raise DamagedCheckpointError(
             f"checkpoint {dir}: {TRAIN_STATE}/rank{rank}.pt holds no state dict"

@@ -8,6 +8,12 @@ after another; the readers here split a load plan into byte-balanced parts read 
 pool (each part opens its own file handles), also for a checkpoint written as a single file,
 and never run code from the checkpoint (:mod:`.checkpoint_unpickle`).
 The bytes on disk are DCP's own: checkpoints stay readable by plain DCP, and older ones here.
+
+Checking: every record DCP wrote (a tensor, or a pickled value) is a ``torch.save`` archive,
+whose records carry CRC-32s that torch writes but never checks, so a garbled shard would load
+as wrong numbers. The readers here check them (:func:`archive_problem`) as they read, from the
+bytes read for the load anyway, and raise :class:`~olmolike.exceptions.DamagedCheckpointError`
+naming the shard.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ import contextlib
 import dataclasses
 import io as io_
 import os
+import struct
+import zipfile
+import zlib
 from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,9 +38,16 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from .. import io
+from ..exceptions import DamagedCheckpointError
 from .checkpoint_unpickle import WeightsOnlyLoadPlanner, unpickle_metadata
 
-__all__ = ["MAX_DEFAULT_THREADS", "dcp_reader", "dcp_writer", "default_thread_count"]
+__all__ = [
+    "MAX_DEFAULT_THREADS",
+    "archive_problem",
+    "dcp_reader",
+    "dcp_writer",
+    "default_thread_count",
+]
 
 MAX_DEFAULT_THREADS = 8
 """Cap of :func:`default_thread_count`: past a few streams a disk or a store gains nothing."""
@@ -110,10 +126,115 @@ def _read_in_parallel(
     return done
 
 
-class _SafeParallelReading(FileSystemReader):
+_LOCAL_HEADER = struct.Struct("<4s2xH18xHH")  # signature, flags, name and extra lengths
+_CHUNK = 1 << 20
+
+
+def archive_problem(archive_file: IO[bytes]) -> str | None:
+    """Why the seekable ``archive_file`` is not a whole ``torch.save`` archive whose every
+    record matches its CRC-32 (``None`` if it is one).
+
+    ``torch.load`` never checks these CRCs: a flipped byte in a tensor's data loads as a wrong
+    value. The records are streamed through ``zlib.crc32`` in chunks of a reused buffer
+    (torch stores them uncompressed; a compressed one is read through ``zipfile``).
+    """
+    try:
+        with zipfile.ZipFile(archive_file) as archive:
+            for info in archive.infolist():
+                if info.compress_type != zipfile.ZIP_STORED:
+                    archive.read(info)  # raises on a CRC mismatch
+                    continue
+                archive_file.seek(info.header_offset)
+                header = archive_file.read(_LOCAL_HEADER.size)
+                signature, flags, name, extra = _LOCAL_HEADER.unpack(header)
+                named = archive_file.read(name)
+                archive_file.seek(extra, os.SEEK_CUR)
+                # The central directory's copy of what the local header says, as torch reads it.
+                if (
+                    signature != b"PK\x03\x04"
+                    or (flags, info.volume) != (info.flag_bits, 0)
+                    or named != info.orig_filename.encode()
+                    or info.compress_size != info.file_size
+                ):
+                    return f"record {info.filename!r} has a damaged header"
+                crc, left = 0, info.file_size
+                buffer = memoryview(bytearray(min(_CHUNK, left)))
+                while left:
+                    got = archive_file.readinto(buffer[: min(left, _CHUNK)])  # type: ignore[attr-defined]
+                    if not got:
+                        return f"record {info.filename!r} is cut short"
+                    crc, left = zlib.crc32(buffer[:got], crc), left - got
+                if crc != info.CRC:
+                    return f"record {info.filename!r} does not match its CRC-32"
+    except Exception as e:  # any way of failing to parse the bytes means they are damaged
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+class _Window(io_.RawIOBase):
+    """The bytes ``[start, start + length)`` of a seekable binary file, as a file of their own
+    (torch's view of a record cannot seek from its end, which ``zipfile`` needs)."""
+
+    def __init__(self, file: Any, start: int, length: int) -> None:
+        super().__init__()
+        self._file, self._start, self._length, self._pos = file, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        size = max(0, min(len(b), self._length - self._pos))
+        if size == 0:
+            return 0
+        self._file.seek(self._start + self._pos)
+        got = int(self._file.readinto(memoryview(b)[:size]) or 0)
+        self._pos += got
+        return got
+
+
+class _CheckedRecords(FileSystemReader):
+    """Checks each record (:func:`archive_problem`) before torch loads it.
+
+    A local file is checked in place, and torch then reads the same bytes from the page cache;
+    a remote one (``read_once``) is read into memory once, checked there and loaded from there.
+    """
+
+    read_once = False
+
+    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
+        if sinfo.transform_descriptors:  # transformed (compressed, say): no archive to check
+            return super()._slice_file(file, sinfo)
+        start, length = int(sinfo.offset), int(sinfo.length)
+        what = f"{sinfo.relative_path} (its record at bytes {start}-{start + length})"
+        record: IO[bytes] = _Window(file, start, length)  # type: ignore[assignment]
+        if self.read_once:
+            file.seek(start)
+            record = io_.BytesIO(file.read(length))
+        problem = archive_problem(record)
+        if problem is not None:
+            raise DamagedCheckpointError(f"{what} is garbled ({problem})")
+        if self.read_once:
+            record.seek(0)
+            return record
+        return super()._slice_file(file, sinfo)
+
+
+class _SafeParallelReading(_CheckedRecords):
     """What olmolike's readers add to torch's: ``.metadata`` read by the restricted unpickler
     of :mod:`.checkpoint_unpickle`, only :class:`WeightsOnlyLoadPlanner` accepted (so that no
-    non-tensor value is unpickled unrestricted), a plan's items read with several threads."""
+    non-tensor value is unpickled unrestricted), every record checked against its CRC-32
+    (:class:`_CheckedRecords`), a plan's items read with several threads."""
 
     thread_count: int
 
@@ -146,6 +267,8 @@ class ParallelFileSystemReader(_SafeParallelReading):
 class ParallelFsspecReader(_SafeParallelReading, FsspecReader):
     """torch's fsspec reader (object stores), made safe and reading with ``thread_count``
     threads."""
+
+    read_once = True  # a second read of a record would be a second download
 
     def __init__(self, path: str, thread_count: int | None = None) -> None:
         super().__init__(path)

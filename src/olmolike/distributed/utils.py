@@ -26,6 +26,7 @@ __all__ = [
     "barrier",
     "barrier_every_group",
     "broadcast_object",
+    "gather_objects",
     "get_local_rank",
     "get_local_world_size",
     "get_rank",
@@ -300,6 +301,16 @@ def agree_counts(values: Sequence[int], group: dist.ProcessGroup | None = None) 
     dist.all_gather(parts, mine, group=group)
     every = torch.stack(parts)
     return AgreedCounts(max=every.amax(0).tolist(), sum=every.sum(0).tolist())
+
+
+def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``obj``, by rank (one collective; ``[obj]`` without a process group).
+    Only use on values this program produced: they are pickled."""
+    if not is_distributed():
+        return [obj]
+    gathered: list[Any] = [None] * get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
 
 
 def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:

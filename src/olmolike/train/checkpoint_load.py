@@ -1,5 +1,15 @@
-"""Loading a train checkpoint (the read side of :mod:`~olmolike.train.checkpoint`'s format): verify it, read
-model and optimizer state with DCP, then this rank's trainer state."""
+"""Loading a train checkpoint (the read side of :mod:`~olmolike.train.checkpoint`'s format).
+
+Nothing is applied before every rank has checked the whole checkpoint as it sees it, and all
+ranks agree on the outcome in one all-gather: the marker, DCP's metadata, that every shard it
+references is there with its bytes, that every rank's trainer state is there, and the trainer
+state this rank will load, read and checked. Then DCP reads model and optimizer state into
+the train module's tensors, in place, checking each record's CRC as it reads (see
+:mod:`~olmolike.distributed.checkpoint_storage`). Damage found there (DCP tells every rank)
+has already overwritten some tensors: the caller that falls back to another checkpoint
+(:meth:`~olmolike.train.trainer_checkpoints.TrainerCheckpoints.resume`) resets what that one
+may not hold.
+"""
 
 from __future__ import annotations
 
@@ -9,21 +19,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 
 from .. import io
 from ..distributed.checkpoint import load_state_dict
 from ..distributed.checkpoint_download import local_copy
 from ..distributed.checkpoint_format import (
     MODEL_AND_OPTIM,
-    TRAIN_STATE,
+    CheckedCheckpoint,
     DamagedCheckpointError,
     describe_error,
     describe_shape_mismatch,
     load_train_state,
-    read_metadata,
     verify_checkpoint,
 )
-from ..distributed.utils import all_agree, broadcast_object, get_rank, using_group
+from ..distributed.utils import gather_objects, get_rank, using_group
 from ..exceptions import CheckpointError
 
 if TYPE_CHECKING:
@@ -46,32 +56,47 @@ class CheckpointLoad:
     def run(self, work_dir: Path, pre_download: bool, thread_count: int | None) -> Any:
         """Load; returns this rank's trainer state (``None`` if not loaded). ``pre_download``
         copies a remote checkpoint under ``work_dir`` first."""
-        error: tuple[bool, str] | None = None
-        if get_rank() == 0:
-            try:
-                verify_checkpoint(self.dir)
-            except Exception as e:  # every rank raises, not only this one
-                error = (isinstance(e, DamagedCheckpointError), str(e))
-        with using_group(self.group, "checkpointer"):
-            error = broadcast_object(error, group=self.group)
-        if error is not None:
-            raise (DamagedCheckpointError if error[0] else CheckpointError)(error[1])
+        checked, train_state = self._verify()
         if not (io.is_url(self.dir) and pre_download):
-            return self._load_from(self.dir, thread_count)
+            self._load_from(self.dir, checked.metadata, thread_count)
+            return train_state
         with local_copy(
             self.dir, work_dir, process_group=self.group, thread_count=thread_count
         ) as source:
-            return self._load_from(source, thread_count)
+            self._load_from(source, checked.metadata, thread_count)
+        return train_state
 
-    def _agree(self, ok: bool) -> bool:
+    def _verify(self) -> tuple[CheckedCheckpoint, dict[str, Any] | None]:
+        """Check the checkpoint on this rank, then agree: every rank raises the error of the
+        lowest rank that found one (so all fall back alike), or none does."""
+        result: tuple[CheckedCheckpoint, dict[str, Any] | None] | None = None
+        found: tuple[bool, str] | None = None
+        try:
+            checked = verify_checkpoint(self.dir)
+            result = (checked, self._read_train_state(checked))
+        except Exception as e:  # every rank raises, not only this one
+            found = (isinstance(e, DamagedCheckpointError), str(e))
         with using_group(self.group, "checkpointer"):
-            return all_agree(ok, self.group)
+            errors = gather_objects(found, self.group)
+        failed = [rank for rank, error in enumerate(errors) if error is not None]
+        if failed:
+            damaged, message = errors[failed[0]]
+            if len(failed) < len(errors):  # e.g. a file one node sees differently
+                message += f" (as rank {failed[0]} sees it)"
+            raise (DamagedCheckpointError if damaged else CheckpointError)(message)
+        assert result is not None
+        return result
 
-    def _load_from(self, source: str, thread_count: int | None) -> dict[str, Any] | None:
+    def _read_train_state(self, checked: CheckedCheckpoint) -> dict[str, Any] | None:
+        if self.load_trainer_state is False:
+            return None
+        rank = get_rank()
+        # A checkpoint of fewer ranks: a new rank starts from rank 0's state.
+        return load_train_state(self.dir, rank if rank < checked.marker["world_size"] else 0)
+
+    def _load_from(self, source: str, metadata: Metadata, thread_count: int | None) -> None:
         dir, train_module = self.dir, self.train_module
         load_optim_state = self.load_optim_state
-        dcp_dir = io.join_path(source, MODEL_AND_OPTIM)
-        metadata = read_metadata(dcp_dir)
         has_optim = any(key.startswith("optim.") for key in metadata.state_dict_metadata)
         if load_optim_state and not has_optim:
             raise CheckpointError(f"{dir} holds no optimizer state; set load_optim_state=False")
@@ -83,28 +108,25 @@ class CheckpointLoad:
         )
         if mismatch is not None:
             raise CheckpointError(mismatch)
+        dcp_dir = io.join_path(source, MODEL_AND_OPTIM)
         try:
             load_state_dict(dcp_dir, state, process_group=self.group, thread_count=thread_count)
         except (Exception, CheckpointException) as e:  # raised on every rank alike
+            damage = _damage(e)
+            if damage is not None:
+                raise DamagedCheckpointError(f"checkpoint {dir}: {damage}") from None
             raise CheckpointError(f"loading checkpoint {dir} failed: {describe_error(e)}") from None
         train_module.load_state_dict(state)
-        if self.load_trainer_state is False:
-            return None
-        return self._load_train_state(source)
 
-    def _load_train_state(self, source: str) -> dict[str, Any]:
-        dir = self.dir
-        error: str | None = None
-        state: dict[str, Any] = {}
-        rank = get_rank()
-        # A checkpoint of fewer ranks: a new rank starts from rank 0's state.
-        has_own = io.exists(io.join_path(source, f"{TRAIN_STATE}/rank{rank}.pt"))
-        try:
-            state = load_train_state(source, rank if has_own else 0)
-        except CheckpointError as e:
-            error = str(e).replace(source, dir)
-        if not self._agree(error is None):
-            raise DamagedCheckpointError(
-                error or f"checkpoint {dir}: a rank's trainer state is bad"
-            )
-        return state
+
+def _damage(error: BaseException) -> str | None:
+    """The damage to the shards that DCP's ``error`` reports (the lowest rank's), if it is
+    damage: DCP gathers every rank's failure, so every rank finds the same."""
+    failures = error.failures if isinstance(error, CheckpointException) else {0: error}
+    for _, failure in sorted(failures.items()):
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, DamagedCheckpointError):
+            return f"shard {MODEL_AND_OPTIM}/{cause}"
+        if isinstance(cause, FileNotFoundError):  # removed since it was checked
+            return f"a shard is missing ({cause})"
+    return None

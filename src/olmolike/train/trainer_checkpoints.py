@@ -161,9 +161,10 @@ class TrainerCheckpoints:
         """What ``fit()`` does first: take the save folder's lease (one writer per folder),
         then ``load`` the save folder's latest checkpoint, else ``load_path``'s.
 
-        A checkpoint that turns out damaged (missing, truncated or unreadable files) is skipped
-        with a warning, and the next older complete one is loaded (the save folder's, then
-        ``load_path``'s); a damaged one in the save folder loses its marker (the reason is
+        A checkpoint that turns out damaged (missing, truncated, garbled or unreadable files)
+        is skipped with a warning, and the next older complete one is loaded (the save
+        folder's, then ``load_path``'s), exactly as a new process would load it: nothing of the
+        damaged one stays. A damaged one in the save folder loses its marker (the reason is
         kept in ``.olmolike-damaged.json``), so the steps trained again can be saved there.
         Other load errors (a model of another shape, say) are raised as they are.
         """
@@ -183,6 +184,11 @@ class TrainerCheckpoints:
                 if get_rank() == 0 and path.startswith(self.save_folder.rstrip("/") + "/"):
                     # This run holds the folder: the steps it trains again may be saved anew.
                     mark_damaged(path, str(e))
+                # Damage found while DCP reads the shards comes after some tensors were
+                # overwritten in place. The next checkpoint overwrites all of the model; the
+                # optimizers start afresh, as in a new process, in case it holds no optimizer
+                # state (a failed load never gets to apply param groups).
+                clear_optimizer_states(self.train_module)
         if self.load_strategy == LoadStrategy.always:
             raise CheckpointError(
                 f"load_strategy is 'always' but there is no checkpoint in the save folder "
@@ -227,17 +233,26 @@ class TrainerCheckpoints:
 
 def reset_optimizer_states(train_module: TrainModule) -> None:
     """Start the optimizers' per-parameter state afresh, keeping their settings."""
-    optims: Any = getattr(train_module, "optimizers", None) or [
-        getattr(train_module, "optim", None)
-    ]
-    if not all(hasattr(o, "state") for o in optims):
+    if not clear_optimizer_states(train_module):
         raise CheckpointError(
             f"reset_optimizer_states_on_load needs a train module with a torch optimizer "
             f"(an 'optim' attribute); {type(train_module).__name__} has none"
         )
-    for optim in optims:
-        optim.state.clear()  # rebuilt lazily, as for a new optimizer, at the next step
     log.info("Optimizer states reset after loading (reset_optimizer_states_on_load)")
+
+
+def clear_optimizer_states(train_module: TrainModule) -> bool:
+    """Drop the optimizers' per-parameter state (moments, step counts), keeping their
+    settings: a new optimizer has none, and builds it at its first step. Returns whether the
+    train module has torch optimizers to do it to."""
+    optims: list[Any] = getattr(train_module, "optimizers", None) or [
+        getattr(train_module, "optim", None)
+    ]
+    if not all(hasattr(o, "state") for o in optims):
+        return False
+    for optim in optims:
+        optim.state.clear()
+    return True
 
 
 def evaluator_callbacks(paths: list[str], callbacks: Iterable[Callback]) -> list[Any]:
