@@ -36,6 +36,7 @@ from olmolike.distributed.checkpoint_format import (
     MARKER,
     MODEL_AND_OPTIM,
     TRAIN_STATE,
+    load_train_state,
     read_metadata,
     verify_checkpoint,
 )
@@ -285,11 +286,12 @@ def test_a_crafted_value_in_a_shard_is_refused(tmp_path: Path, where: str) -> No
     assert not marker.exists()
 
 
-def test_a_crafted_trainer_state_is_refused_by_verify(tmp_path: Path) -> None:
+def test_a_crafted_trainer_state_is_refused_when_read(tmp_path: Path) -> None:
+    # Each rank reads (and checks) its own trainer state before a load applies anything.
     folder, marker = saved(tmp_path / "step1"), tmp_path / "ran"
     torch.save({"global_step": _RunsCode(marker)}, folder / TRAIN_STATE / "rank0.pt")
     with pytest.raises(CheckpointError, match=r"rank0\.pt"):
-        verify_checkpoint(str(folder))
+        load_train_state(str(folder), 0)
     assert not marker.exists()
 
 
