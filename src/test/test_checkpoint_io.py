@@ -183,6 +183,27 @@ def test_staging_buffers_are_kept_and_reused_when_asked(
     assert checkpointer._stager is not None
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_buffers_prepared_for_a_save_that_does_not_happen_are_freed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep: bool
+) -> None:
+    """Discarding frees buffers prepared for a save that will not come (kept ones stay);
+    closing the checkpointer frees every buffer and ends its threads."""
+    staged = staged_copies(monkeypatch)
+    threads_before = set(threading.enumerate())
+    checkpointer = Checkpointer(work_dir=tmp_path / "work", keep_staging_buffers=keep)
+    checkpointer.prepare_async_staging(module())
+    checkpointer.wait_for_pending_save()
+    checkpointer.discard_prepared_staging()
+    gc.collect()
+    assert len(staged) == 1
+    assert (staged[0][2]() is None) is not keep  # the stager holds the buffers
+    checkpointer.close()
+    gc.collect()
+    assert all(copy() is None and stager() is None for _, copy, stager in staged)
+    assert set(threading.enumerate()) <= threads_before
+
+
 def test_the_callback_prepares_the_buffers_a_step_before_each_async_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

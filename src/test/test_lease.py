@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -25,7 +26,13 @@ from testutils import build_trainer, patient
 
 from olmolike.exceptions import CheckpointError
 from olmolike.train import Callback, Duration
-from olmolike.train.lease import LEASE_DIR, SaveFolderInUseError, SaveFolderLease, current_lease
+from olmolike.train.lease import (
+    LEASE_DIR,
+    SaveFolderInUseError,
+    SaveFolderLease,
+    current_lease,
+    run_id,
+)
 
 __all__ = ["gcs_bucket", "gcs_server", "s3_bucket", "s3_server"]
 
@@ -207,6 +214,15 @@ if __name__ == "__main__":
 """
 
 
+def wait_until_ready(holder: subprocess.Popen[bytes], ready: Path) -> None:
+    """Wait until the holding run's first step is done (``ready`` exists)."""
+    deadline = time.monotonic() + patient(180)
+    while not ready.exists():
+        assert holder.poll() is None, "the first run ended early"
+        assert time.monotonic() < deadline, "the first run did not start in time"
+        time.sleep(0.05)
+
+
 def test_a_trainer_on_a_folder_in_use_is_refused_then_runs_once_it_is_released(
     tmp_path: Path,
 ) -> None:
@@ -218,11 +234,7 @@ def test_a_trainer_on_a_folder_in_use_is_refused_then_runs_once_it_is_released(
         env={**os.environ, "OLMOLIKE_RUN_ID": "the-first-run", "OMP_NUM_THREADS": "1"},
     )
     try:
-        deadline = time.monotonic() + 180
-        while not ready.exists():
-            assert holder.poll() is None, "the first run ended early"
-            assert time.monotonic() < deadline, "the first run did not start within 180 s"
-            time.sleep(0.05)
+        wait_until_ready(holder, ready)
         with pytest.raises(SaveFolderInUseError) as error:
             build_trainer(save, max_duration=Duration.steps(4)).fit()
         assert "the-first-run" in str(error.value)
@@ -303,18 +315,113 @@ def test_the_heartbeat_thread_runs_no_collective(tmp_path: Path) -> None:
     assert all(r["released"] for r in records(str(tmp_path)))
 
 
-@pytest.mark.parametrize("variable", ["OLMOLIKE_RUN_ID", "SLURM_JOB_ID"])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"OLMOLIKE_RUN_ID": "job-42"},
+        {"SLURM_JOB_ID": "42"},
+        {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "3"},
+    ],
+    ids=["run-id", "slurm-job", "slurm-step"],
+)
 def test_the_same_job_restarted_takes_its_own_lease_over_at_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variable: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str]
 ) -> None:
     folder = str(tmp_path / "run")
-    write_record(folder, run_id="job-42")  # live, on another host: the job's previous attempt
-    monkeypatch.delenv("OLMOLIKE_RUN_ID", raising=False)
-    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    for name in ("OLMOLIKE_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    job = run_id()
+    for name in env:
+        monkeypatch.delenv(name)
+    write_record(folder, run_id=job)  # live, on another host: the job's previous attempt
     with pytest.raises(SaveFolderInUseError):
         SaveFolderLease(folder).acquire()
-    monkeypatch.setenv(variable, "job-42")
-    assert current_lease(folder, for_run="job-42") is None
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert current_lease(folder, for_run=job) is None
     trainer = build_trainer(folder, max_duration=Duration.steps(1))  # not refused at build
     trainer.fit()
-    assert [r["run_id"] for r in records(folder)] == ["job-42"]
+    assert [r["run_id"] for r in records(folder)] == [job]
+
+
+def test_the_same_job_step_restarted_on_this_host_takes_over_from_its_dead_process(
+    tmp_path: Path,
+) -> None:
+    folder = str(tmp_path / "run")
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    write_record(
+        folder, run_id="slurm-job-42-step-0", host=socket.gethostname(), pid=int(dead.stdout)
+    )
+    lease = SaveFolderLease(folder, run="slurm-job-42-step-0")
+    lease.acquire()
+    lease.release()
+
+
+def test_a_live_process_on_this_host_with_this_runs_id_is_not_taken_over(tmp_path: Path) -> None:
+    folder = str(tmp_path / "run")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    try:
+        write_record(folder, run_id="same-id", host=socket.gethostname(), pid=holder.pid)
+        with pytest.raises(
+            SaveFolderInUseError, match=rf"same-id \(host {socket.gethostname()}, pid {holder.pid}"
+        ):
+            SaveFolderLease(folder, run="same-id").acquire()
+    finally:
+        holder.communicate(b"")
+
+
+def test_a_takeover_by_a_run_with_this_runs_id_is_reported_as_such(tmp_path: Path) -> None:
+    folder = str(tmp_path / "run")
+    lease = SaveFolderLease(folder, run="shared-id")
+    lease.acquire()
+    try:
+        write_record(folder, run_id="shared-id", host="elsewhere")
+        os.replace(
+            Path(folder, LEASE_DIR, "0000000007.json"), Path(folder, LEASE_DIR, "0000000009.json")
+        )
+        lease.heartbeat()
+        with pytest.raises(SaveFolderInUseError) as error:
+            lease.check()
+        assert "has this run's id" in str(error.value)
+        assert "heartbeats" not in str(error.value)  # they did arrive: do not say otherwise
+    finally:
+        lease.release()
+
+
+def test_two_job_steps_of_one_slurm_allocation_are_two_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ``srun`` steps of one job on one host: the second is refused, naming the first's
+    host, pid, job and step, and the first trains on to its end."""
+    save, ready, release = tmp_path / "run", tmp_path / "ready", tmp_path / "release"
+    script = tmp_path / "hold.py"
+    script.write_text(textwrap.dedent(HOLDING_RUN.format(test_dir=str(Path(__file__).parent))))
+    env = {k: v for k, v in os.environ.items() if k != "OLMOLIKE_RUN_ID"}
+    step_env = {"SLURM_JOB_ID": "4242", "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(
+        [sys.executable, str(script), str(save), str(ready), str(release)],
+        env={**env, **step_env, "SLURM_STEP_ID": "0"},
+    )
+    try:
+        wait_until_ready(first, ready)
+        monkeypatch.delenv("OLMOLIKE_RUN_ID", raising=False)
+        monkeypatch.setenv("SLURM_JOB_ID", "4242")
+        monkeypatch.setenv("SLURM_STEP_ID", "1")
+        with pytest.raises(SaveFolderInUseError) as error:
+            build_trainer(save, max_duration=Duration.steps(4)).fit()
+        message = str(error.value)
+        assert f"host {socket.gethostname()}, pid {first.pid}" in message
+        assert "slurm-job-4242-step-0" in message
+        release.touch()
+        assert first.wait(timeout=patient(180)) == 0  # it kept its lease to the end
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert all(r["released"] for r in records(str(save)))

@@ -26,6 +26,7 @@ __all__ = [
     "barrier",
     "barrier_every_group",
     "broadcast_object",
+    "destroy_group",
     "gather_objects",
     "get_local_rank",
     "get_local_world_size",
@@ -148,10 +149,11 @@ def init_single_process_group(
 _run_timeout: datetime.timedelta | None = None
 """The timeout given to :func:`init_distributed`; every group made by :func:`new_group` gets it."""
 _made: list[tuple[dist.ProcessGroup, bool]] = []
-"""Every group :func:`new_group` made, in the order it made them, with whether its timeout is
-shortened, until the end of the run. Held, not weakly referenced: which groups a rank has
-freed may differ between ranks (garbage collection runs at different times), and the
-barriers at the end must be the same on all."""
+"""Every live group :func:`new_group` made, in the order it made them, with whether its timeout
+is shortened, until :func:`destroy_group` or the end of the run. Held, not weakly referenced:
+which groups a rank has freed may differ between ranks (garbage collection runs at different
+times), and the barriers at the end must be the same on all; a group leaves the list only by
+:func:`destroy_group`, which every rank calls for the same groups in the same order."""
 
 
 def new_group(purpose: str, *, shorten_timeout: bool = True) -> dist.ProcessGroup | None:
@@ -172,6 +174,26 @@ def new_group(purpose: str, *, shorten_timeout: bool = True) -> dist.ProcessGrou
     group = dist.new_group(backend="gloo" if backend_supports_cpu() else None, **kwargs)
     _made.append((group, shorten_timeout))
     return group
+
+
+def destroy_group(group: dist.ProcessGroup | None, *, barrier: bool) -> None:
+    """Destroy a group :func:`new_group` made, once the code that made it is done with it.
+
+    It leaves torch's registry and :func:`barrier_every_group`'s list; its gloo worker threads
+    and connections end once nothing else references it either (a trainer that is dropped).
+    Every rank calls it for the same groups in the same order, as for :func:`new_group`. ``barrier``
+    first waits until every rank's last op on it is done, so no peer loses a connection it
+    still reads from; without it (after an error, when a peer may be gone) it destroys at
+    once. A group already destroyed, or made before the current default group, is left alone.
+    """
+    if group is None or not is_distributed() or all(g is not group for g, _ in _made):
+        return
+    _made[:] = [(g, shorten) for g, shorten in _made if g is not group]
+    try:
+        if barrier:
+            dist.barrier(group)
+    finally:
+        dist.destroy_process_group(group)
 
 
 def set_group_timeouts(timeout: datetime.timedelta) -> None:

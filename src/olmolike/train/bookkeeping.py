@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ..distributed.utils import (
     backend_supports_cpu,
+    destroy_group,
     get_world_size,
     is_distributed,
     new_group,
@@ -209,6 +210,13 @@ class BookkeepingRunner:
             if pool is not None:
                 pool.shutdown(wait=wait)
         self._single = self._multi = None
+
+    def close(self, *, clean: bool) -> None:
+        """When the trainer is done: stop the workers and destroy the group. ``clean`` (every
+        rank got here without an error) waits for running ops and for the peers' last ops on
+        the group; otherwise a stuck op is abandoned and the group destroyed at once."""
+        self.shutdown(wait=clean)
+        destroy_group(self.group, barrier=clean)
 
     @staticmethod
     def _deliver(pending: _PendingOp) -> None:

@@ -298,7 +298,8 @@ class Checkpointer:
         The checkpointer callback calls it one step before each async save, once the optimizer
         has state, so the buffers have their final shape. They are freed once that save is
         complete, or, with ``keep_staging_buffers``, kept for every later save (then calls
-        after the first do nothing).
+        after the first do nothing). If that save does not happen, :meth:`discard_prepared_staging`
+        or :meth:`close` frees them.
         """
         if self._ahead is not None or (self.keep_staging_buffers and self._stager is not None):
             return
@@ -317,6 +318,43 @@ class Checkpointer:
             return stager
 
         self._ahead = self._writer_thread().submit(allocate)
+
+    def discard_prepared_staging(self) -> None:
+        """Free the buffers :meth:`prepare_async_staging` allocated for a save that is not going
+        to happen (saves switched off, training over): a copy as large as the model and
+        optimizer state, pinned memory on a GPU. Kept buffers (``keep_staging_buffers``) stay."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead.cancel():  # cancelled before it started: nothing allocated
+            return
+        try:
+            stager = ahead.result()  # an allocation in progress: local work, it ends
+        except Exception as e:
+            log.warning("Allocating staging buffers for the next async save failed: %s", e)
+            return
+        if stager is not self._stager:
+            stager.close()
+            return_freed_memory()
+
+    def close(self, *, wait: bool = True) -> None:
+        """Let go of what lasts across saves: staging buffers (prepared or kept) and threads.
+
+        ``wait`` first waits for a background save still running (its error stays with the
+        future :meth:`save_async` returned). Without it (after an error, when a save may wait
+        on a dead peer) such a save is left to its daemon thread and frees its buffers when it
+        ends. The checkpointer can save again afterwards: it starts threads anew.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None and wait:
+            futures_wait([pending])
+        self.discard_prepared_staging()
+        kept, self._stager = self._stager, None
+        if kept is not None and (pending is None or pending.done()):
+            kept.close()  # else the running save closes it: it is no longer the kept one
+        for pool in (self._writer, self._uploader):
+            if pool is not None:
+                pool.shutdown(wait=wait)
+        self._writer = self._uploader = None
+        return_freed_memory()
 
     def _prepared_stager(self) -> DefaultStager:
         """The stager for an async save starting now: the one prepared for it, if any."""

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..distributed.utils import (
+    destroy_group,
     get_world_size,
     is_distributed,
     is_shared_filesystem,
@@ -195,8 +196,6 @@ class TrainerConfig(Config):
         :param eval_only: for ``Trainer.eval_checkpoints()`` rather than ``fit()``: no
             checkpoint is saved and none is resumed from the save folder.
         """
-        from .trainer import Trainer
-
         if eval_only:
             return replace(self, no_checkpoints=True, load_strategy=LoadStrategy.never).build(
                 train_module,
@@ -208,11 +207,33 @@ class TrainerConfig(Config):
         self._check_save_folder()
         self._check_same_on_every_rank()
         work_dir = Path(self.work_dir) if self.work_dir else self._default_work_dir()
+        owned: list[dist.ProcessGroup] = []
         if checkpointer_pg is None and is_distributed():
             # Checkpoint collectives may run in a background thread: give them their own group.
             # It keeps the run's timeout: ranks take turns uploading a checkpoint, and the
             # others wait at a barrier meanwhile, for as long as the upload takes.
             checkpointer_pg = new_group("checkpointer", shorten_timeout=False)
+            owned += [checkpointer_pg] if checkpointer_pg is not None else []
+        try:
+            return self._build_trainer(
+                train_module, data_loader, work_dir, dp_process_group, checkpointer_pg, owned
+            )
+        except BaseException:
+            for group in owned:  # the trainer that would have destroyed it does not exist
+                destroy_group(group, barrier=False)
+            raise
+
+    def _build_trainer(
+        self,
+        train_module: TrainModule,
+        data_loader: DataLoaderBase,
+        work_dir: Path,
+        dp_process_group: dist.ProcessGroup | None,
+        checkpointer_pg: dist.ProcessGroup | None,
+        owned: list[dist.ProcessGroup],
+    ) -> Trainer:
+        from .trainer import Trainer
+
         callbacks = dict(self.callbacks)
         # Defaults, unless the user has one of the kind (a user callback keeps its name).
         if not any(isinstance(cb, CheckpointerCallback) for cb in callbacks.values()):
@@ -249,6 +270,7 @@ class TrainerConfig(Config):
             no_evals=self.no_evals,
             steps_to_skip=list(self.steps_to_skip) if self.steps_to_skip else None,
             checkpoints_to_eval=list(self.checkpoints_to_eval or ()) or None,
+            owned_process_groups=owned,
         )
 
     def _check_same_on_every_rank(self) -> None:

@@ -24,8 +24,11 @@ after the first read back); the heartbeat re-reads the record and stops the lose
 A lease is stale (its run dead) when its heartbeat is older than its timeout. Heartbeats
 compare wall clocks of different machines: keep clocks synchronised (NTP) to well under the
 timeout. Shortcuts take over a lease at once: its holder ran on this host and its process is
-gone (or is this process, which no longer holds it), or it has this run's id (the same job restarted by its scheduler: set
-``OLMOLIKE_RUN_ID``; ``SLURM_JOB_ID`` is used when set).
+gone (or is this process, which no longer holds it), or it has this run's id and ran on
+another host (the same job restarted by its scheduler: set ``OLMOLIKE_RUN_ID``; under SLURM
+the job and step ids are used). A holder on this host whose process is alive is never taken
+over, whatever its run id: two ``srun`` steps of one allocation, or two trainers started with
+the same ``OLMOLIKE_RUN_ID``, are two runs.
 
 The heartbeat thread only reads and writes the lease record; it runs no collective.
 """
@@ -75,10 +78,15 @@ class SaveFolderInUseError(CheckpointError):
 
 
 def run_id() -> str:
-    """This run's id: ``OLMOLIKE_RUN_ID``, else ``SLURM_JOB_ID``, else host, pid and a token."""
-    explicit = os.environ.get("OLMOLIKE_RUN_ID") or os.environ.get("SLURM_JOB_ID")
+    """This run's id: ``OLMOLIKE_RUN_ID``, else the SLURM job and step (``slurm-job-J-step-S``:
+    two ``srun`` steps of one allocation are two runs), else host, pid and a token."""
+    explicit = os.environ.get("OLMOLIKE_RUN_ID")
     if explicit:
         return explicit
+    job = os.environ.get("SLURM_JOB_ID")
+    if job:
+        step = os.environ.get("SLURM_STEP_ID")
+        return f"slurm-job-{job}" + (f"-step-{step}" if step else "")
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
@@ -98,11 +106,15 @@ class LeaseRecord:
         return max(0.0, time.time() - self.heartbeat_at)
 
     def is_live(self, for_run: str | None = None) -> bool:
-        """Whether the holder may still be writing (seen from the run ``for_run``)."""
-        if self.released or self.age() > self.timeout or self.run_id == for_run:
+        """Whether the holder may still be writing (seen from the run ``for_run``).
+
+        A holder on another host with ``for_run``'s id is the same job's previous attempt
+        (its scheduler ended it); one on this host is live exactly while its process is.
+        """
+        if self.released or self.age() > self.timeout:
             return False
         if self.host != socket.gethostname():
-            return True
+            return self.run_id != for_run
         if self.pid == os.getpid():  # this process: live only while it holds the lease
             return self.run_id in _HELD_HERE
         return _process_exists(self.pid)
@@ -237,7 +249,7 @@ class SaveFolderLease:
         if self.settle:
             time.sleep(self.settle)
         mine = _read(self.folder, epoch)
-        if mine is None or mine.run_id != self.run_id or mine.pid != record.pid:
+        if mine is None or not _same_holder(mine, record):
             return False
         for other in _epochs(self.folder):
             if other == epoch:
@@ -273,21 +285,34 @@ class SaveFolderLease:
             epochs = _epochs(self.folder)
             current = _read(self.folder, self._epoch)
             newer = [e for e in epochs if e > self._epoch]
-            if current is None or current.run_id != self.run_id or newer:
+            if current is None or not _same_holder(current, self._record) or newer:
                 taker = _read(self.folder, newer[-1]) if newer else current
-                self._lost_to = taker.describe() if taker is not None else "another run"
-                log.error("Lost the lease on %s to %s", self.folder, self._lost_to)
+                self._lost_to = self._why_lost(taker)
+                log.error("Lost the lease on %s: %s", self.folder, self._lost_to)
                 return
             self._record = replace(self._record, heartbeat_at=time.time())
             _write(self.folder, self._epoch, self._record)
+
+    def _why_lost(self, taker: LeaseRecord | None) -> str:
+        """Who took the lease over, and why it could (for :meth:`check`'s error)."""
+        if taker is None:
+            return "its record was removed (someone deleted the lease folder)"
+        if taker.run_id == self.run_id:
+            return (
+                f"{taker.describe()} has this run's id, so it took over as a restart of this "
+                "run would; give concurrent runs different OLMOLIKE_RUN_IDs"
+            )
+        return (
+            f"{taker.describe()} found this run's heartbeats more than "
+            f"lease_timeout={self.timeout:g}s old and considered it dead"
+        )
 
     def check(self) -> None:
         """Raise if another run has taken the lease over (this run must stop writing)."""
         if self._lost_to is not None:
             raise SaveFolderInUseError(
-                f"another run took over the save folder {self.folder}: {self._lost_to}. This "
-                "run's heartbeats did not arrive in time (lease_timeout="
-                f"{self.timeout:g}s), so it was considered dead; it stops writing there"
+                f"another run took over the save folder {self.folder}: {self._lost_to}; this "
+                "run stops writing there"
             )
 
     def release(self) -> None:
@@ -304,7 +329,7 @@ class SaveFolderLease:
             return
         try:
             current = _read(self.folder, epoch)
-            if current is not None and current.run_id == self.run_id:
+            if current is not None and _same_holder(current, record):
                 released = replace(record, heartbeat_at=time.time(), released=True)
                 _write(self.folder, epoch, released)
             log.info("Released the lease on %s", self.folder)
@@ -330,6 +355,11 @@ def acquire_lease(
     if error is not None:
         raise SaveFolderInUseError(error)
     return lease
+
+
+def _same_holder(a: LeaseRecord, b: LeaseRecord) -> bool:
+    """Whether two records name the same holder: a run is its id *and* its process."""
+    return (a.run_id, a.host, a.pid) == (b.run_id, b.host, b.pid)
 
 
 def _encode(record: LeaseRecord) -> str:

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from ..config import check_choice_fields
 from ..data.data_loader import DataLoaderBase
 from ..distributed.failure import report_rank_failure
-from ..distributed.utils import get_rank, get_world_size, is_distributed
-from ..exceptions import ConfigurationError, DataError
+from ..distributed.utils import destroy_group, get_rank, get_world_size, is_distributed
+from ..exceptions import ConfigurationError, DataError, OLMoLikeError
 from ..utils import get_rng_state, move_to_device, set_rng_state
 from . import durations
 from .bookkeeping import BookkeepingRunner, build_bookkeeping
@@ -98,6 +98,10 @@ class Trainer:
     steps_to_skip: list[StepSkipRange] | None = None
     checkpoints_to_eval: list[str] | None = None
     """Checkpoints :meth:`eval_checkpoints` evaluates (OLMo-core 3.0)."""
+    owned_process_groups: list[dist.ProcessGroup] = field(default_factory=list, repr=False)
+    """Process groups made for this trainer (:meth:`TrainerConfig.build` makes the
+    checkpointer's), destroyed with the bookkeeping group when ``fit()`` or
+    ``eval_checkpoints()`` ends; groups passed in by the caller stay the caller's."""
 
     _bookkeeping: BookkeepingRunner = field(init=False, repr=False)
     _steps: StepBookkeeping = field(init=False, repr=False)
@@ -107,6 +111,7 @@ class Trainer:
     _error: BaseException | None = field(default=None, init=False, repr=False)
     _blocking_ephemeral_checkpoints: set[str] = field(default_factory=set, init=False, repr=False)
     _files: TrainerCheckpoints = field(init=False, repr=False)
+    _released: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_choice_fields(self)
@@ -116,6 +121,14 @@ class Trainer:
         self._bookkeeping, self.async_bookkeeping = build_bookkeeping(
             self.async_bookkeeping, self.device, self.bookkeeping_soft_timeout
         )
+        try:
+            self._wire()
+        except BaseException:
+            self._bookkeeping.close(clean=False)  # a trainer that fails to build holds nothing
+            raise
+
+    def _wire(self) -> None:
+        """Build the components and attach the train module and the callbacks."""
         self._cancel = CancelCoordinator(rank=get_rank(), world_size=get_world_size())
         self._hooks = HookCaller(self.callbacks.values(), ALL_HOOKS, Callback)
         self._files = TrainerCheckpoints(
@@ -518,6 +531,7 @@ class Trainer:
     @contextmanager
     def _running(self) -> Iterator[None]:
         """Around ``fit()`` or ``eval_checkpoints()``: errors are reported, callbacks closed."""
+        self._check_not_released()
         self._error = None
         try:
             yield
@@ -621,10 +635,36 @@ class Trainer:
         self._bookkeeping.shutdown(wait=False)
 
     def _close(self) -> None:
-        if self._error is None:
-            self._files.deliver_finished(wait=True)  # every rank is here: nothing to agree
-        self._hooks.call_each("close", raise_errors=self._error is None)
-        self._files.release()  # after the last save: the next run may start
-        if self._error is None:
-            self._steps.flush()  # what close hooks submitted; their errors are raised
-            self._bookkeeping.shutdown(wait=True)
+        """Close hooks, then let go of everything the trainer holds, whatever they raised."""
+        clean = self._error is None
+        try:
+            if clean:
+                self._files.deliver_finished(wait=True)  # every rank is here: nothing to agree
+            self._hooks.call_each("close", raise_errors=clean)
+            if clean:
+                self._steps.flush()  # what close hooks submitted; their errors are raised
+        except BaseException:
+            clean = False
+            raise
+        finally:
+            self._release(clean=clean)
+
+    def _release(self, *, clean: bool) -> None:
+        """Free the staging buffers and threads, release the lease (after the last save: the
+        next run may start), and destroy the process groups made for this trainer, in the
+        same order on every rank. ``clean``: no error on this rank, so nothing is stuck and
+        the peers' last ops can be waited for; else nothing is waited for."""
+        self._released = True
+        try:
+            self._files.release(wait=clean)
+        finally:
+            self._bookkeeping.close(clean=clean)
+            for group in self.owned_process_groups:
+                destroy_group(group, barrier=clean)
+
+    def _check_not_released(self) -> None:
+        if self._released and is_distributed():
+            raise OLMoLikeError(
+                "this trainer has finished (fit() or eval_checkpoints() returned) and destroyed "
+                "the process groups it made; build a new trainer to train or evaluate again"
+            )

@@ -212,9 +212,14 @@ class TrainerCheckpoints:
                 paths += [path for _, path in reversed(list(found))]
         return paths
 
-    def release(self) -> None:
-        """Let the next run on the save folder start at once (after the last save)."""
-        self.checkpointer.release_lease()
+    def release(self, *, wait: bool) -> None:
+        """When the trainer is done: free the checkpointer's staging buffers and threads (``wait``
+        for a save still running; else it is abandoned), then let the next run on the save
+        folder start at once."""
+        try:
+            self.checkpointer.close(wait=wait)
+        finally:
+            self.checkpointer.release_lease()
 
     # -- run files ---------------------------------------------------------------------------
 

@@ -109,6 +109,9 @@ class CheckpointerCallback(Callback, name="checkpointer"):
     _failed: bool = field(default=False, init=False, repr=False)
     _own_ephemeral: list[str] = field(default_factory=list, init=False, repr=False)
     _old_to_remove: list[str] = field(default_factory=list, init=False, repr=False)
+    _prepared_for: int | None = field(default=None, init=False, repr=False)
+    """The step of the save for which this callback had the checkpointer prepare staging
+    buffers, until a save uses them or they are discarded."""
 
     priority = 1
 
@@ -189,18 +192,22 @@ class CheckpointerCallback(Callback, name="checkpointer"):
 
     def post_step(self) -> None:
         if not self.active:
+            self._discard_prepared()  # saves were switched off (e.g. the stability monitor)
             return
         self._collect_finished(wait=False)
         step = self.trainer.global_step
-        if self.save_async and self.saves_at(step + 1):
+        if self.save_async and self.saves_at(step + 1) and self._prepared_for is None:
             # Buffers of the next save, allocated while this step's successor runs.
             self.trainer.checkpointer.prepare_async_staging(self.trainer.train_module)
+            self._prepared_for = step + 1
         if self.trainer.training_complete:
             return  # post_train saves the final checkpoint, and as a permanent one
         if self._permanent_due(step):
             self._save(ephemeral=False)
         elif self._ephemeral_due(step):
             self._save(ephemeral=True)
+        elif self._prepared_for == step:  # an ephemeral save blocked since they were prepared
+            self._discard_prepared()
 
     def saves_at(self, step: int) -> bool:
         """Whether the end of ``step`` saves a checkpoint (before the last step)."""
@@ -221,6 +228,7 @@ class CheckpointerCallback(Callback, name="checkpointer"):
 
     def post_train(self) -> None:
         if not self.active:
+            self._discard_prepared()
             return
         step = self.trainer.global_step
         already_saved = self._last_saved_step == step or Checkpointer.dir_is_checkpoint(
@@ -228,6 +236,7 @@ class CheckpointerCallback(Callback, name="checkpointer"):
         )
         if not already_saved:  # a restarted, finished run must not save (or fail) again
             self._save(ephemeral=False)
+        self._discard_prepared()
         self._collect_finished(wait=True)
 
     def on_error(self, exc: BaseException) -> None:
@@ -238,8 +247,16 @@ class CheckpointerCallback(Callback, name="checkpointer"):
         if not self._failed and self._pending:
             self._collect_finished(wait=True)
 
+    def _discard_prepared(self) -> None:
+        """Free the staging buffers this callback had prepared for a save that will not come
+        (another checkpointer callback's stay: they are for its save)."""
+        if self._prepared_for is not None:
+            self._prepared_for = None
+            self.trainer.checkpointer.discard_prepared_staging()
+
     def _save(self, *, ephemeral: bool) -> None:
         trainer = self.trainer
+        self._prepared_for = None  # a save uses the buffers prepared for it
         if self.save_async:
             path, future = trainer.save_checkpoint_async(ephemeral=ephemeral)
             self._pending.append((path, future, ephemeral))

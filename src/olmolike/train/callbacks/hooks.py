@@ -141,12 +141,17 @@ class HookCaller:
                 method()
 
     def call_each(self, hook: str, *args: Any, raise_errors: bool) -> None:
-        """Call ``hook`` on every callback even if one fails (the failure is logged), unless
-        ``raise_errors``: then the first failure is raised."""
+        """Call ``hook`` on every callback even if one fails (each failure is logged);
+        ``raise_errors`` then raises the first failure, once every callback had its call (a
+        ``close`` that fails must not leave the other callbacks open)."""
+        first: Exception | None = None
         for method in self.table[hook]:
             try:
                 method(*args)
-            except Exception:
-                if raise_errors:
-                    raise
-                log.exception("A callback's %s hook failed", hook)
+            except Exception as e:
+                if raise_errors and first is None:
+                    first = e
+                else:
+                    log.exception("A callback's %s hook failed", hook)
+        if raise_errors and first is not None:
+            raise first

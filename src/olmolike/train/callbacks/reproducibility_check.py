@@ -28,6 +28,7 @@ from ...distributed.checkpoint import load_model_and_optim_state
 from ...distributed.checkpoint_format import MODEL_AND_OPTIM
 from ...distributed.utils import (
     backend_supports_cpu,
+    destroy_group,
     get_rank,
     get_world_size,
     is_distributed,
@@ -108,6 +109,7 @@ class ReproducibilityCheckCallback(Callback, name="reproducibility_check"):
     _checkpointer: CheckpointerCallback | None = field(default=None, init=False, repr=False)
     _last_counted: str | None = field(default=None, init=False, repr=False)
     _group: dist.ProcessGroup | None = field(default=None, init=False, repr=False)
+    _failed: bool = field(default=False, init=False, repr=False)
 
     priority = -5  # after the checkpointer (1), which must have saved the step first
 
@@ -163,6 +165,13 @@ class ReproducibilityCheckCallback(Callback, name="reproducibility_check"):
         # The checkpointer has saved the final checkpoint and waited for every pending save.
         self._after_possible_save()
         self._verify_pending()
+
+    def on_error(self, exc: BaseException) -> None:
+        self._failed = True
+
+    def close(self) -> None:
+        # Its group goes with the trainer; after an error a peer may be gone: no barrier then.
+        destroy_group(self._group, barrier=not self._failed)
 
     def _after_possible_save(self) -> None:
         checkpointer = self._checkpointer
