@@ -120,10 +120,10 @@ def train(config: ExperimentConfig, rewards: RewardRegistry | None = None) -> Tr
     """
     # First what is most likely wrong (a reward name, a missing folder), before the model.
     registry = load_rewards(config.train_module, rewards)
-    data_loader = build_data_loader(config)
+    data_loader = build_data_loader(config.dataset, config.data_loader, config.model)
     # Built on the meta device: the train module shards it (if asked), then materialises it.
     model = config.model.build(init_device="meta")
-    train_module = build_train_module(config, model, registry)
+    train_module = build_train_module(config.train_module, model, config.tokenizer, registry)
     saver = ConfigSaverCallback(config=config.as_config_dict())  # for generate, evaluate
     trainer = config.trainer.with_callback("config_saver", saver).build(train_module, data_loader)
     kind = kind_of(config.train_module, config.dataset)

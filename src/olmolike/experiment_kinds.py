@@ -17,7 +17,6 @@ prints) works as well. Registering them imports nothing new: every class is alre
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
@@ -27,6 +26,7 @@ from .data.numpy_data_loader import NumpyDataLoaderConfig
 from .data.numpy_dataset import NumpyDatasetConfig
 from .data.post_training_data import PreferenceDatasetConfig, PromptDatasetConfig
 from .data.sft_dataset import SFTDatasetConfig
+from .data.tokenizer import TokenizerConfig
 from .exceptions import ConfigurationError
 from .nn import TransformerConfig
 from .train.train_module import TransformerTrainModule, TransformerTrainModuleConfig
@@ -34,9 +34,6 @@ from .train.train_module.dpo import DPOTrainModuleConfig
 from .train.train_module.grpo import GRPOTrainModuleConfig, RewardRegistry
 from .train.train_module.grpo.entry_points import load_entry_point_rewards
 from .train.train_module.two_stage_kl import TwoStageKLTrainModuleConfig
-
-if TYPE_CHECKING:
-    from .experiment import ExperimentConfig
 
 __all__ = [
     "DatasetConfig",
@@ -141,9 +138,10 @@ def check_data(
         )
 
 
-def build_data_loader(config: ExperimentConfig) -> DataLoaderBase:
+def build_data_loader(
+    dataset: DatasetConfig, loader: NumpyDataLoaderConfig, model: TransformerConfig
+) -> DataLoaderBase:
     """This rank's loader over the experiment's data; checks the data fits the model."""
-    dataset, loader = config.dataset, config.data_loader
     try:
         if isinstance(dataset, PromptDatasetConfig):
             return dataset.build_loader(
@@ -153,12 +151,12 @@ def build_data_loader(config: ExperimentConfig) -> DataLoaderBase:
             built = dataset.build_loader(
                 global_batch_size=loader.global_batch_size, seed=loader.seed, shuffle=loader.shuffle
             )
-            _check_fits(config.model, built.instances.shape[1] // 4)
+            _check_fits(model, built.instances.shape[1] // 4)
             return built
     except ConfigurationError as e:
         raise e.under("data_loader") from None
     if isinstance(dataset, SFTDatasetConfig):
-        _check_fits(config.model, dataset.sequence_length)
+        _check_fits(model, dataset.sequence_length)
     return loader.build(dataset.build())
 
 
@@ -186,13 +184,15 @@ def load_rewards(
 
 
 def build_train_module(
-    config: ExperimentConfig, model: nn.Module, rewards: RewardRegistry | None = None
+    module: TransformerTrainModuleConfig,
+    model: nn.Module,
+    tokenizer: TokenizerConfig,
+    rewards: RewardRegistry | None = None,
 ) -> TransformerTrainModule:
     """The train module over ``model``; GRPO's reward functions are ``rewards``
-    (:func:`load_rewards`)."""
-    module = config.train_module
+    (:func:`load_rewards`), its completions decoded with ``tokenizer``."""
     if isinstance(module, GRPOTrainModuleConfig):
         if rewards is None:
             raise ValueError("a GRPO train module needs its reward functions: see load_rewards")
-        return module.build(model, tokenizer=config.tokenizer.build(), registry=rewards)
+        return module.build(model, tokenizer=tokenizer.build(), registry=rewards)
     return module.build(model)

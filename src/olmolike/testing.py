@@ -185,7 +185,10 @@ def _run_rank(
         raise
     # Barriers, then no gloo worker still releasing an op (DTensor's collectives leave such
     # work behind) while this process exits: that would end it with SIGABRT.
-    teardown_distributed()
+    try:
+        teardown_distributed()
+    except Exception:  # a peer failed and is gone: its error, not this barrier's, is the one
+        teardown_distributed(every_rank=False)
 
 
 def __getattr__(name: str) -> Any:

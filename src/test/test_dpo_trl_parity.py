@@ -165,4 +165,8 @@ def test_two_ranks_equal_trl_on_the_whole_batch(tmp_path: Path) -> None:
         trainer, model, batch = _trl_setup(trl_loss, label_smoothing, tmp_path / loss_type)
         expected[loss_type] = _trl_loss_and_grads(trainer, model, batch)
     # _trl_setup seeds the same model and batch every time: the last serves every case.
-    run_distributed_test(_two_ranks, world_size=2, func_args=(model, batch, expected))
+    # Spawned, not forked: the TRL trainer above has started threads, and a forked child of a
+    # threaded process can hang on a lock one of them held.
+    run_distributed_test(
+        _two_ranks, world_size=2, func_args=(model, batch, expected), start_method="spawn"
+    )
