@@ -131,6 +131,22 @@ def test_no_import_circle_between_rooms() -> None:
     assert not circles, f"rooms importing each other: {circles}"
 
 
+def test_callbacks_reach_no_private_trainer_member() -> None:
+    # A callback uses the Trainer's public API, so that the Trainer's internals can change.
+    offending = []
+    for path in sorted((PACKAGE_ROOT / "train" / "callbacks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "trainer"
+            ):
+                offending.append(f"{path.name}:{node.lineno} trainer.{node.attr}")
+    assert not offending, "\n".join(offending)
+
+
 def test_no_runtime_import_circle_between_modules() -> None:
     # Between modules, not only rooms: two modules that import each other (even inside a
     # function, as data/prepare.py and data/sft.py once did) cannot be read or moved apart.

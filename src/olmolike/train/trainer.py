@@ -195,6 +195,14 @@ class Trainer:
         """Whether some callback blocks ephemeral checkpoints right now (OLMo-core's name)."""
         return bool(self._blocking_ephemeral_checkpoints)
 
+    def set_ephemeral_checkpoints_blocked(self, owner: str, blocked: bool) -> None:
+        """Block (or stop blocking) ephemeral checkpoints on behalf of ``owner`` (a callback's
+        name); they are saved again once no owner blocks them."""
+        if blocked:
+            self._blocking_ephemeral_checkpoints.add(owner)
+        else:
+            self._blocking_ephemeral_checkpoints.discard(owner)
+
     # -- sizes and durations -----------------------------------------------------------------
 
     @property
@@ -415,8 +423,9 @@ class Trainer:
         """Whether a checkpoint has been loaded."""
         return self._files.loaded
 
-    def _step_dir(self) -> str:
-        return self._files.step_dir(self.global_step)
+    def checkpoint_dir(self, step: int | None = None) -> str:
+        """The folder the checkpoint of ``step`` (default: the current step) is saved to."""
+        return self._files.step_dir(self.global_step if step is None else step)
 
     def add_checkpoint_file(self, name: str, contents: str | bytes) -> None:
         """Include a file named ``name`` in every checkpoint saved from now on.

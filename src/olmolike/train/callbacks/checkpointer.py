@@ -232,7 +232,7 @@ class CheckpointerCallback(Callback, name="checkpointer"):
             return
         step = self.trainer.global_step
         already_saved = self._last_saved_step == step or Checkpointer.dir_is_checkpoint(
-            self.trainer._step_dir()
+            self.trainer.checkpoint_dir()
         )
         if not already_saved:  # a restarted, finished run must not save (or fail) again
             self._save(ephemeral=False)

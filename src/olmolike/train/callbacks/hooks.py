@@ -68,11 +68,13 @@ class CallbackHooks:
         weight average). Call it at the same step on every rank: whether a checkpoint is saved
         decides which collectives run.
         """
-        self.trainer._blocking_ephemeral_checkpoints.add(self.trainer.get_callback_name(self))  # type: ignore[arg-type]
+        name = self.trainer.get_callback_name(self)  # type: ignore[arg-type]
+        self.trainer.set_ephemeral_checkpoints_blocked(name, True)
 
     def unblock_ephemeral_checkpoints(self) -> None:
         """Allow ephemeral checkpoints again (as far as this callback is concerned)."""
-        self.trainer._blocking_ephemeral_checkpoints.discard(self.trainer.get_callback_name(self))  # type: ignore[arg-type]
+        name = self.trainer.get_callback_name(self)  # type: ignore[arg-type]
+        self.trainer.set_ephemeral_checkpoints_blocked(name, False)
 
 
 def check_hook_names(callbacks: Iterable[Any], known: Iterable[str]) -> None:
