@@ -1,0 +1,114 @@
+"""One named device mesh for every kind of parallelism a run composes.
+
+Dimensions, outermost first: pipeline (``pp``), data replicate (``dp_replicate``), data shard
+(``dp_shard``), context (``cp``), tensor (``tp``). The order puts the chattiest parallelism on
+the closest ranks: tensor parallelism all-reduces activations in every layer, so its ranks are
+adjacent (on one node); pipeline stages only pass activations between neighbours once per
+micro-batch, so they may span nodes. Every dimension is kept even when its size is 1, so code
+can always ask for ``mesh["tp"]`` or ``mesh["dp_shard"]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..exceptions import ConfigurationError
+from .utils import get_world_size, init_single_process_group
+
+__all__ = ["DATA_DIMS", "MESH_DIMS", "ParallelDegrees", "build_device_mesh", "data_parallel_mesh"]
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""The mesh's dimension names, outermost (farthest apart) first."""
+
+DATA_DIMS = ("dp_replicate", "dp_shard")
+"""The dimensions whose ranks see different data."""
+
+
+@dataclass(frozen=True)
+class ParallelDegrees:
+    """How many ranks each kind of parallelism spans; their product is the world size."""
+
+    pp: int = 1
+    """Pipeline stages."""
+    dp_replicate: int = 1
+    """Data-parallel replica groups (DDP, or HSDP's replicate dimension)."""
+    dp_shard: int = 1
+    """Data-parallel ranks that shard parameters among themselves (FSDP, HSDP's shard dimension)."""
+    cp: int = 1
+    """Context-parallel ranks (sequence split for attention)."""
+    tp: int = 1
+    """Tensor-parallel ranks (matrices split within each layer)."""
+
+    @classmethod
+    def resolve(
+        cls,
+        world_size: int,
+        *,
+        pp: int = 1,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        cp: int = 1,
+        tp: int = 1,
+    ) -> ParallelDegrees:
+        """The degrees for ``world_size`` ranks; ``dp_shard=-1`` takes whatever the others leave.
+
+        :raises ConfigurationError: a degree below 1, or degrees that do not multiply to the
+            world size (the message shows the product).
+        """
+        fixed = {"pp": pp, "dp_replicate": dp_replicate, "cp": cp, "tp": tp}
+        for name, value in fixed.items():
+            if value < 1:
+                raise ConfigurationError(f"the {name} degree must be >= 1, got {value}")
+        if dp_shard == -1:
+            rest = math.prod(fixed.values())
+            if world_size % rest:
+                raise ConfigurationError(
+                    f"{_product_text(fixed)} = {rest} does not divide the world size "
+                    f"({world_size}): choose degrees whose product divides it"
+                )
+            dp_shard = world_size // rest
+        degrees = cls(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
+        degrees.check_world_size(world_size)
+        return degrees
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.as_dict().values())
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different data: the data loader's world size."""
+        return self.dp_replicate * self.dp_shard
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in MESH_DIMS}
+
+    def check_world_size(self, world_size: int) -> None:
+        if min(self.as_dict().values()) < 1 or self.world_size != world_size:
+            raise ConfigurationError(
+                f"{_product_text(self.as_dict())} = {self.world_size}, but the world size is "
+                f"{world_size}: the parallel degrees must multiply to the number of ranks"
+            )
+
+
+def _product_text(degrees: dict[str, int]) -> str:
+    return " x ".join(f"{name} ({value})" for name, value in degrees.items())
+
+
+def build_device_mesh(degrees: ParallelDegrees, device_type: str) -> DeviceMesh:
+    """The 5-D mesh over all ranks, with every dimension of :data:`MESH_DIMS`, in that order.
+
+    Starts a one-rank process group when none exists, so a plain ``python`` run gets a mesh too.
+    """
+    init_single_process_group()
+    degrees.check_world_size(get_world_size())
+    shape = tuple(degrees.as_dict().values())
+    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The (replicate, shard) sub-mesh: FSDP shards over its last dimension, HSDP over both."""
+    return mesh[DATA_DIMS]
