@@ -35,7 +35,17 @@ from ..nn import TransformerConfig
 from ..optim import AdamWConfig, OptimConfig, SGDConfig
 from .activation_memory import stage_layers
 
-__all__ = ["MESH_DIMS", "Layout", "StateBytes", "state_bytes"]
+__all__ = [
+    "MESH_DIMS",
+    "Layout",
+    "StateBytes",
+    "busiest_rank_state",
+    "chunk_size",
+    "gathered_bytes",
+    "layouts",
+    "model_tensors",
+    "state_bytes",
+]
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The device mesh's dimensions, outermost first (ranks count fastest along ``tp``)."""
@@ -136,6 +146,9 @@ def _local_numel(name: str, shape: tuple[int, ...], layout: Layout, coords: dict
     return math.prod(local)
 
 
+_TENSORS: dict[str, tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]] = {}
+
+
 def model_tensors(
     model: TransformerConfig,
 ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
@@ -148,9 +161,6 @@ def model_tensors(
         _TENSORS.clear()  # one model at a time
         _TENSORS[key] = list(meta.named_parameters()), list(meta.named_buffers())
     return _TENSORS[key]
-
-
-_TENSORS: dict[str, tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]] = {}
 
 
 def _optim_states(optim: OptimConfig) -> tuple[int, int]:
@@ -194,11 +204,11 @@ def busiest_rank_state(model: TransformerConfig, layout: Layout, optim: OptimCon
     return max((state_bytes(model, layout, optim, rank) for rank in ranks), key=lambda s: s.total)
 
 
-def layouts(gpus: int, *, pp: int | None = None, tp: int | None = None) -> Iterator[Layout]:
+def layouts(gpus: int) -> Iterator[Layout]:
     """Every ``pp x dp_replicate x dp_shard x tp`` with product ``gpus`` (``cp`` 1)."""
     for p in range(1, gpus + 1):
         for t in range(1, gpus // p + 1):
-            if gpus % (p * t) or (pp is not None and p != pp) or (tp is not None and t != tp):
+            if gpus % (p * t):
                 continue
             dp = gpus // (p * t)
             for shard in range(1, dp + 1):
@@ -213,8 +223,9 @@ def gathered_bytes(
 
     DDP: its gradient buckets, a second copy of the gradients (``gradient_as_bucket_view`` is
     off). FSDP/HSDP: the gathered root (embedding, final norm, head: not resharded after
-    forward) and two gathered blocks (the one computing and the one prefetched), in
-    ``param_dtype``; as rank 0 of the busiest stage.
+    forward) and two gathered blocks (the one computing and the one prefetched; every block
+    of the stage with ``reshard_after_forward: false``), in ``param_dtype``; as rank 0 of the
+    busiest stage.
     """
     if layout.data_parallel in ("ddp", "none"):
         return state.grads if layout.data_parallel == "ddp" else 0
@@ -231,5 +242,7 @@ def gathered_bytes(
                 block += size
             elif not name.startswith("blocks."):
                 root += size * _on_stage(name, model, layout.pp, stage)
-        per_stage.append(root + 2 * block)
+        layers = stage_layers(model.n_layers, layout.pp, stage)
+        gathered = layers if dp is not None and not dp.reshard_after_forward else min(2, layers)
+        per_stage.append(root + gathered * block)
     return max(per_stage)

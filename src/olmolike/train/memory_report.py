@@ -34,6 +34,12 @@ __all__ = ["RankMemory", "plan_report", "rank_memory"]
 GIB = 1024**3
 FULL_AC = ActivationCheckpointingConfig(mode=ActivationCheckpointingMode.full)
 MAX_ROWS = 12
+_COMM = {
+    "ddp": "DDP's gradient buckets",
+    "fsdp": "FSDP's gathered root and blocks",
+    "hsdp": "HSDP's gathered root and blocks",
+    "none": "none",
+}
 
 
 @dataclass(frozen=True)
@@ -121,9 +127,13 @@ def config_layout(
     return Layout(pp=pp, dp_replicate=replicas, dp_shard=dp_ranks // replicas, tp=tp)
 
 
+def _splits_heads(model: TransformerConfig, tp: int) -> bool:
+    return bool(model.n_heads % tp or model.kv_heads % tp)
+
+
 def check_model_split(model: TransformerConfig, layout: Layout) -> None:
     """Refuse a TP degree that splits attention heads or a PP degree above the block count."""
-    if model.n_heads % layout.tp or model.kv_heads % layout.tp:
+    if _splits_heads(model, layout.tp):
         raise ConfigurationError(
             f"tensor parallelism {layout.tp} must divide n_heads ({model.n_heads}) and "
             f"n_kv_heads ({model.kv_heads}) so that no head is split; pick --tp among "
@@ -150,7 +160,7 @@ def fitting(
         options.insert(1, module.ac_config)
     fits, closest = [], None
     for layout in layouts(gpus):
-        if model.n_heads % layout.tp or model.kv_heads % layout.tp or layout.pp > model.n_layers:
+        if _splits_heads(model, layout.tp) or layout.pp > model.n_layers:
             continue
         for ac in options:
             memory = rank_memory(model, module, layout, ac)
@@ -196,8 +206,7 @@ def plan_report(
         f"  gradients         {_gib(plain.state.grads)}",
         f"  optimizer state   {_gib(plain.state.optim)}   ({type(module.optim).__name__})",
         f"  buffers           {_gib(plain.state.buffers)}   (RoPE tables)",
-        f"  comm buffers      {_gib(plain.gathered)}   (DDP gradient buckets / FSDP gathered "
-        "root + 2 blocks)",
+        f"  comm buffers      {_gib(plain.gathered)}   ({_COMM[layout.data_parallel]})",
         f"  activations       {_gib(plain.activations)}   without activation checkpointing",
         f"                    {_gib(checkpointed.activations)}   with {checkpointed.ac_name} "
         "activation checkpointing",
