@@ -303,8 +303,8 @@ def _add_plan_command(commands: argparse._SubParsersAction) -> None:
         "activations of one micro-batch (rank_microbatch_size tokens) with and without "
         "activation checkpointing, by the formula printed below them. Then list every layout "
         "pp x dp_replicate x dp_shard x tp of --gpus that fits in --gpu-memory, cheapest first: "
-        "fewer pipeline stages, then less tensor parallelism, then less sharding, then no "
-        "activation checkpointing. Example: olmolike plan run.yaml --gpus 8 --gpu-memory 80 "
+        "fewer pipeline stages, then less tensor parallelism, then no activation "
+        "checkpointing, then less sharding. Example: olmolike plan run.yaml --gpus 8 --gpu-memory 80 "
         "--train_module.rank_microbatch_size=8192. See docs/memory-planner.md.",
     )
     plan.add_argument("config", help="the experiment config file that olmolike train reads")

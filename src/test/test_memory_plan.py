@@ -19,7 +19,7 @@ from olmolike.nn.functional import cross_entropy_loss
 from olmolike.optim import AdamWConfig
 from olmolike.train import Duration, TrainerConfig
 from olmolike.train.activation_memory import activation_bytes
-from olmolike.train.memory_plan import Layout, state_bytes
+from olmolike.train.memory_plan import Layout, gathered_bytes, state_bytes
 from olmolike.train.train_module import (
     ActivationCheckpointingConfig,
     ActivationCheckpointingMode,
@@ -73,6 +73,28 @@ def test_pipeline_stages_hold_their_blocks(tie: bool) -> None:
     assert state_bytes(model, layout, AdamWConfig(), 2).params == 4 * (416 + 8 + 80)
     assert state_bytes(model, layout, AdamWConfig(), 2).buffers == ROPE
     assert state_bytes(model, Layout(), AdamWConfig()).params == 4 * (1000 + 416 - 80 * tie)
+
+
+@pytest.mark.parametrize(
+    "dp,gathered",
+    [
+        # FSDP: the root (embedding 80, norm 8, head 80) and two of the three blocks (416 each).
+        (DataParallelConfig(name=DataParallelType.fsdp), 4 * (168 + 2 * 416)),
+        (DataParallelConfig(name=DataParallelType.fsdp, param_dtype="bfloat16"), 2 * 1000),
+        # Without resharding after forward, every block stays gathered until backward.
+        (DataParallelConfig(name=DataParallelType.fsdp, reshard_after_forward=False), 4 * 1416),
+    ],
+)
+def test_fsdp_gathers_the_root_and_two_blocks(dp: DataParallelConfig, gathered: int) -> None:
+    model = TransformerConfig(
+        vocab_size=10, d_model=8, n_layers=3, n_heads=2, mlp_hidden_size=6, max_sequence_length=16
+    )
+    layout = Layout(dp_shard=2)
+    state = state_bytes(model, layout, AdamWConfig())
+    assert gathered_bytes(model, layout, dp, state) == gathered
+    # DDP's buckets are a second copy of the gradients.
+    ddp = state_bytes(model, Layout(dp_replicate=2), AdamWConfig())
+    assert gathered_bytes(model, Layout(dp_replicate=2), None, ddp) == ddp.grads
 
 
 def test_activation_formula_by_hand() -> None:
@@ -164,9 +186,9 @@ def test_plan_prints_the_layout_and_what_fits(
         assert line in out
     table = out.split("GiB/GPU\n")[1]
     rows = [line.split() for line in table.splitlines() if not line.lstrip().startswith("...")]
-    degrees = [tuple(map(int, row[:4])) for row in rows]
-    assert degrees[0] == (1, 8, 1, 1)  # cheapest: plain DDP
-    assert degrees == sorted(degrees, key=lambda d: (d[0], d[3], d[2]))
+    order = [(int(r[0]), int(r[3]), r[5] != "none", int(r[2])) for r in rows]  # pp tp ac shard
+    assert rows[0][:6] == ["1", "8", "1", "1", "ddp", "none"]  # cheapest: plain DDP
+    assert order == sorted(order)
 
 
 @pytest.mark.parametrize(

@@ -1,14 +1,15 @@
 """``olmolike plan``'s report: one layout's bytes per rank, and the layouts that fit.
 
-"Cheapest" means the least communication, compared in this order:
+"Cheapest" means the least communication and recomputation, compared in this order:
 
 1. fewer pipeline stages (``pp``): every stage boundary idles GPUs in the pipeline bubble, a
    share of about ``(pp - 1) / (micro-batches + pp - 1)`` of the step;
 2. a smaller tensor-parallel degree (``tp``): TP all-gathers and reduce-scatters activations in
    every block, on the critical path, so it wants the fast links inside a node;
-3. less sharding (``dp_shard``): FSDP gathers the parameters in forward and backward and
-   reduce-scatters gradients, about 1.5 times DDP's traffic, though overlapped with compute;
-4. no activation checkpointing before checkpointing (about a third more compute).
+3. no activation checkpointing before checkpointing: recomputing the blocks costs about a
+   third more compute, always;
+4. less sharding (``dp_shard``): FSDP gathers the parameters in forward and backward and
+   reduce-scatters gradients, about 1.5 times DDP's traffic, but overlapped with compute.
 
 Plain data parallelism (DDP: one gradient all-reduce per step, overlapped with backward) is
 thus the cheapest layout where the whole model state fits on one GPU.
@@ -81,6 +82,8 @@ def rank_memory(
     layout: Layout,
     ac: ActivationCheckpointingConfig | None,
 ) -> RankMemory:
+    """What the busiest rank of ``layout`` needs when training ``model`` as ``module`` says,
+    with activation checkpointing ``ac`` (which may differ from the module's own)."""
     state = busiest_rank_state(model, layout, module.optim)
     dtype_bytes, autocast = _compute_dtype_bytes(module, layout)
     activations = activation_bytes(
@@ -169,7 +172,7 @@ def fitting(
                 break
             if closest is None or memory.total < closest.total:
                 closest = memory
-    fits.sort(key=lambda m: (m.layout.pp, m.layout.tp, m.layout.dp_shard, options.index(m.ac)))
+    fits.sort(key=lambda m: (m.layout.pp, m.layout.tp, options.index(m.ac), m.layout.dp_shard))
     return fits, None if fits else closest
 
 
@@ -227,7 +230,7 @@ def plan_report(
         )
     lines.append(
         f"layouts that fit in {gpu_memory_gib:g} GiB less {reserve_gib:g} GiB reserve, "
-        "cheapest (least communication) first:"
+        "cheapest (least communication and recomputation) first:"
     )
     lines.append("     pp  dp_replicate  dp_shard   tp  data-par  act-ckpt   GiB/GPU")
     for m in fits[:MAX_ROWS]:
