@@ -20,11 +20,13 @@ from olmolike.optim import AdamWConfig
 from olmolike.train import Duration, TrainerConfig
 from olmolike.train.activation_memory import activation_bytes
 from olmolike.train.memory_plan import Layout, gathered_bytes, state_bytes
+from olmolike.train.memory_report import plan_report, rank_memory
 from olmolike.train.train_module import (
     ActivationCheckpointingConfig,
     ActivationCheckpointingMode,
     TransformerTrainModuleConfig,
 )
+from olmolike.train.train_module.dpo import DPOTrainModuleConfig
 
 # 1,000 parameters: embedding 80, per block 2 norms 16 + q/k/v/out 4 x 64 + MLP 3 x 48 = 416,
 # final norm 8, head 80. Buffers: RoPE cos and sin, 16 positions x head_dim 4, float32.
@@ -156,6 +158,16 @@ def test_activation_estimate_within_10_percent_of_mem_tracker(
         loss.backward()
     estimate = activation_bytes(config, rows * seq_len, dtype.itemsize, AC_MODES[ac])
     assert abs(estimate - tracker.peak) <= 0.1 * tracker.peak, (estimate, tracker.peak)
+
+
+def test_dpo_runs_both_sides_and_is_told_its_reference_is_not_counted() -> None:
+    layout = Layout(dp_replicate=2)
+    plain = TransformerTrainModuleConfig(rank_microbatch_size=64)
+    dpo = DPOTrainModuleConfig(rank_microbatch_size=64)
+    assert rank_memory(HAND, dpo, layout, None).activations == activation_bytes(HAND, 128, 4)
+    assert rank_memory(HAND, plain, layout, None).activations == activation_bytes(HAND, 64, 4)
+    assert "note: this counts the trained model only" in plan_report(HAND, dpo, layout, 80, 2)
+    assert "note:" not in plan_report(HAND, plain, layout, 80, 2)
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from ..exceptions import ConfigurationError
 from ..nn import TransformerConfig
 from .activation_memory import activation_bytes
 from .memory_plan import Layout, StateBytes, busiest_rank_state, gathered_bytes, layouts
+from .train_module.dpo import DPOTrainModuleConfig
 from .train_module.transformer import (
     ActivationCheckpointingConfig,
     ActivationCheckpointingMode,
@@ -76,6 +77,13 @@ def _compute_dtype_bytes(module: TransformerTrainModuleConfig, layout: Layout) -
     return 4, False  # the model's parameters are float32
 
 
+def forward_tokens(module: TransformerTrainModuleConfig) -> int:
+    """Tokens in one forward pass: DPO's ``rank_microbatch_size`` counts one side of its
+    pairs and runs chosen and rejected together."""
+    sides = 2 if isinstance(module, DPOTrainModuleConfig) else 1
+    return sides * module.rank_microbatch_size
+
+
 def rank_memory(
     model: TransformerConfig,
     module: TransformerTrainModuleConfig,
@@ -88,7 +96,7 @@ def rank_memory(
     dtype_bytes, autocast = _compute_dtype_bytes(module, layout)
     activations = activation_bytes(
         model,
-        module.rank_microbatch_size,
+        forward_tokens(module),
         dtype_bytes,
         ac,
         autocast=autocast,
@@ -200,8 +208,8 @@ def plan_report(
     configured = checkpointed if module.ac_config is not None else plain
     dtype_bytes, autocast = _compute_dtype_bytes(module, layout)
     lines = [
-        f"model: {model.num_params():,} parameters; micro-batch {module.rank_microbatch_size:,} "
-        f"tokens per rank; activations in {dtype_bytes}-byte dtype"
+        f"model: {model.num_params():,} parameters; {forward_tokens(module):,} tokens per "
+        f"forward pass on each rank; activations in {dtype_bytes}-byte dtype"
         + (" (autocast)" if autocast else ""),
         f"layout from the config: {layout} ({layout.data_parallel} on "
         f"{layout.world_size} GPUs); bytes of the busiest rank, GiB:",
@@ -219,6 +227,11 @@ def plan_report(
         "(8+a)d + 4 + (a+4)V; a checkpointed block a*d; divided by tp, times pp - stage "
         "micro-batches in flight (docs/memory-planner.md)",
     ]
+    if type(module) is not TransformerTrainModuleConfig:
+        lines.append(
+            f"note: this counts the trained model only; {type(module).__name__}'s other "
+            "models (a frozen reference, rollouts) come on top"
+        )
     fits, closest = fitting(model, module, layout.world_size, limit)
     if not fits:
         assert closest is not None
