@@ -285,10 +285,16 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
         help="for HSDP without num_replicas: one replica group per node (default: %(default)s)",
     )
     parser.add_argument(
-        "--tp", type=int, default=1, help="tensor-parallel degree of the config's layout"
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree of the config's layout (default: %(default)s)",
     )
     parser.add_argument(
-        "--pp", type=int, default=1, help="pipeline stages of the config's layout (1F1B)"
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline stages of the config's layout, scheduled 1F1B (default: %(default)s)",
     )
 
 
