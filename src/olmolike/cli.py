@@ -51,6 +51,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "print the cross-entropy loss and perplexity of a checkpoint on token data",
         "olmolike.inference:add_evaluate_command",
     ),
+    "plan": (
+        "print a config's memory per GPU (parameters, gradients, optimizer state, "
+        "activations) and the parallel layouts that fit N GPUs, cheapest first",
+        "olmolike.cli:_add_plan_command",
+    ),
     "train": (
         "train from an experiment config file (YAML or JSON) with dotted overrides; under "
         "torchrun: torchrun --nproc-per-node=N -m olmolike train CONFIG.yaml",
@@ -235,6 +240,83 @@ def _add_export_hf_command(commands: argparse._SubParsersAction) -> None:
     export.add_argument("output", help="the directory to write into")
     export.add_argument("--overwrite", action="store_true", help="replace existing files")
     export.set_defaults(run=_export_hf)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .experiment import load_experiment
+    from .train.memory_report import config_layout, plan_report
+
+    # Options may follow the config file too (`plan CONFIG --gpus 8`): the rest are overrides.
+    parser = argparse.ArgumentParser(prog="olmolike plan", add_help=False)
+    _add_plan_options(parser)
+    args, overrides = parser.parse_known_args(args.overrides, namespace=args)
+    if args.gpus is None or args.gpu_memory is None:
+        raise ConfigurationError("olmolike plan needs --gpus N and --gpu-memory GB (per GPU)")
+    if args.gpus < 1:
+        raise ConfigurationError(f"--gpus must be at least 1, got {args.gpus}")
+    config = load_experiment(args.config, overrides)
+    module = config.train_module
+    layout = config_layout(module, args.gpus, args.gpus_per_node, args.tp, args.pp)
+    print(plan_report(config.model, module, layout, args.gpu_memory, args.reserve), end="")
+    return 0
+
+
+def _add_plan_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpus", type=int, metavar="N", help="GPUs in the job (required)")
+    parser.add_argument(
+        "--gpu-memory",
+        type=float,
+        metavar="GB",
+        help="memory of one GPU in GiB, e.g. 80 for an H100 80GB (required)",
+    )
+    parser.add_argument(
+        "--reserve",
+        type=float,
+        default=2.0,
+        metavar="GB",
+        help="GiB per GPU kept back for the CUDA context, NCCL and allocator fragmentation "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        metavar="N",
+        help="for HSDP without num_replicas: one replica group per node (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree of the config's layout (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline stages of the config's layout, scheduled 1F1B (default: %(default)s)",
+    )
+
+
+def _add_plan_command(commands: argparse._SubParsersAction) -> None:
+    plan = commands.add_parser(
+        "plan",
+        help=COMMANDS["plan"][0],
+        description="Plan the memory of a training run without a GPU. For the config's layout "
+        "on --gpus GPUs (dp_config: DDP replicates, FSDP shards over all, HSDP over groups; "
+        "with --tp and --pp), print the bytes of the busiest rank: parameters, gradients and "
+        "optimizer state (exactly what the ranks hold), buffers, communication buffers, and "
+        "activations of one micro-batch (rank_microbatch_size tokens) with and without "
+        "activation checkpointing, by the formula printed below them. Then list every layout "
+        "pp x dp_replicate x dp_shard x tp of --gpus that fits in --gpu-memory, cheapest first: "
+        "fewer pipeline stages, then less tensor parallelism, then no activation "
+        "checkpointing, then less sharding. Example: olmolike plan run.yaml --gpus 8 --gpu-memory 80 "
+        "--train_module.rank_microbatch_size=8192. See docs/memory-planner.md.",
+    )
+    plan.add_argument("config", help="the experiment config file that olmolike train reads")
+    _add_plan_options(plan)
+    plan.add_argument("overrides", nargs=argparse.REMAINDER, help="--dotted.key=value ...")
+    plan.set_defaults(run=_plan)
 
 
 def _add_info_command(commands: argparse._SubParsersAction) -> None:

@@ -1,0 +1,257 @@
+"""``olmolike plan``'s report: one layout's bytes per rank, and the layouts that fit.
+
+"Cheapest" means the least communication and recomputation, compared in this order:
+
+1. fewer pipeline stages (``pp``): every stage boundary idles GPUs in the pipeline bubble, a
+   share of about ``(pp - 1) / (micro-batches + pp - 1)`` of the step;
+2. a smaller tensor-parallel degree (``tp``): TP all-gathers and reduce-scatters activations in
+   every block, on the critical path, so it wants the fast links inside a node;
+3. no activation checkpointing before checkpointing: recomputing the blocks costs about a
+   third more compute, always;
+4. less sharding (``dp_shard``): FSDP gathers the parameters in forward and backward and
+   reduce-scatters gradients, about 1.5 times DDP's traffic, but overlapped with compute.
+
+Plain data parallelism (DDP: one gradient all-reduce per step, overlapped with backward) is
+thus the cheapest layout where the whole model state fits on one GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..distributed.parallel import DataParallelType
+from ..exceptions import ConfigurationError
+from ..nn import TransformerConfig
+from .activation_memory import activation_bytes
+from .memory_plan import Layout, StateBytes, busiest_rank_state, gathered_bytes, layouts
+from .train_module.dpo import DPOTrainModuleConfig
+from .train_module.transformer import (
+    ActivationCheckpointingConfig,
+    ActivationCheckpointingMode,
+    TransformerTrainModuleConfig,
+)
+
+__all__ = ["RankMemory", "plan_report", "rank_memory"]
+
+GIB = 1024**3
+FULL_AC = ActivationCheckpointingConfig(mode=ActivationCheckpointingMode.full)
+MAX_ROWS = 12
+_COMM = {
+    "ddp": "DDP's gradient buckets",
+    "fsdp": "FSDP's gathered root and blocks",
+    "hsdp": "HSDP's gathered root and blocks",
+    "none": "none",
+}
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """The busiest rank's bytes under one layout and activation-checkpointing setting."""
+
+    layout: Layout
+    ac: ActivationCheckpointingConfig | None
+    state: StateBytes
+    gathered: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.state.total + self.gathered + self.activations
+
+    @property
+    def ac_name(self) -> str:
+        if self.ac is None:
+            return "none"
+        if self.ac.mode == ActivationCheckpointingMode.full:
+            return "full"
+        return f"every {self.ac.block_interval}"
+
+
+def _compute_dtype_bytes(module: TransformerTrainModuleConfig, layout: Layout) -> tuple[int, bool]:
+    """(bytes of the dtype blocks compute in, whether under autocast)."""
+    if module.autocast_precision is not None:
+        return module.autocast_precision.as_pt().itemsize, True
+    dp = module.dp_config
+    if layout.data_parallel in ("fsdp", "hsdp") and dp is not None and dp.param_dtype:
+        return dp.param_dtype.as_pt().itemsize, False
+    return 4, False  # the model's parameters are float32
+
+
+def forward_tokens(module: TransformerTrainModuleConfig) -> int:
+    """Tokens in one forward pass: DPO's ``rank_microbatch_size`` counts one side of its
+    pairs and runs chosen and rejected together."""
+    sides = 2 if isinstance(module, DPOTrainModuleConfig) else 1
+    return sides * module.rank_microbatch_size
+
+
+def rank_memory(
+    model: TransformerConfig,
+    module: TransformerTrainModuleConfig,
+    layout: Layout,
+    ac: ActivationCheckpointingConfig | None,
+) -> RankMemory:
+    """What the busiest rank of ``layout`` needs when training ``model`` as ``module`` says,
+    with activation checkpointing ``ac`` (which may differ from the module's own)."""
+    state = busiest_rank_state(model, layout, module.optim)
+    dtype_bytes, autocast = _compute_dtype_bytes(module, layout)
+    activations = activation_bytes(
+        model,
+        forward_tokens(module),
+        dtype_bytes,
+        ac,
+        autocast=autocast,
+        tp=layout.tp,
+        pp=layout.pp,
+    )
+    return RankMemory(
+        layout, ac, state, gathered_bytes(model, layout, module.dp_config, state), activations
+    )
+
+
+def config_layout(
+    module: TransformerTrainModuleConfig, gpus: int, gpus_per_node: int, tp: int, pp: int
+) -> Layout:
+    """The layout the train module's ``dp_config`` gives on ``gpus`` GPUs, with ``tp``/``pp``."""
+    for flag, degree in (("--tp", tp), ("--pp", pp)):
+        if degree < 1 or gpus % degree:
+            raise ConfigurationError(
+                f"{flag} {degree} does not divide --gpus {gpus}; pick a divisor of {gpus}"
+            )
+    if gpus % (tp * pp):
+        raise ConfigurationError(
+            f"--tp {tp} x --pp {pp} = {tp * pp} does not divide --gpus {gpus}; "
+            f"pick degrees whose product divides {gpus}"
+        )
+    dp_ranks = gpus // (tp * pp)
+    dp = module.dp_config
+    if dp is None or dp.name == DataParallelType.ddp:
+        return Layout(pp=pp, dp_replicate=dp_ranks, tp=tp)
+    if dp.name == DataParallelType.fsdp:
+        return Layout(pp=pp, dp_shard=dp_ranks, tp=tp)
+    replicas = dp.num_replicas or max(1, gpus // gpus_per_node)
+    if dp_ranks % replicas:
+        raise ConfigurationError(
+            f"HSDP's {replicas} replica groups do not divide the {dp_ranks} data-parallel "
+            f"ranks of --gpus {gpus}; set --train_module.dp_config.num_replicas to a divisor "
+            f"of {dp_ranks} or change --gpus-per-node"
+        )
+    return Layout(pp=pp, dp_replicate=replicas, dp_shard=dp_ranks // replicas, tp=tp)
+
+
+def _splits_heads(model: TransformerConfig, tp: int) -> bool:
+    return bool(model.n_heads % tp or model.kv_heads % tp)
+
+
+def check_model_split(model: TransformerConfig, layout: Layout) -> None:
+    """Refuse a TP degree that splits attention heads or a PP degree above the block count."""
+    if _splits_heads(model, layout.tp):
+        raise ConfigurationError(
+            f"tensor parallelism {layout.tp} must divide n_heads ({model.n_heads}) and "
+            f"n_kv_heads ({model.kv_heads}) so that no head is split; pick --tp among "
+            f"{', '.join(map(str, _tp_choices(model)))}"
+        )
+    if layout.pp > model.n_layers:
+        raise ConfigurationError(
+            f"--pp {layout.pp} is more pipeline stages than the model's {model.n_layers} "
+            f"blocks; pick --pp <= {model.n_layers}"
+        )
+
+
+def _tp_choices(model: TransformerConfig) -> list[int]:
+    return [t for t in range(1, model.kv_heads + 1) if model.kv_heads % t == 0]
+
+
+def fitting(
+    model: TransformerConfig, module: TransformerTrainModuleConfig, gpus: int, limit: int
+) -> tuple[list[RankMemory], RankMemory | None]:
+    """The cheapest way each layout of ``gpus`` fits in ``limit`` bytes, cheapest first; and
+    if none fits, the layout that comes closest."""
+    options: list[ActivationCheckpointingConfig | None] = [None, FULL_AC]
+    if module.ac_config is not None and module.ac_config.mode != ActivationCheckpointingMode.full:
+        options.insert(1, module.ac_config)
+    fits, closest = [], None
+    for layout in layouts(gpus):
+        if _splits_heads(model, layout.tp) or layout.pp > model.n_layers:
+            continue
+        for ac in options:
+            memory = rank_memory(model, module, layout, ac)
+            if memory.total <= limit:
+                fits.append(memory)
+                break
+            if closest is None or memory.total < closest.total:
+                closest = memory
+    fits.sort(key=lambda m: (m.layout.pp, m.layout.tp, options.index(m.ac), m.layout.dp_shard))
+    return fits, None if fits else closest
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:9.3f}"
+
+
+def plan_report(
+    model: TransformerConfig,
+    module: TransformerTrainModuleConfig,
+    layout: Layout,
+    gpu_memory_gib: float,
+    reserve_gib: float,
+) -> str:
+    """The text ``olmolike plan`` prints."""
+    check_model_split(model, layout)
+    limit = int((gpu_memory_gib - reserve_gib) * GIB)
+    if limit <= 0:
+        raise ConfigurationError(
+            f"--gpu-memory {gpu_memory_gib:g} GiB leaves nothing after --reserve "
+            f"{reserve_gib:g} GiB; give the GPU's memory in GiB (80 for an H100)"
+        )
+    plain = rank_memory(model, module, layout, None)
+    checkpointed = rank_memory(model, module, layout, module.ac_config or FULL_AC)
+    configured = checkpointed if module.ac_config is not None else plain
+    dtype_bytes, autocast = _compute_dtype_bytes(module, layout)
+    lines = [
+        f"model: {model.num_params():,} parameters; {forward_tokens(module):,} tokens per "
+        f"forward pass on each rank; activations in {dtype_bytes}-byte dtype"
+        + (" (autocast)" if autocast else ""),
+        f"layout from the config: {layout} ({layout.data_parallel} on "
+        f"{layout.world_size} GPUs); bytes of the busiest rank, GiB:",
+        f"  parameters        {_gib(plain.state.params)}",
+        f"  gradients         {_gib(plain.state.grads)}",
+        f"  optimizer state   {_gib(plain.state.optim)}   ({type(module.optim).__name__})",
+        f"  buffers           {_gib(plain.state.buffers)}   (RoPE tables)",
+        f"  comm buffers      {_gib(plain.gathered)}   ({_COMM[layout.data_parallel]})",
+        f"  activations       {_gib(plain.activations)}   without activation checkpointing",
+        f"                    {_gib(checkpointed.activations)}   with {checkpointed.ac_name} "
+        "activation checkpointing",
+        f"  total             {_gib(configured.total)}   (activation checkpointing: "
+        f"{configured.ac_name}, as configured)",
+        "activations per token: block 2(8+a)d + a(2d+2kv+4h) + 4(H+2); outside the blocks "
+        "(8+a)d + 4 + (a+4)V; a checkpointed block a*d; divided by tp, times pp - stage "
+        "micro-batches in flight (docs/memory-planner.md)",
+    ]
+    if type(module) is not TransformerTrainModuleConfig:
+        lines.append(
+            f"note: this counts the trained model only; {type(module).__name__}'s other "
+            "models (a frozen reference, rollouts) come on top"
+        )
+    fits, closest = fitting(model, module, layout.world_size, limit)
+    if not fits:
+        assert closest is not None
+        raise ConfigurationError(
+            f"no layout of {layout.world_size} GPUs fits in {gpu_memory_gib:g} GiB "
+            f"(less {reserve_gib:g} GiB reserve): the closest, {closest.layout} with "
+            f"{closest.ac_name} activation checkpointing, needs {closest.total / GIB:.2f} GiB "
+            "per GPU; add GPUs, use larger GPUs or lower train_module.rank_microbatch_size"
+        )
+    lines.append(
+        f"layouts that fit in {gpu_memory_gib:g} GiB less {reserve_gib:g} GiB reserve, "
+        "cheapest (least communication and recomputation) first:"
+    )
+    lines.append("     pp  dp_replicate  dp_shard   tp  data-par  act-ckpt   GiB/GPU")
+    for m in fits[:MAX_ROWS]:
+        lo = m.layout
+        lines.append(
+            f"  {lo.pp:5d} {lo.dp_replicate:13d} {lo.dp_shard:9d} {lo.tp:4d}  "
+            f"{lo.data_parallel:8s}  {m.ac_name:8s} {m.total / GIB:9.3f}"
+        )
+    if len(fits) > MAX_ROWS:
+        lines.append(f"  ... and {len(fits) - MAX_ROWS} more")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,228 @@
+"""``olmolike plan``: TP/PP byte counts against hand-computed numbers, the activation formula
+against torch's MemTracker, the command's output and its one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+from olmolike.cli import main
+from olmolike.data.numpy_data_loader import NumpyDataLoaderConfig
+from olmolike.data.numpy_dataset import NumpyDatasetConfig
+from olmolike.distributed.parallel import DataParallelConfig, DataParallelType
+from olmolike.experiment import ExperimentConfig
+from olmolike.nn import TransformerConfig
+from olmolike.nn.functional import cross_entropy_loss
+from olmolike.optim import AdamWConfig
+from olmolike.train import Duration, TrainerConfig
+from olmolike.train.activation_memory import activation_bytes
+from olmolike.train.memory_plan import Layout, gathered_bytes, state_bytes
+from olmolike.train.memory_report import plan_report, rank_memory
+from olmolike.train.train_module import (
+    ActivationCheckpointingConfig,
+    ActivationCheckpointingMode,
+    TransformerTrainModuleConfig,
+)
+from olmolike.train.train_module.dpo import DPOTrainModuleConfig
+
+# 1,000 parameters: embedding 80, per block 2 norms 16 + q/k/v/out 4 x 64 + MLP 3 x 48 = 416,
+# final norm 8, head 80. Buffers: RoPE cos and sin, 16 positions x head_dim 4, float32.
+HAND = TransformerConfig(
+    vocab_size=10, d_model=8, n_layers=2, n_heads=2, mlp_hidden_size=6, max_sequence_length=16
+)
+ROPE = 2 * 16 * 4 * 4
+TENSORS = 21  # 1 + 9 per block + 2
+
+
+def test_unsharded_counts_match_the_config() -> None:
+    held = state_bytes(HAND, Layout(), AdamWConfig())
+    assert HAND.num_params() == 1000
+    assert (held.params, held.grads, held.buffers) == (4000, 4000, ROPE)
+    assert held.optim == 2 * 4000 + 4 * TENSORS  # exp_avg, exp_avg_sq, a float32 step each
+
+
+def test_tensor_parallel_splits_the_matrices_it_parallelises() -> None:
+    # Per block: norms 16 whole, q/k/v/out 32 each, MLP 24 each; embedding and head 40 each.
+    held = state_bytes(HAND, Layout(tp=2), AdamWConfig())
+    assert held.params == 4 * (40 + 2 * (16 + 128 + 72) + 8 + 40)
+    assert held.optim == 2 * held.params + 4 * TENSORS
+
+
+def test_fsdp_chunks_the_tensor_parallel_shard_along_dim_0() -> None:
+    layout = Layout(dp_shard=2, tp=2)
+    # rank 0 (tp 0, dp_shard 0): embedding (5, 8) -> 3 rows; norms 4 + 4; q/k/v (4, 8) ->
+    # 2 rows; w_out (8, 4) -> 4 rows; gate/up (3, 8) -> 2 rows; w_down (8, 3) -> 4 rows.
+    first = 24 + 2 * (8 + 3 * 16 + 16 + 2 * 16 + 12) + 4 + 24
+    # rank 3 (tp 1, dp_shard 1): the short halves, embedding and gate/up 2 and 1 rows.
+    last = 16 + 2 * (8 + 3 * 16 + 16 + 2 * 8 + 12) + 4 + 16
+    assert layout.coordinates(3) == {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 1}
+    assert state_bytes(HAND, layout, AdamWConfig(), 0).params == 4 * first
+    assert state_bytes(HAND, layout, AdamWConfig(), 3).params == 4 * last
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_pipeline_stages_hold_their_blocks(tie: bool) -> None:
+    model = TransformerConfig(
+        vocab_size=10, d_model=8, n_layers=3, n_heads=2, mlp_hidden_size=6,
+        max_sequence_length=16, tie_weights=tie,
+    )  # fmt: skip
+    layout = Layout(pp=2, dp_replicate=2)  # ranks 0, 1: stage 0; ranks 2, 3: stage 1
+    # Stage 0: embedding and blocks 0-1; stage 1: block 2, final norm, head (tied: its copy).
+    assert state_bytes(model, layout, AdamWConfig(), 1).params == 4 * (80 + 2 * 416)
+    assert state_bytes(model, layout, AdamWConfig(), 2).params == 4 * (416 + 8 + 80)
+    assert state_bytes(model, layout, AdamWConfig(), 2).buffers == ROPE
+    assert state_bytes(model, Layout(), AdamWConfig()).params == 4 * (1000 + 416 - 80 * tie)
+
+
+@pytest.mark.parametrize(
+    "dp,gathered",
+    [
+        # FSDP: the root (embedding 80, norm 8, head 80) and two of the three blocks (416 each).
+        (DataParallelConfig(name=DataParallelType.fsdp), 4 * (168 + 2 * 416)),
+        (DataParallelConfig(name=DataParallelType.fsdp, param_dtype="bfloat16"), 2 * 1000),
+        # Without resharding after forward, every block stays gathered until backward.
+        (DataParallelConfig(name=DataParallelType.fsdp, reshard_after_forward=False), 4 * 1416),
+    ],
+)
+def test_fsdp_gathers_the_root_and_two_blocks(dp: DataParallelConfig, gathered: int) -> None:
+    model = TransformerConfig(
+        vocab_size=10, d_model=8, n_layers=3, n_heads=2, mlp_hidden_size=6, max_sequence_length=16
+    )
+    layout = Layout(dp_shard=2)
+    state = state_bytes(model, layout, AdamWConfig())
+    assert gathered_bytes(model, layout, dp, state) == gathered
+    # DDP's buckets are a second copy of the gradients.
+    ddp = state_bytes(model, Layout(dp_replicate=2), AdamWConfig())
+    assert gathered_bytes(model, Layout(dp_replicate=2), None, ddp) == ddp.grads
+
+
+def test_activation_formula_by_hand() -> None:
+    # Per token, a = 4: block 2*12*8 + 4*(16 + 16 + 24) + 4*(2 + 2) = 432; outside
+    # 12*8 + 4 + 8*10 = 180; a checkpointed block keeps 32.
+    model = TransformerConfig(
+        vocab_size=10, d_model=8, n_layers=3, n_heads=2, mlp_hidden_size=6, max_sequence_length=16
+    )
+    assert activation_bytes(model, 10, 4) == 10 * (3 * 432 + 180)
+    # Full AC: three inputs kept; the recompute (432 - 32, plus the logits 40) beats 180.
+    full = ActivationCheckpointingConfig(mode=ActivationCheckpointingMode.full)
+    assert activation_bytes(model, 10, 4, full) == 10 * (3 * 32 + 432 - 32 + 40)
+    # PP 2 with 1F1B: stage 0 keeps 2 micro-batches of its 2 blocks; TP 2 halves it.
+    assert activation_bytes(model, 10, 4, pp=2) == 10 * 2 * 2 * 432
+    assert activation_bytes(model, 10, 4, pp=2, tp=2) == 10 * 2 * 2 * 432 // 2
+
+
+class _ActivationPeak(MemTracker):
+    """MemTracker reports the snapshot at the peak of the total; this keeps the peak of its
+    activation category (overriding its private per-update hook)."""
+
+    peak = 0
+
+    def _update_peak_stats(self, peak_state):  # type: ignore[no-untyped-def]
+        super()._update_peak_stats(peak_state)
+        current = self._curr_mem_snap.get(torch.device("cpu"), {})
+        self.peak = max(self.peak, current.get(_MemRefType.ACT, 0))
+
+
+AC_MODES = {
+    "none": None,
+    "full": ActivationCheckpointingConfig(mode=ActivationCheckpointingMode.full),
+    "every-2": ActivationCheckpointingConfig(
+        mode=ActivationCheckpointingMode.selected_blocks, block_interval=2
+    ),
+}
+
+
+@pytest.mark.parametrize("rows,seq_len", [(1, 32), (4, 128)])
+@pytest.mark.parametrize("ac", list(AC_MODES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_estimate_within_10_percent_of_mem_tracker(
+    rows: int, seq_len: int, ac: str, dtype: torch.dtype
+) -> None:
+    config = TransformerConfig(
+        vocab_size=256, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, mlp_hidden_size=192,
+        max_sequence_length=128,
+    )  # fmt: skip
+    module = TransformerTrainModuleConfig(
+        rank_microbatch_size=rows * seq_len, ac_config=AC_MODES[ac]
+    )
+    train_module = module.build(config.build(seed=0).to(dtype), device=torch.device("cpu"))
+    input_ids = torch.randint(0, 256, (rows, seq_len), generator=torch.Generator().manual_seed(0))
+    tracker = _ActivationPeak()
+    tracker.track_external(train_module.model, input_ids)
+    with tracker:  # the training loop's order: the logits live until after backward
+        logits = train_module.model(input_ids)
+        loss, _ = cross_entropy_loss(logits, input_ids, reduction="sum")
+        loss.backward()
+    estimate = activation_bytes(config, rows * seq_len, dtype.itemsize, AC_MODES[ac])
+    assert abs(estimate - tracker.peak) <= 0.1 * tracker.peak, (estimate, tracker.peak)
+
+
+def test_dpo_runs_both_sides_and_is_told_its_reference_is_not_counted() -> None:
+    layout = Layout(dp_replicate=2)
+    plain = TransformerTrainModuleConfig(rank_microbatch_size=64)
+    dpo = DPOTrainModuleConfig(rank_microbatch_size=64)
+    assert rank_memory(HAND, dpo, layout, None).activations == activation_bytes(HAND, 128, 4)
+    assert rank_memory(HAND, plain, layout, None).activations == activation_bytes(HAND, 64, 4)
+    assert "note: this counts the trained model only" in plan_report(HAND, dpo, layout, 80, 2)
+    assert "note:" not in plan_report(HAND, plain, layout, 80, 2)
+
+
+@pytest.fixture
+def config_file(tmp_path: Path) -> Path:
+    config = ExperimentConfig(
+        run_name="plan",
+        model=TransformerConfig.olmo2_1B(100_352),
+        dataset=NumpyDatasetConfig(paths=[str(tmp_path / "tokens.npy")], sequence_length=4096),
+        data_loader=NumpyDataLoaderConfig(global_batch_size=1024 * 4096, seed=0),
+        train_module=TransformerTrainModuleConfig(
+            rank_microbatch_size=2 * 4096,
+            dp_config=DataParallelConfig(name=DataParallelType.fsdp, param_dtype="bfloat16"),
+        ),
+        trainer=TrainerConfig(save_folder=str(tmp_path / "run"), max_duration=Duration.steps(1)),
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text(config.to_yaml())
+    return path
+
+
+def test_plan_prints_the_layout_and_what_fits(
+    config_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", str(config_file), "--gpus", "8", "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "pp 1 x dp_replicate 1 x dp_shard 8 x tp 1 (fsdp on 8 GPUs)" in out
+    for line in ("parameters", "gradients", "optimizer state", "activations", "block 2(8+a)d"):
+        assert line in out
+    table = out.split("GiB/GPU\n")[1]
+    rows = [line.split() for line in table.splitlines() if not line.lstrip().startswith("...")]
+    order = [(int(r[0]), int(r[3]), r[5] != "none", int(r[2])) for r in rows]  # pp tp ac shard
+    assert rows[0][:6] == ["1", "8", "1", "1", "ddp", "none"]  # cheapest: plain DDP
+    assert order == sorted(order)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--gpus", "8", "--gpu-memory", "80", "--tp", "3"], "--tp 3 does not divide --gpus 8"),
+        (["--gpus", "7", "--gpu-memory", "80", "--tp", "7"], "pick --tp among 1, 2, 4, 8, 16"),
+        (["--gpus", "2", "--gpu-memory", "4"], "no layout of 2 GPUs fits in 4 GiB"),
+        (["--gpu-memory", "80"], "needs --gpus N and --gpu-memory"),
+    ],
+)
+def test_bad_plans_fail_with_one_line_naming_the_fix(
+    config_file: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    assert main(["plan", str(config_file), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_plan_help_explains_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    for words in ("--gpus", "--gpu-memory", "cheapest", "activation checkpointing", "GiB"):
+        assert words in out

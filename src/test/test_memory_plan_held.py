@@ -1,0 +1,79 @@
+"""The planner's parameter, gradient, optimizer and buffer bytes equal, exactly, what gloo
+ranks hold after one training step, for every layout in :data:`HELD_LAYOUTS`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from testutils import run_distributed_test
+from torch.distributed.tensor import DTensor
+
+from olmolike.distributed.utils import get_rank
+from olmolike.nn import TransformerConfig
+from olmolike.train.memory_plan import Layout, StateBytes, state_bytes
+from olmolike.train.train_module import TransformerTrainModuleConfig
+
+# Every dimension uneven over 2 and 4 ranks (67 vocabulary rows, 40 MLP rows, 24 kv rows in
+# k_norm): FSDP2's last shards are shorter, as the planner must count.
+MODEL = TransformerConfig(
+    vocab_size=67, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden_size=40,
+    qk_norm=True, max_sequence_length=16,
+)  # fmt: skip
+
+HELD_LAYOUTS: dict[str, tuple[dict[str, Any], Layout]] = {
+    "ddp": ({"dp_config": {"name": "ddp"}}, Layout(dp_replicate=2)),
+    "fsdp": ({"dp_config": {"name": "fsdp"}}, Layout(dp_shard=2)),
+    "fsdp-bf16-gather": (
+        {"dp_config": {"name": "fsdp", "param_dtype": "bfloat16"}},
+        Layout(dp_shard=2),
+    ),
+    "hsdp-2x2": (
+        {"dp_config": {"name": "hsdp", "num_replicas": 2}},
+        Layout(dp_replicate=2, dp_shard=2),
+    ),
+}
+"""Train-module config fields -> the layout they make. Add TP and PP layouts here (with their
+``tp_config``/``pp_config``): the test then checks the planner's formulas for them too."""
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def _held_after_one_step(module_fields: dict[str, Any]) -> tuple[int, StateBytes]:
+    config = TransformerTrainModuleConfig.from_dict({"rank_microbatch_size": 16, **module_fields})
+    train_module = config.build(MODEL.build(init_device="meta"), device=torch.device("cpu"))
+    model, optim = train_module.model, train_module.optim
+    input_ids = torch.randint(
+        0, MODEL.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0)
+    )
+    forward = train_module._forward_module  # DDP's wrapper, or the FSDP module itself
+    forward(input_ids).float().logsumexp(-1).mean().backward()
+    optim.step()
+    params = list(model.parameters())  # a tied weight appears once
+    held = StateBytes(
+        params=sum(_local_bytes(p) for p in params),
+        grads=sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+        optim=sum(
+            _local_bytes(value)
+            for state in optim.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        ),
+        buffers=sum(_local_bytes(b) for b in model.buffers()),
+    )
+    return get_rank(), held
+
+
+@pytest.mark.parametrize("name", list(HELD_LAYOUTS))
+def test_planned_state_equals_what_ranks_hold(name: str) -> None:
+    module_fields, layout = HELD_LAYOUTS[name]
+    results = run_distributed_test(
+        _held_after_one_step, layout.world_size, args=(module_fields,), timeout=240
+    )
+    optim = TransformerTrainModuleConfig(rank_microbatch_size=16).optim
+    for rank, held in results:
+        assert held == state_bytes(MODEL, layout, optim, rank), f"rank {rank} of {layout}"
