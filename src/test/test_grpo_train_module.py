@@ -121,6 +121,8 @@ def test_metrics_are_reported_and_consistent(tmp_path: Path) -> None:
     for step in log.metrics.values():  # a completion's shares bound the token means
         assert 0 <= step["train/clip fraction/low min"] <= step["train/clip fraction/low"]
         assert step["train/clip fraction/high"] <= step["train/clip fraction/high max"] <= 1
+    assert "train/CE loss" not in first  # GRPO's loss is train/GRPO loss, its module's name
+    assert trainer.train_module.loss_metric == "train/GRPO loss"
     assert 0 < first["train/generation share"] < 1
     assert 0 <= first["train/reward/zero advantage groups"] <= 1
     assert first["train/entropy"] > 0

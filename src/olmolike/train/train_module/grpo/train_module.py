@@ -170,6 +170,7 @@ class GRPOTrainModule(TransformerTrainModule):
     :meth:`GRPOTrainModuleConfig.build`."""
 
     config: GRPOTrainModuleConfig
+    loss_metric = "train/GRPO loss"
 
     def __init__(
         self,
@@ -475,7 +476,7 @@ class GRPOTrainModule(TransformerTrainModule):
 
         for name, value in out.metrics.items():
             record(name, value, _ROLLOUT_REDUCE.get(name, ReduceType.mean))
-        record("GRPO loss", stats[0] / self.updates_per_step)
+        self.record_loss(stats[0] / self.updates_per_step, ReduceType.mean)
         tokens = stats[-1].clamp(min=1.0)
         for name, value in zip(_STATS, stats[1:-1]):
             if name != "KL" or self.reference is not None:
