@@ -188,11 +188,14 @@ def test_resume_is_bit_identical(tmp_path: Path) -> None:
 
 def _two_rank_resume(dp: str) -> dict[str, Any]:
     folder = broadcast_object(tempfile.mkdtemp())
-    full, _ = build(f"{folder}/full", dp=dp)
+    # The collectives of the whole-batch reward std and of dapo's generated-batch token count.
+    loss = GRPOLossConfig(group_size=4, kl_coef=0.05, aggregation="dapo", scale_rewards="batch")  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {"dp": dp, "module_kwargs": {"loss": loss}}
+    full, _ = build(f"{folder}/full", **kwargs)
     full.fit()
-    first, _ = build(f"{folder}/resumed", dp=dp, hard_stop=Duration.steps(3))
+    first, _ = build(f"{folder}/resumed", hard_stop=Duration.steps(3), **kwargs)
     first.fit()
-    second, log = build(f"{folder}/resumed", dp=dp)
+    second, log = build(f"{folder}/resumed", **kwargs)
     second.fit()
     loader = second.data_loader
     assert isinstance(loader, PromptDataLoader)

@@ -45,6 +45,8 @@ VOCAB = 32
 BATCH, PROMPT, COMPLETION = 8, 3, 6
 MAX_COMPLETION = 7
 """TRL's ``max_completion_length`` (our ``sampling.max_new_tokens``): ``dr_grpo``'s constant."""
+REWARDS = [1.0, 0.0, 0.5, 0.5, 3.0, 1.0, 2.0, 2.5]
+"""Two groups of four: unequal stds, so group and batch scaling differ."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,11 +317,10 @@ def test_dapo_divides_each_update_by_the_generated_batch_share(
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_advantages_equal_trl(model_dir: Path, tmp_path: Path, scale: str) -> None:
     """TRL samples and scores completions of 2 prompts x 4; its advantages from our rewards."""
-    rewards = [1.0, 0.0, 0.5, 0.5, 3.0, 1.0, 2.0, 2.5]
-    trainer = trl_trainer(model_dir, tmp_path, rewards, scale_rewards=scale)
+    trainer = trl_trainer(model_dir, tmp_path, REWARDS, scale_rewards=scale)
     prompts = [{"prompt": "t2 t3"}] * 4 + [{"prompt": "t5 t6 t7"}] * 4
     out = trainer._generate_and_score_completions(prompts)
-    mine, _ = group_advantages(torch.tensor(rewards, dtype=torch.float64), 4, scale=scale)  # type: ignore[arg-type]
+    mine, _ = group_advantages(torch.tensor(REWARDS, dtype=torch.float64), 4, scale=scale)  # type: ignore[arg-type]
     # TRL holds rewards in float32: compared at float32's precision.
     torch.testing.assert_close(mine.float(), out["advantages"], rtol=1e-6, atol=1e-7)
 
@@ -327,6 +328,12 @@ def test_advantages_equal_trl(model_dir: Path, tmp_path: Path, scale: str) -> No
 def _two_ranks(model: Any, expected: dict[str, tuple[Any, list[Any]]]) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    # Each rank's groups, scaled by the std of every rank's rewards: the whole batch's.
+    rewards = torch.tensor(REWARDS, dtype=torch.float64)
+    for scale in ("group", "batch", "none"):
+        whole, _ = group_advantages(rewards, 4, scale=scale)  # type: ignore[arg-type]
+        mine, _ = group_advantages(rewards[rows], 4, scale=scale, process_group=dist.group.WORLD)  # type: ignore[arg-type]
+        _close(mine, whole[rows], scale)
     batch = inputs(model)
     for case in CASES:
         trl_loss, trl_grads = expected[case.id]
