@@ -105,6 +105,7 @@ def test_reduce_metrics_single_process_returns_local_values() -> None:
         "train/loss": 1.0,
         "train/count": 0.0,
         "train/rank": 0.0,
+        "train/lowest": 2.0,
         "optim/norm": 3.0,
     }
     assert check_metrics_consistent(REDUCE_TYPES)
