@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 
 DEFAULT_PANELS: dict[str, list[str]] = {
-    "loss": ["train/CE loss", "eval/*loss*"],
+    "loss": ["train/*loss", "eval/*loss*"],
     "learning rate": ["optim/LR*"],
     "tokens per second": ["throughput/device/TPS"],
 }

@@ -4,7 +4,7 @@ Every enum- or ``Literal``-typed field of every config, callback and the trainer
 walking olmolike's modules, so a field added later is covered without editing this file; and
 every public function with such a parameter must be listed below, with a call that passes a
 wrong name. Before this check ``DPOTrainModuleConfig(loss_type="typo_xyz")`` computed sigmoid
-DPO and ``GRPOLossConfig(aggregation="bnpo")`` the per-sequence mean.
+DPO and ``GRPOLossConfig(aggregation="bnpo")`` the per-sequence mean (now TRL's bnpo).
 """
 
 from __future__ import annotations
@@ -181,14 +181,17 @@ def test_dpo_config_refuses_an_unknown_loss_type() -> None:
         config.merge([f"--loss_type={BAD}"])
 
 
-@pytest.mark.parametrize("name", ["bnpo", "dapo", "dr_grpo", "grpo"])
-def test_grpo_config_refuses_trl_aggregation_names(name: str) -> None:
-    from olmolike.train.train_module.grpo.loss import GRPOLossConfig
+@pytest.mark.parametrize(
+    ("name", "member"),
+    [("bnpo", "bnpo"), ("dapo", "dapo"), ("dr_grpo", "dr_grpo"), ("grpo", "sequence")],
+)
+def test_grpo_config_takes_trl_aggregation_names_as_their_own(name: str, member: str) -> None:
+    from olmolike.train.train_module.grpo.loss import GRPOLossConfig, LossAggregation
 
-    with pytest.raises(ConfigurationError, match="choose one of: token, sequence"):
-        GRPOLossConfig(aggregation=name)  # type: ignore[arg-type]
-    with pytest.raises(ConfigurationError, match="aggregation"):
-        GRPOLossConfig.from_dict({"aggregation": name})
+    assert GRPOLossConfig(aggregation=name).aggregation is LossAggregation(member)  # type: ignore[arg-type]
+    assert GRPOLossConfig.from_dict({"aggregation": name}).aggregation is LossAggregation(member)
+    with pytest.raises(ConfigurationError, match="choose one of: token, sequence, bnpo, dapo"):
+        GRPOLossConfig(aggregation="drgrpo")  # type: ignore[arg-type]
 
 
 def test_a_nested_field_is_named_by_its_path() -> None:
@@ -265,6 +268,12 @@ def _record_merge_strategy() -> None:
     MetricBuffer().record(1, "loss", 1.0, merge_strategy=BAD)  # type: ignore[arg-type]
 
 
+def _group_advantages() -> None:
+    from olmolike.train.train_module.grpo import group_advantages
+
+    group_advantages(torch.zeros(4), 2, scale=BAD)  # type: ignore[arg-type]
+
+
 def _reduce_metrics() -> None:
     from olmolike.train.utils import reduce_metrics
 
@@ -289,6 +298,7 @@ FUNCTIONS: dict[str, tuple[Callable[..., None], str]] = {
     "olmolike.train.metrics.MetricBuffer.record": (_record_reduce_type, "reduce_type"),
     "olmolike.train.metrics.MetricBuffer.record/merge": (_record_merge_strategy, "merge_strategy"),
     "olmolike.train.utils.reduce_metrics": (_reduce_metrics, "reduce_type"),
+    "olmolike.train.train_module.grpo.loss.group_advantages": (_group_advantages, "scale"),
 }
 DELEGATING = {
     "olmolike.train.trainer.Trainer.record_metric": "MetricBuffer.record",

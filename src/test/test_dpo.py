@@ -27,6 +27,7 @@ from olmolike.nn import TransformerConfig
 from olmolike.nn.functional import DPOLossType, dpo_loss, sequence_log_probs
 from olmolike.optim import AdamWConfig
 from olmolike.train import Callback, Duration, Trainer, TrainerConfig
+from olmolike.train.callbacks import StabilityMonitorCallback
 from olmolike.train.train_module.dpo import DPOTrainModuleConfig
 
 SEQ = 24
@@ -127,7 +128,7 @@ def build(
     trainer_kwargs.setdefault("max_duration", Duration.steps(STEPS))
     trainer = TrainerConfig(
         save_folder=str(folder), metrics_collect_interval=1, device="cpu",
-        callbacks={"log": log}, **trainer_kwargs,
+        **{"callbacks": {"log": log}, **trainer_kwargs},
     ).build(module, loader)  # fmt: skip
     return trainer, log
 
@@ -149,6 +150,18 @@ def test_first_step_is_log2_and_metrics_are_consistent(tmp_path: Path) -> None:
         last["train/rewards/chosen"] - last["train/rewards/rejected"], abs=1e-5
     )
     assert 0.0 <= last["train/rewards/accuracy"] <= 1.0
+
+
+def test_the_loss_is_named_for_what_it_is_and_watched_by_default(tmp_path: Path) -> None:
+    """The DPO loss is logged as ``train/DPO loss`` only (no ``train/CE loss`` holding it),
+    and a stability monitor left at its default watches it."""
+    monitor = StabilityMonitorCallback(window=5, warmup_steps=2)
+    log = Log()
+    trainer, _ = build(tmp_path, no_checkpoints=True, callbacks={"log": log, "mon": monitor})
+    trainer.fit()
+    assert trainer.train_module.loss_metric == "train/DPO loss"
+    assert all("train/CE loss" not in m and "train/DPO loss" in m for m in log.metrics.values())
+    assert monitor._loss_stats.count == STEPS  # it judged every step's DPO loss
 
 
 def test_one_forward_matches_the_loss_function() -> None:

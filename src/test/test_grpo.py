@@ -93,9 +93,13 @@ def test_group_advantages_normalise_within_each_group() -> None:
         group = rewards[start : start + 4]
         expected = (group - group.mean()) / (group.std() + 1e-4)  # Bessel-corrected std
         torch.testing.assert_close(advantages[start : start + 4], expected)
-    raw, _ = group_advantages(rewards, 4, scale_by_std=False)
+    raw, _ = group_advantages(rewards, 4, scale="none")
     torch.testing.assert_close(raw, torch.tensor([0.5, -0.5, -0.5, 0.5, 1.0, -1.0, 0.0, 0.0]))
+    batch, _ = group_advantages(rewards, 4, scale="batch", eps=1e-4)
+    torch.testing.assert_close(batch, raw / (rewards.std() + 1e-4))
     assert float(stats.zero_advantage_fraction) == 0.0
+    with pytest.raises(ConfigurationError, match=r"scale: 'group_std' is not .*group, batch, none"):
+        group_advantages(rewards, 4, scale="group_std")  # type: ignore[arg-type]
 
 
 def test_groups_with_equal_rewards_get_zero_advantage_and_are_counted() -> None:
@@ -140,10 +144,15 @@ def reference_loss(
             kl = (math.exp(d) - d - 1) * (rho if config.kl_importance_weighting else 1.0)
             row.append(-min(rho * a, clipped * a) + config.kl_coef * kl)
         terms.append(row)
-    if config.aggregation == LossAggregation.token:
-        flat = [x for row in terms for x in row]
-        return torch.tensor(sum(flat) / len(flat))
-    return torch.tensor(sum(sum(r) / max(len(r), 1) for r in terms) / len(terms))
+    flat = [x for row in terms for x in row]
+    if config.aggregation == LossAggregation.sequence:
+        return torch.tensor(sum(sum(r) / max(len(r), 1) for r in terms) / len(terms))
+    if config.aggregation == LossAggregation.dr_grpo:
+        return torch.tensor(sum(flat) / (len(terms) * MAX_LENGTH))
+    return torch.tensor(sum(flat) / len(flat))  # one batch on one rank: every token mean
+
+
+MAX_LENGTH = 8
 
 
 def loss_inputs(seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -168,7 +177,9 @@ def test_loss_matches_the_formula(
         clip_eps_high=clip_high,
         kl_importance_weighting=weighting,
     )
-    loss, stats = grpo_loss(logps, old, adv, mask, config, ref_logps=ref)
+    loss, stats = grpo_loss(
+        logps, old, adv, mask, config, ref_logps=ref, max_completion_length=MAX_LENGTH
+    )
     torch.testing.assert_close(loss, reference_loss(logps, old, ref, adv, mask, config).double())
     assert 0 < float(stats.clip_fraction) < 1 and float(stats.kl) > 0
 
@@ -185,6 +196,8 @@ def test_clipped_tokens_have_no_gradient_and_clip_fraction_counts_them() -> None
     assert logps.grad[0, 1] == -0.25 and logps.grad[1, 1] == 0.25
     assert float(stats.clip_fraction) == 0.5
     assert float(stats.clip_high_fraction) == 0.25 and float(stats.clip_low_fraction) == 0.25
+    # Per completion: the first has 1 of 2 tokens clipped high, none low; the second 1 low.
+    assert float(stats.clip_high_max) == 0.5 and float(stats.clip_low_min) == 0.0
 
 
 def test_loss_guards() -> None:
@@ -193,6 +206,8 @@ def test_loss_guards() -> None:
         grpo_loss(logps, old, adv, mask, GRPOLossConfig(kl_coef=0.1))
     with pytest.raises(ValueError, match="advantages must be"):
         grpo_loss(logps, old, adv[:2], mask, GRPOLossConfig())
+    with pytest.raises(ValueError, match="dr_grpo needs max_completion_length"):
+        grpo_loss(logps, old, adv, mask, GRPOLossConfig(aggregation="dr_grpo"))
     # Without a KL coefficient the reference only feeds the KL metric.
     loss, stats = grpo_loss(logps, old, adv, mask, GRPOLossConfig(), ref_logps=ref)
     loss_no_ref, _ = grpo_loss(logps, old, adv, mask, GRPOLossConfig())

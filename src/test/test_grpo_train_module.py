@@ -114,8 +114,15 @@ def test_metrics_are_reported_and_consistent(tmp_path: Path) -> None:
     first = log.metrics[1]
     for name in ("reward/mean", "reward/std", "reward/digits/mean", "reward/exact/std", "KL",
                  "clip fraction", "entropy", "completion length/mean", "generation tokens/s",
-                 "generation share", "reward/zero advantage groups", "GRPO loss", "ratio"):  # fmt: skip
+                 "generation share", "reward/zero advantage groups", "GRPO loss", "ratio",
+                 "clip fraction/low", "clip fraction/high", "clip fraction/low min",
+                 "clip fraction/high max"):  # fmt: skip
         assert math.isfinite(first[f"train/{name}"]), name
+    for step in log.metrics.values():  # a completion's shares bound the token means
+        assert 0 <= step["train/clip fraction/low min"] <= step["train/clip fraction/low"]
+        assert step["train/clip fraction/high"] <= step["train/clip fraction/high max"] <= 1
+    assert "train/CE loss" not in first  # GRPO's loss is train/GRPO loss, its module's name
+    assert trainer.train_module.loss_metric == "train/GRPO loss"
     assert 0 < first["train/generation share"] < 1
     assert 0 <= first["train/reward/zero advantage groups"] <= 1
     assert first["train/entropy"] > 0
@@ -137,9 +144,11 @@ def test_one_update_per_step_is_on_policy(tmp_path: Path) -> None:
     assert first["train/KL"] == pytest.approx(0.0, abs=1e-7)
 
 
-@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+@pytest.mark.parametrize("aggregation", ["token", "sequence", "bnpo", "dapo", "dr_grpo"])
 def test_micro_batches_do_not_change_the_update(tmp_path: Path, aggregation: str) -> None:
-    loss = GRPOLossConfig(group_size=4, kl_coef=0.05, aggregation=aggregation)
+    loss = GRPOLossConfig(
+        group_size=4, kl_coef=0.05, aggregation=aggregation, scale_rewards="batch"
+    )  # type: ignore[arg-type]
     got = []
     for micro in (12, 48, 960):  # 1, 4 and all 16 completions of width 12 per forward
         trainer, _ = build(tmp_path / str(micro), no_checkpoints=True,
@@ -179,11 +188,14 @@ def test_resume_is_bit_identical(tmp_path: Path) -> None:
 
 def _two_rank_resume(dp: str) -> dict[str, Any]:
     folder = broadcast_object(tempfile.mkdtemp())
-    full, _ = build(f"{folder}/full", dp=dp)
+    # The collectives of the whole-batch reward std and of dapo's generated-batch token count.
+    loss = GRPOLossConfig(group_size=4, kl_coef=0.05, aggregation="dapo", scale_rewards="batch")  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {"dp": dp, "module_kwargs": {"loss": loss}}
+    full, _ = build(f"{folder}/full", **kwargs)
     full.fit()
-    first, _ = build(f"{folder}/resumed", dp=dp, hard_stop=Duration.steps(3))
+    first, _ = build(f"{folder}/resumed", hard_stop=Duration.steps(3), **kwargs)
     first.fit()
-    second, log = build(f"{folder}/resumed", dp=dp)
+    second, log = build(f"{folder}/resumed", **kwargs)
     second.fit()
     loader = second.data_loader
     assert isinstance(loader, PromptDataLoader)

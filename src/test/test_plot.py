@@ -92,6 +92,15 @@ def test_panels_without_data_are_left_out(tmp_path: Path) -> None:
     assert panels(figure_for_runs([load_run(folder)])) == {"loss": ["only-loss"]}
 
 
+def test_the_loss_panel_shows_a_post_training_loss(tmp_path: Path) -> None:
+    """A DPO run logs ``train/DPO loss`` (no ``train/CE loss``): the default panel shows it."""
+    folder = tmp_path / "dpo"
+    folder.mkdir()
+    record = {"step": 1, "tokens": 1, "time": 0.0, "metrics": {"train/DPO loss": 0.69}}
+    (folder / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    assert panels(figure_for_runs([load_run(folder)])) == {"loss": ["dpo"]}
+
+
 def test_metric_globs_choose_the_panels(tmp_path: Path) -> None:
     run = load_run(write_run(tmp_path / "a"))
     fig = figure_for_runs([run], ["optim/total*", "train/*"])

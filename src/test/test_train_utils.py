@@ -32,6 +32,7 @@ from olmolike.utils import format_float, format_int, format_timedelta
 REDUCE_TYPES = {
     "train/loss": ReduceType.mean,
     "train/rank": ReduceType.max,
+    "train/lowest": ReduceType.min,
     "train/count": ReduceType.sum,
     "optim/local": None,
     "optim/norm": ReduceType.l2_norm,
@@ -49,6 +50,7 @@ def _rank_metrics(rank: int) -> dict[int, dict[str, torch.Tensor]]:
             "train/loss": torch.tensor(1.0 if rank == 0 else 3.0),
             "train/count": torch.tensor(float(rank)),
             "train/rank": torch.tensor(float(rank)),
+            "train/lowest": torch.tensor(-1.5 if rank == 1 else 2.0),
             "optim/norm": torch.tensor(3.0 if rank == 0 else 4.0),
         },
     }
@@ -65,7 +67,13 @@ def test_reduce_metrics_over_two_ranks() -> None:
     for rank, result in enumerate(results):
         assert result == {
             3: {"train/loss": 4.0, "train/count": 2.0, "optim/local": 10.0 + rank},
-            4: {"train/loss": 2.0, "train/count": 1.0, "train/rank": 1.0, "optim/norm": 5.0},
+            4: {
+                "train/loss": 2.0,
+                "train/count": 1.0,
+                "train/rank": 1.0,
+                "optim/norm": 5.0,
+                "train/lowest": -1.5,
+            },
         }
 
 
@@ -97,6 +105,7 @@ def test_reduce_metrics_single_process_returns_local_values() -> None:
         "train/loss": 1.0,
         "train/count": 0.0,
         "train/rank": 0.0,
+        "train/lowest": 2.0,
         "optim/norm": 3.0,
     }
     assert check_metrics_consistent(REDUCE_TYPES)

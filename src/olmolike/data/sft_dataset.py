@@ -17,7 +17,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -123,6 +123,8 @@ class SFTDataset(torch.utils.data.Dataset):
 @dataclass
 class SFTDatasetConfig(Config):
     """One split of a ``prepare-data --sft`` folder."""
+
+    registered_name: ClassVar[str] = "sft"
 
     path: str
     """The folder ``prepare-data --sft -o`` wrote (local)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -28,7 +29,8 @@ from ..config import Config
 from ..exceptions import ConfigurationError, DataError
 from .data_loader import Batch, DataLoaderBase
 from .numpy_data_loader import NumpyDataLoaderConfig
-from .numpy_dataset import NumpyDatasetConfig
+from .numpy_dataset import METADATA_FILE, NumpyDatasetConfig
+from .sft_dataset import SFTDatasetConfig
 
 __all__ = ["DataStageConfig", "StagedDataLoader", "StagedDataLoaderConfig"]
 
@@ -167,8 +169,11 @@ class StagedDataLoader(DataLoaderBase):
 class DataStageConfig(Config):
     """One stage of a :class:`StagedDataLoaderConfig`: its data, how it is batched, how long."""
 
-    dataset: NumpyDatasetConfig
-    """The stage's data (files or a mixture): a stage exists to change what the model sees."""
+    dataset: NumpyDatasetConfig | SFTDatasetConfig
+    """The stage's data: token files or a mixture (``numpy``, the default), or a
+    ``prepare-data --sft`` folder (``_CLASS_: sft``), trained on its responses only (its
+    labels mask the prompts) with attention kept within each packed example. A stage exists to
+    change what the model sees."""
     data_loader: NumpyDataLoaderConfig
     """How the stage's batches are drawn: its own seed and shuffling, so each stage's order is
     independent of the others'. Its ``global_batch_size`` must equal every other stage's, since
@@ -215,11 +220,24 @@ class StagedDataLoaderConfig(Config):
                     f"is {stage.data_loader.global_batch_size} but stage {first_name!r} has "
                     f"{first.data_loader.global_batch_size}; every stage needs the same batch size",
                 )
-            if stage.dataset.sequence_length != first.dataset.sequence_length:
+        self._check_lengths(strict=False)
+
+    def _check_lengths(self, *, strict: bool) -> None:
+        """Every stage's sequence length is the first's. An SFT folder's length is in its
+        metadata: not yet prepared, it is checked when the loader is built (``strict``)."""
+        lengths = {
+            name: _sequence_length(stage.dataset, strict) for name, stage in self.stages.items()
+        }
+        known = {name: n for name, n in lengths.items() if n is not None}
+        if not known:
+            return
+        first_name, first = next(iter(known.items()))
+        for name, length in known.items():
+            if length != first:
                 raise self._invalid(
                     f"stages.{name}.dataset.sequence_length",
-                    f"is {stage.dataset.sequence_length} but stage {first_name!r} has "
-                    f"{first.dataset.sequence_length}; every stage needs the same length",
+                    f"is {length} but stage {first_name!r} has {first}; every stage needs the "
+                    "same length",
                 )
 
     @property
@@ -237,6 +255,7 @@ class StagedDataLoaderConfig(Config):
         """Every stage's dataset and loader for this rank (see
         :meth:`NumpyDataLoaderConfig.build` for the rank arguments)."""
         self.validate()
+        self._check_lengths(strict=True)
         stages: list[tuple[DataLoaderBase, int | None]] = []
         for name, stage in self.stages.items():
             try:
@@ -250,3 +269,14 @@ class StagedDataLoaderConfig(Config):
                 raise e.under(f"stages.{name}") from None
             stages.append((loader, stage.steps))
         return StagedDataLoader(stages)
+
+
+def _sequence_length(dataset: NumpyDatasetConfig | SFTDatasetConfig, strict: bool) -> int | None:
+    """``None`` for an SFT folder not prepared yet, unless ``strict``."""
+    if isinstance(dataset, SFTDatasetConfig) and not (Path(dataset.path) / METADATA_FILE).exists():
+        if not strict:
+            return None
+        raise DataError(
+            f"{dataset.path} holds no {METADATA_FILE}; make it with olmolike prepare-data --sft"
+        )
+    return dataset.sequence_length

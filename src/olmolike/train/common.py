@@ -132,6 +132,10 @@ class ReduceType(StrEnum):
     max = "max"
     """Take the max across the process group."""
 
+    min = "min"
+    """Take the min across the process group (not in OLMo-core: for extremes such as GRPO's
+    smallest per-completion clip share)."""
+
     l2_norm = "l2_norm"
     """For metrics that are L2 norms on each rank: the norm of the concatenation, i.e.
     ``sqrt(sum(x_i ** 2))``."""

@@ -295,8 +295,10 @@ def _reduce_values(
     group: dist.ProcessGroup | None,
     device: torch.device,
 ) -> list[float]:
-    summed = [k for k in keys if k[2] != ReduceType.max]
-    maxed = [k for k in keys if k[2] == ReduceType.max]
+    extreme = (ReduceType.max, ReduceType.min)
+    summed = [k for k in keys if k[2] not in extreme]
+    maxed = [k for k in keys if k[2] in extreme]
+    sign = {k: -1.0 if k[2] == ReduceType.min else 1.0 for k in maxed}  # min(x) = -max(-x)
     # Sums carry a presence count per key, so a mean is over the ranks that recorded it.
     sum_values = torch.tensor(
         [_sum_term(k, local) for k in summed] + [1.0 if k in local else 0.0 for k in summed],
@@ -304,14 +306,16 @@ def _reduce_values(
         device=device,
     )
     max_values = torch.tensor(
-        [local.get(k, -math.inf) for k in maxed], dtype=torch.float64, device=device
+        [sign[k] * local.get(k, sign[k] * -math.inf) for k in maxed],
+        dtype=torch.float64,
+        device=device,
     )
     if summed:
         dist.all_reduce(sum_values, op=dist.ReduceOp.SUM, group=group)
     if maxed:
         dist.all_reduce(max_values, op=dist.ReduceOp.MAX, group=group)
     totals, counts = sum_values[: len(summed)].tolist(), sum_values[len(summed) :].tolist()
-    out: dict[_Key, float] = dict(zip(maxed, max_values.tolist()))
+    out = {k: sign[k] * v for k, v in zip(maxed, max_values.tolist())}
     for key, total, count in zip(summed, totals, counts):
         if key[2] == ReduceType.mean:
             out[key] = total / count

@@ -86,7 +86,7 @@ def reduce_metrics(
     """Reduce per-step metric tensors across ranks (a collective: call on all ranks).
 
     ``mean`` averages over the ranks that recorded the metric at that step, ``sum`` adds,
-    ``max`` takes the largest, ``l2_norm`` combines per-rank norms into the norm of the whole,
+    ``max`` takes the largest, ``min`` the smallest, ``l2_norm`` combines per-rank norms into the norm of the whole,
     and ``None`` keeps this rank's own value. It is the trainer's own reduction
     (:class:`~olmolike.train.metrics.MetricReducer`): the ranks first agree on the exact
     metric keys, then all values travel in one SUM and one MAX all-reduce.

@@ -98,6 +98,12 @@ class Callback(CallbackHooks, CheckedChoices):
     def trainer(self, trainer: Trainer) -> None:
         self.__dict__["_trainer"] = trainer
 
+    def train_loss_metric(self) -> str:
+        """The metric holding the loss being trained: the train module's ``loss_metric``
+        (``train/DPO loss`` for DPO), or OLMo-core's ``train/CE loss`` before attaching."""
+        trainer = self.__dict__.get("_trainer")
+        return "train/CE loss" if trainer is None else trainer.train_module.loss_metric
+
     @property
     def step(self) -> int:
         return self.trainer.global_step

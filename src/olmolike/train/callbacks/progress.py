@@ -47,8 +47,8 @@ class ProgressCallback(Callback, name="progress"):
     not overwrite each other; they are routed back when training ends.
     """
 
-    loss_metric: str = "train/CE loss"
-    """The metric shown as the loss."""
+    loss_metric: str | None = None
+    """The metric shown as the loss; ``None``: the train module's ``loss_metric``."""
     refresh_per_second: float = 2.0
     """How often the bar is redrawn (by a background thread)."""
     with_several_ranks: bool = False
@@ -143,7 +143,7 @@ class ProgressCallback(Callback, name="progress"):
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         del step
-        loss = metrics.get(self.loss_metric)
+        loss = metrics.get(self.loss_metric or self.train_loss_metric())
         if self._progress is not None and self._task is not None and loss is not None:
             self._progress.update(self._task, loss=f"{loss:.4f}")
 

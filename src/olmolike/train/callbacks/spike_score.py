@@ -18,7 +18,6 @@ log = logging.getLogger(__name__)
 
 SPIKE_SCORE_METRIC = "spike/SpikeScore"
 SPIKE_SCORE_TOTAL_METRIC = "spike/SpikeScore (total)"
-_DEFAULT_METRICS = {"loss": "train/CE loss", "grad_norm": "optim/total grad norm"}
 
 
 @dataclass
@@ -82,8 +81,12 @@ class SpikeScore:
 
     def _metric(self, which: str) -> str:
         """OLMo-core's ``*_metric_name``, else the monitor's own ``loss_metric``/``grad_norm_metric``."""
-        name = getattr(self, f"{which}_metric_name")
-        return name or getattr(self, f"{which}_metric", _DEFAULT_METRICS[which])
+        return getattr(self, f"{which}_metric_name") or self._default_metric(which)
+
+    def _default_metric(self, which: str) -> str:
+        """The metric watched for ``which`` (``loss``, ``grad_norm``) when its
+        ``*_metric_name`` is unset: the monitor this is mixed into says."""
+        raise NotImplementedError
 
     def _is_spike(self, value: float, history: deque[float]) -> bool:
         if len(history) < self.window_size:

@@ -141,7 +141,9 @@ class StabilityMonitorCallback(SpikeScore, Callback, name="stability_monitor"):
     """
 
     policy: StabilityPolicy = StabilityPolicy.warn
-    loss_metric: str = "train/CE loss"
+    loss_metric: str | None = None
+    """The loss watched; ``None``: the train module's (its ``loss_metric``: ``train/CE loss``
+    for pretraining and SFT, ``train/DPO loss``, ``train/GRPO loss``)."""
     grad_norm_metric: str = "optim/total grad norm"
     """Recorded by the train modules when they clip gradients (``max_grad_norm``)."""
     window: int = 100
@@ -222,7 +224,7 @@ class StabilityMonitorCallback(SpikeScore, Callback, name="stability_monitor"):
             return
         problems: list[str] = []
         nonfinite = False
-        loss = metrics.get(self.loss_metric)
+        loss = metrics.get(self._loss_metric)
         if loss is not None:
             nonfinite |= self._judge(
                 "loss", loss, self._loss_stats, self.loss_spike_threshold, problems
@@ -289,6 +291,13 @@ class StabilityMonitorCallback(SpikeScore, Callback, name="stability_monitor"):
 
     # -- guarding checkpoints -----------------------------------------------------------------
 
+    @property
+    def _loss_metric(self) -> str:
+        return self.loss_metric or self.train_loss_metric()
+
+    def _default_metric(self, which: str) -> str:
+        return self._loss_metric if which == "loss" else self.grad_norm_metric
+
     def pre_train(self) -> None:
         # Looked up once: the guard runs every step, and the callbacks are fixed by now.
         self._checkpointers = [
@@ -300,7 +309,7 @@ class StabilityMonitorCallback(SpikeScore, Callback, name="stability_monitor"):
             return
         # A reference, not a value: reading it would sync. The final checkpoint (post_train)
         # comes after the metrics are collected, so it is kept here for that check.
-        self._last_loss = self.trainer.get_metric(self.loss_metric)
+        self._last_loss = self.trainer.get_metric(self._loss_metric)
         if self._checkpoint_due():
             self._guard("before the checkpoint of step")
 

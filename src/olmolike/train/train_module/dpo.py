@@ -94,6 +94,7 @@ class DPOTrainModule(TransformerTrainModule):
     with :meth:`DPOTrainModuleConfig.build`."""
 
     config: DPOTrainModuleConfig
+    loss_metric = "train/DPO loss"
 
     def __init__(
         self,
@@ -233,10 +234,10 @@ class DPOTrainModule(TransformerTrainModule):
         )  # fmt: skip
 
     def _record(self, means: torch.Tensor) -> None:
-        names = ("DPO loss", "rewards/chosen", "rewards/rejected", "rewards/accuracy",
-                 "rewards/margin", "logps/chosen", "logps/rejected")  # fmt: skip
-        self.record_ce_loss(means[0], ReduceType.mean)
-        for name, value in zip(names, means):
+        names = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin",
+                 "logps/chosen", "logps/rejected")  # fmt: skip
+        self.record_loss(means[0], ReduceType.mean)
+        for name, value in zip(names, means[1:]):
             self.record_metric(name, value, ReduceType.mean, namespace="train")
 
     @torch.no_grad()

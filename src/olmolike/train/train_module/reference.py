@@ -181,9 +181,13 @@ class ReferenceModel:
         return sequence_log_probs(logits, labels, ignore_index=ignore_index)
 
     @torch.no_grad()
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def logits(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The reference's logits; with ``doc_ids`` (packed SFT sequences) attention stays
+        within each document, as the policy's does."""
         with torch.autocast(input_ids.device.type, enabled=False):
-            return self.model(input_ids)
+            if doc_ids is None:  # a model without documents need not take the argument
+                return self.model(input_ids)
+            return self.model(input_ids, doc_ids=doc_ids)
 
     def identity(self) -> dict[str, Any]:
         return {"source": self.source, "fingerprint": self.fingerprint}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn as nn
@@ -34,6 +34,12 @@ class TrainModule(ABC):
     The trainer calls, for every step: :meth:`train_batch` (forward and backward over
     micro-batches), then :meth:`optim_step`, then :meth:`zero_grads`.
     """
+
+    loss_metric: ClassVar[str] = "train/CE loss"
+    """The metric holding the loss this module optimises, recorded by :meth:`record_loss`.
+    Callbacks that watch "the loss" (stability monitor, progress bar) default to it, so a DPO
+    run is watched on its DPO loss and no metric is named for a loss it is not. Pretraining
+    and SFT keep OLMo-core's ``train/CE loss``."""
 
     def __init__(self) -> None:
         self._trainer: Trainer | None = None
@@ -107,6 +113,12 @@ class TrainModule(ABC):
         self, value: float | torch.Tensor, reduce_type: ReduceType | None = None
     ) -> None:
         self.trainer.record_ce_loss(value, reduce_type)
+
+    def record_loss(
+        self, value: float | torch.Tensor, reduce_type: ReduceType | None = None
+    ) -> None:
+        """Record the step's loss under :attr:`loss_metric`."""
+        self.trainer.record_metric(self.loss_metric, value, reduce_type)
 
 
 class ModelAndOptimTrainModule(TrainModule):

@@ -34,7 +34,7 @@ from ...utils import get_default_device
 from ..common import ReduceType
 from .reference import ReferenceModel
 from .train_module import is_padding, labels_from_batch
-from .transformer import TransformerTrainModule, TransformerTrainModuleConfig
+from .transformer import TransformerTrainModule, TransformerTrainModuleConfig, _doc_kwargs
 
 __all__ = ["TwoStageKLTrainModule", "TwoStageKLTrainModuleConfig"]
 
@@ -162,6 +162,7 @@ class TwoStageKLTrainModule(TransformerTrainModule):
             self.model.train()
         ignore = self.config.label_ignore_index
         ids, labels = batch["input_ids"], labels_from_batch(batch, ignore)
+        doc_ids = batch.get("doc_ids")  # packed SFT data: attention within each document
         slices = self._microbatches(ids)
         count = self._global_token_count(labels)
         scale = count.reciprocal() * self.dp_world_size
@@ -173,9 +174,10 @@ class TwoStageKLTrainModule(TransformerTrainModule):
                     self._padding_step(self.reference.model)
                     continue
                 mb_ids, mb_labels = ids[rows], labels[rows]
-                ref_logits = self.reference.logits(mb_ids)
+                docs = None if doc_ids is None else doc_ids[rows]
+                ref_logits = self.reference.logits(mb_ids, docs)
                 with self._autocast:
-                    logits = self._forward_module(mb_ids)
+                    logits = self._forward_module(mb_ids, **_doc_kwargs(docs))
             ce, _ = cross_entropy_loss(logits, mb_labels, ignore_index=ignore, reduction="sum")
             mb_tokens = (mb_labels != ignore).sum()
             kl = token_kl_divergence(logits, ref_logits, mb_labels, ignore_index=ignore)

@@ -5,9 +5,11 @@ from .loss import (
     GRPOLossConfig,
     GRPOLossStats,
     LossAggregation,
+    RewardScaling,
     group_advantages,
     grpo_loss,
     token_entropy,
+    update_denominators,
 )
 from .rewards import (
     RewardConfig,
@@ -31,6 +33,7 @@ __all__ = [
     "RewardFunction",
     "RewardFunctionError",
     "RewardRegistry",
+    "RewardScaling",
     "RewardScores",
     "Rollout",
     "SamplingConfig",
@@ -41,4 +44,5 @@ __all__ = [
     "rollout",
     "score_completions",
     "token_entropy",
+    "update_denominators",
 ]

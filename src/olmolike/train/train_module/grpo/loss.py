@@ -1,9 +1,10 @@
 """The GRPO objective: group-normalised advantages and the clipped surrogate with a KL penalty.
 
 For each prompt, G completions are sampled and scored; completion ``i`` of a group gets the
-advantage ``A_i = (r_i - mean(r)) / (std(r) + eps)`` (``std`` with Bessel's correction, as
-TRL computes it), or ``r_i - mean(r)`` with ``scale_by_std=False`` (Dr. GRPO: the std scaling
-up-weights groups whose rewards barely differ). Each completion token ``t`` then contributes::
+advantage ``A_i = (r_i - mean(r)) / (std + eps)``, ``std`` the group's or the whole batch's
+(with Bessel's correction, as TRL computes it), or ``r_i - mean(r)`` (Dr. GRPO: the std
+scaling up-weights groups whose rewards barely differ); see :class:`RewardScaling`. Each
+completion token ``t`` then contributes::
 
     -min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A) + beta * KL_t
     rho_t = exp(log pi(t) - log pi_old(t))
@@ -12,9 +13,9 @@ up-weights groups whose rewards barely differ). Each completion token ``t`` then
 
 where ``pi_old`` is the policy that sampled the completions (several optimisation steps per
 generated batch make ``pi`` drift from it; the clip keeps each step in a trust region around
-it) and ``pi_ref`` a frozen reference. The token terms are averaged over all completion
-tokens of the batch (``LossAggregation.token``, TRL's ``loss_type="bnpo"``) or within each
-completion and then over completions (``LossAggregation.sequence``, TRL's ``"grpo"``).
+it) and ``pi_ref`` a frozen reference. How the token terms of an update become its loss, TRL's
+``loss_type`` (``grpo``, ``bnpo``, ``dapo``, ``dr_grpo``), is :class:`LossAggregation`; each
+gives TRL's numbers on one rank and on several (``test_grpo_trl_parity``).
 
 AstrAI's GRPO strategy writes the objective differently: its ratio is ``pi / pi_ref`` (the
 frozen reference, refreshed every ``sync_interval`` steps) rather than ``pi / pi_old``, so the
@@ -27,12 +28,14 @@ non-negative, and has lower variance than the plain log-ratio). Here the standar
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from ....config import Config, StrEnum
+from ....config import Config, StrEnum, check_choice
 from ....exceptions import ConfigurationError
 
 __all__ = [
@@ -40,19 +43,49 @@ __all__ = [
     "GRPOLossConfig",
     "GRPOLossStats",
     "LossAggregation",
+    "RewardScaling",
     "group_advantages",
     "grpo_loss",
     "token_entropy",
+    "update_denominators",
 ]
 
 
 class LossAggregation(StrEnum):
-    """How per-token loss terms become one number."""
+    """How the per-token loss terms of one optimizer update become one number: a sum over
+    tokens (or over completions' token means) divided by a denominator. TRL's ``loss_type``
+    names are accepted; each gives TRL's numbers (``grpo`` is an alias of ``sequence``)."""
 
     token = "token"
-    """Mean over every completion token of the batch: long completions weigh more."""
+    """Divided by the completion tokens of the update, over every rank: each update's loss is
+    the mean per token whatever its length. Equals ``dapo`` with one minibatch per step."""
     sequence = "sequence"
-    """Mean within each completion, then over completions: each completion weighs the same."""
+    """Mean within each completion, then over the update's completions of every rank: each
+    completion weighs the same, so a long completion's tokens count less (TRL's ``grpo``)."""
+    grpo = "sequence"
+    bnpo = "bnpo"
+    """Each rank's share of the update divided by that rank's own completion tokens, then the
+    mean over ranks (TRL's ``bnpo`` with ``gradient_accumulation_steps=1``: TRL normalises
+    each accumulation micro-batch by its own tokens, which makes its loss depend on how memory
+    splits the batch; here the split into micro-batches never changes the loss)."""
+    dapo = "dapo"
+    """Divided by the completion tokens of the step's whole generated batch (every rank, every
+    minibatch), over the number of updates per pass: every token of the step weighs the same,
+    so an update with fewer tokens makes a smaller step (DAPO; TRL's default)."""
+    dr_grpo = "dr_grpo"
+    """Divided by the update's completions of every rank times ``max_completion_length`` (the
+    sampling's ``max_new_tokens``): a constant, so neither length nor batch bias (Dr. GRPO)."""
+
+
+class RewardScaling(StrEnum):
+    """What advantages ``r - mean(group)`` are divided by (TRL's ``scale_rewards``)."""
+
+    group = "group"
+    """The std of the completion's group (GRPO)."""
+    batch = "batch"
+    """The std of every reward of the step, over all ranks (more robust than a group's few)."""
+    none = "none"
+    """Nothing (Dr. GRPO): a group whose rewards barely differ is not up-weighted."""
 
 
 @dataclass
@@ -62,9 +95,9 @@ class GRPOLossConfig(Config):
     group_size: int = 4
     """Completions sampled per prompt (G). At least 2: advantages compare completions of the
     same prompt, and one completion alone has nothing to be compared with."""
-    scale_by_std: bool = True
-    """Divide advantages by the group's reward std. Off, advantages are ``r - mean`` (Dr.
-    GRPO), which does not up-weight groups whose rewards barely differ."""
+    scale_rewards: RewardScaling = RewardScaling.group
+    """The std advantages are divided by: the group's, the whole batch's, or none; see
+    :class:`RewardScaling`."""
     advantage_eps: float = 1e-4
     """Added to the std before dividing, so a small std cannot blow advantages up."""
     clip_eps_low: float = 0.2
@@ -81,7 +114,7 @@ class GRPOLossConfig(Config):
     ratio carries gradient even where it equals 1, so this changes the update on the first
     step of a generated batch too. Off gives DeepSeekMath's original objective."""
     aggregation: LossAggregation = LossAggregation.token
-    """Mean over tokens or over sequences; see :class:`LossAggregation`."""
+    """How token terms become the update's loss; see :class:`LossAggregation`."""
 
     def validate(self) -> None:
         if self.group_size < 2:
@@ -116,13 +149,21 @@ class AdvantageStats:
 
 
 def group_advantages(
-    rewards: Tensor, group_size: int, *, scale_by_std: bool = True, eps: float = 1e-4
+    rewards: Tensor,
+    group_size: int,
+    *,
+    scale: RewardScaling = RewardScaling.group,
+    eps: float = 1e-4,
+    process_group: dist.ProcessGroup | None = None,
 ) -> tuple[Tensor, AdvantageStats]:
     """Advantages (N,) of rewards (N,) laid out as N / group_size consecutive groups.
 
-    A group whose rewards are all equal gets advantages of exactly 0 (no division by a zero
-    std); :attr:`AdvantageStats.zero_advantage_fraction` counts such groups.
+    With ``scale="batch"`` the std is that of every rank's rewards in ``process_group`` (one
+    all-gather; every rank must pass the same N), else of ``rewards`` alone. A group whose
+    rewards are all equal gets advantages of exactly 0 (no division by a zero std);
+    :attr:`AdvantageStats.zero_advantage_fraction` counts such groups.
     """
+    scale = check_choice(scale, RewardScaling, "scale")
     if group_size < 2:
         raise ConfigurationError(
             f"must be >= 2, got {group_size}: a group of one has nothing to compare with",
@@ -133,27 +174,49 @@ def group_advantages(
             f"rewards must be (N,) with N a positive multiple of group_size={group_size}, got "
             f"shape {tuple(rewards.shape)}; sample group_size completions per prompt"
         )
-    groups = rewards.float().view(-1, group_size)
+    groups = (rewards if rewards.is_floating_point() else rewards.float()).view(-1, group_size)
     centred = groups - groups.mean(-1, keepdim=True)
     std = groups.std(-1, keepdim=True)
-    advantages = centred / (std + eps) if scale_by_std else centred
+    if scale == RewardScaling.group:
+        centred = centred / (std + eps)
+    elif scale == RewardScaling.batch:
+        centred = centred / (_gathered(groups.reshape(-1), process_group).std() + eps)
     constant = groups.amax(-1) == groups.amin(-1)
-    advantages = advantages.masked_fill(constant[:, None], 0.0)
+    advantages = centred.masked_fill(constant[:, None], 0.0)
     stats = AdvantageStats(zero_advantage_fraction=constant.float().mean(), reward_std=std.mean())
     return advantages.reshape(-1), stats
 
 
+def _gathered(values: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """``values`` of every rank of ``group``, in rank order (``values`` alone without one)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return values
+    parts = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, values.contiguous(), group=group)
+    return torch.cat(parts)
+
+
 @dataclass
 class GRPOLossStats:
-    """Diagnostics of one loss evaluation (detached float tensors, averaged over tokens)."""
+    """Diagnostics of one loss evaluation (detached float tensors). The ``clip`` fractions
+    are TRL's ``clip_ratio`` metrics: a token is clipped low when its ratio is below
+    ``1 - clip_eps_low`` with a negative advantage, high when above ``1 + clip_eps_high`` with
+    a positive one (its gradient is 0 either way)."""
 
     kl: Tensor
     """Mean k3 estimate of KL(pi || pi_ref) per token, importance-weighted if so configured
     (0 without a reference)."""
     clip_fraction: Tensor
-    """Share of tokens whose clipped term was the smaller one (their gradient is 0)."""
+    """Share of tokens clipped low or high (TRL's ``clip_ratio/region_mean``)."""
     clip_low_fraction: Tensor
+    """Share of tokens clipped low (``clip_ratio/low_mean``)."""
     clip_high_fraction: Tensor
+    """Share of tokens clipped high (``clip_ratio/high_mean``)."""
+    clip_low_min: Tensor
+    """The smallest share of tokens clipped low within one completion, over the completions
+    that have tokens (``clip_ratio/low_min``); NaN if none has."""
+    clip_high_max: Tensor
+    """The largest share of tokens clipped high within one completion (``clip_ratio/high_max``)."""
     ratio_mean: Tensor
     """Mean pi / pi_old: 1 on the first optimisation step of a generated batch."""
 
@@ -165,6 +228,9 @@ def grpo_loss(
     mask: Tensor,
     config: GRPOLossConfig,
     ref_logps: Tensor | None = None,
+    *,
+    denominator: Tensor | None = None,
+    max_completion_length: int | None = None,
 ) -> tuple[Tensor, GRPOLossStats]:
     """The GRPO loss of completion tokens, and its diagnostics.
 
@@ -173,6 +239,11 @@ def grpo_loss(
     the frozen reference's (needed when ``kl_coef > 0``); ``advantages`` (B,) one per
     completion; ``mask`` (B, T) 1 on completion tokens, 0 on padding. A completion with no
     tokens contributes 0.
+
+    The loss is the sum of the batch's token terms (per-completion means with ``sequence``
+    aggregation) over ``denominator``: by default the batch's own (:func:`update_denominators`
+    of this batch alone; ``dr_grpo`` needs ``max_completion_length``). A part of a larger
+    update passes that update's denominator, so the parts' losses add up to the update's.
     """
     if logps.shape != old_logps.shape or logps.shape != mask.shape or logps.dim() != 2:
         raise ValueError(
@@ -183,6 +254,10 @@ def grpo_loss(
         raise ValueError(f"advantages must be ({logps.shape[0]},), got {tuple(advantages.shape)}")
     if config.kl_coef > 0 and ref_logps is None:
         raise ValueError("kl_coef > 0 needs ref_logps, the reference model's log-probabilities")
+    if denominator is None:
+        denominator = update_denominators(
+            [mask], config, max_completion_length=max_completion_length
+        )[0]
     mask = mask.to(logps.dtype)
     ratio = torch.exp(logps - old_logps.detach())
     clipped = torch.clamp(ratio, 1 - config.clip_eps_low, 1 + config.clip_high)
@@ -196,25 +271,73 @@ def grpo_loss(
             kl = kl * ratio
         if config.kl_coef > 0:
             per_token = per_token + config.kl_coef * kl
-    loss = _aggregate(per_token, mask, config.aggregation)
+    if config.aggregation == LossAggregation.sequence:
+        summed = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
+    else:
+        summed = (per_token * mask).sum()
     with torch.no_grad():
-        low = (ratio < 1 - config.clip_eps_low) & (adv < 0)
-        high = (ratio > 1 + config.clip_high) & (adv > 0)
-        stats = GRPOLossStats(
-            kl=_token_mean(kl, mask),
-            clip_fraction=_token_mean((low | high).to(mask.dtype), mask),
-            clip_low_fraction=_token_mean(low.to(mask.dtype), mask),
-            clip_high_fraction=_token_mean(high.to(mask.dtype), mask),
-            ratio_mean=_token_mean(ratio, mask),
-        )
-    return loss, stats
+        stats = _stats(ratio, adv, kl, mask, config)
+    return summed / denominator, stats
 
 
-def _aggregate(per_token: Tensor, mask: Tensor, aggregation: LossAggregation) -> Tensor:
+def _stats(
+    ratio: Tensor, adv: Tensor, kl: Tensor, mask: Tensor, config: GRPOLossConfig
+) -> GRPOLossStats:
+    low = ((ratio < 1 - config.clip_eps_low) & (adv < 0)).to(mask.dtype)
+    high = ((ratio > 1 + config.clip_high) & (adv > 0)).to(mask.dtype)
+    lengths = mask.sum(-1)
+    has_tokens = lengths > 0
+    per_completion = torch.stack([(low * mask).sum(-1), (high * mask).sum(-1)]) / lengths
+    low_seq, high_seq = per_completion[:, has_tokens]
+    nan = torch.full((), float("nan"), dtype=mask.dtype, device=mask.device)
+    return GRPOLossStats(
+        kl=_token_mean(kl, mask),
+        clip_fraction=_token_mean(low + high, mask),  # exclusive: A < 0 or A > 0
+        clip_low_fraction=_token_mean(low, mask),
+        clip_high_fraction=_token_mean(high, mask),
+        clip_low_min=low_seq.min() if low_seq.numel() else nan,
+        clip_high_max=high_seq.max() if high_seq.numel() else nan,
+        ratio_mean=_token_mean(ratio, mask),
+    )
+
+
+def update_denominators(
+    masks: Sequence[Tensor],
+    config: GRPOLossConfig,
+    *,
+    max_completion_length: int | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> Tensor:
+    """The denominator of each update's loss (:class:`LossAggregation`), given this rank's
+    completion ``masks`` of the step's updates (one per minibatch of a pass over the generated
+    batch): a (len(masks),) tensor, the sums ``grpo_loss`` divides by.
+
+    With a ``process_group`` of several ranks, the counts are agreed with one all-reduce (call
+    it once per step on every rank); the losses of all ranks' parts of an update then add up to
+    the update's loss, so a rank's gradient is the world size times its part's (data-parallel
+    training averages gradients). ``bnpo``'s denominator is this rank's own tokens times the
+    world size: its update loss is the mean over ranks of each rank's token mean.
+    """
+    if config.aggregation == LossAggregation.dr_grpo and max_completion_length is None:
+        raise ValueError("aggregation dr_grpo needs max_completion_length (the sampling's "
+                         "max_new_tokens): its denominator is completions x that length")  # fmt: skip
+    local = torch.stack([torch.stack([m.sum(), m.new_tensor(float(m.shape[0]))]) for m in masks])
+    world = 1 if process_group is None else dist.get_world_size(process_group)
+    total = local.clone()
+    if world > 1:
+        dist.all_reduce(total, group=process_group)
+    tokens, completions = total.unbind(-1)
+    aggregation = config.aggregation
     if aggregation == LossAggregation.token:
-        return _token_mean(per_token, mask)
-    per_sequence = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
-    return per_sequence.mean()
+        return tokens.clamp(min=1.0)
+    if aggregation == LossAggregation.dapo:
+        return (tokens.sum().clamp(min=1.0) / len(masks)).expand(len(masks))
+    if aggregation == LossAggregation.dr_grpo:
+        assert max_completion_length is not None
+        return completions * max_completion_length
+    if aggregation == LossAggregation.bnpo:
+        return local[:, 0].clamp(min=1.0) * world
+    return completions
 
 
 def _token_mean(values: Tensor, mask: Tensor) -> Tensor:

@@ -72,7 +72,8 @@ class Rollout:
     rewards: Tensor
     """(N,) the weighted total reward."""
     advantages: Tensor
-    """(N,) group-normalised advantages."""
+    """(N,) advantages, scaled as ``loss.scale_rewards`` says (``batch``: by this rollout's
+    std; the GRPO train module rescales them by every rank's)."""
     completions: list[str]
     metrics: dict[str, Tensor]
     """Reward mean/std (total and per function), zero-advantage share, completion lengths,
@@ -121,7 +122,7 @@ def rollout(
     prompts = [r.prompt for r in records for _ in range(group)]
     scores = score_completions(registry, rewards, prompts, completions, fields)
     advantages, stats = group_advantages(
-        scores.total, group, scale_by_std=loss.scale_by_std, eps=loss.advantage_eps
+        scores.total, group, scale=loss.scale_rewards, eps=loss.advantage_eps
     )
     lengths = out.completion_lengths.float().cpu()
     metrics = {

@@ -20,9 +20,10 @@ position ``(s - 1) * U + u + 1`` of ``max_steps * U``, with ``U = num_iterations
 num_minibatches``; warm-up lengths in a schedule are updates. A schedule in tokens is refused
 (the prompt loader's "tokens" are prompts).
 
-The loss of a minibatch is normalised over the whole minibatch of all ranks (its completion
-tokens, or its completions with per-sequence aggregation), so the split into micro-batches
-(``rank_microbatch_size`` tokens per forward) and the number of ranks do not change it.
+The loss of an update is normalised as ``loss.aggregation`` says (TRL's ``loss_type``): the
+denominators of all of a step's updates are agreed over the ranks by one all-reduce at its
+start, so the split into micro-batches (``rank_microbatch_size`` tokens per forward) never
+changes the loss, and for every aggregation but ``bnpo`` neither does the number of ranks.
 
 Under FSDP2 the policy is gathered once for the whole generation round (its blocks do not
 reshard after each of the hundreds of one-token forward calls) and resharded right after.
@@ -57,7 +58,13 @@ from ...common import ReduceType
 from ..reference import ReferenceModel, check_same_architecture
 from ..train_module import count_microbatches, is_padding, padded_microbatches, padding_loss
 from ..transformer import TransformerTrainModule, TransformerTrainModuleConfig
-from .loss import GRPOLossConfig, LossAggregation, grpo_loss
+from .loss import (
+    GRPOLossConfig,
+    RewardScaling,
+    group_advantages,
+    grpo_loss,
+    update_denominators,
+)
 from .rewards import RewardConfig, RewardFunctionError, RewardRegistry
 from .rollout import Rollout, SamplingConfig, check_prompt_lengths, completion_logps, rollout
 
@@ -72,6 +79,10 @@ _ROLLOUT_REDUCE = {
     "generation tokens/s": ReduceType.sum,
 }
 _STATS = ("KL", "clip fraction", "clip fraction/low", "clip fraction/high", "ratio", "entropy")
+"""Token means over the step (every update, every rank)."""
+_EXTREMES = {"clip fraction/low min": ReduceType.min, "clip fraction/high max": ReduceType.max}
+"""Over every completion of the step: the smallest share of a completion's tokens clipped
+low, the largest clipped high (TRL's ``clip_ratio/low_min`` and ``clip_ratio/high_max``)."""
 
 
 @dataclass
@@ -159,6 +170,7 @@ class GRPOTrainModule(TransformerTrainModule):
     :meth:`GRPOTrainModuleConfig.build`."""
 
     config: GRPOTrainModuleConfig
+    loss_metric = "train/GRPO loss"
 
     def __init__(
         self,
@@ -276,16 +288,28 @@ class GRPOTrainModule(TransformerTrainModule):
         ref = self._logps(self.reference.model, out, plan) if self.reference is not None else None
         if not self.model.training:
             self.model.train()
-        rows = out.input_ids.shape[0]
-        size = rows // self.config.num_minibatches
+        size = out.input_ids.shape[0] // self.config.num_minibatches
+        minibatches = [slice(i * size, (i + 1) * size) for i in range(self.config.num_minibatches)]
+        denominators = update_denominators(
+            [out.completion_mask[rows] for rows in minibatches],
+            self.config.loss,
+            max_completion_length=self.config.sampling.max_new_tokens,
+            process_group=self.dp_process_group if self.dp_world_size > 1 else None,
+        )
         stats = torch.zeros(len(_STATS) + 2, device=out.input_ids.device)
+        extremes = torch.full((2,), torch.inf, device=out.input_ids.device)
         for update in range(self.updates_per_step):
             if update > 0:
                 self._update(update - 1)
                 self.zero_grads()
-            start = (update % self.config.num_minibatches) * size
-            stats += self._backward(out, slice(start, start + size), plan, old, ref)
-        self._pending = {"started": started, "rollout": out, "stats": stats, "dry_run": dry_run}
+            i = update % self.config.num_minibatches
+            sums, lowest = self._backward(out, minibatches[i], plan, old, ref, denominators[i])
+            stats += sums
+            extremes = torch.minimum(extremes, lowest)
+        self._pending = {
+            "started": started, "rollout": out, "stats": stats, "extremes": extremes,
+            "dry_run": dry_run,
+        }  # fmt: skip
 
     def _rollout(self, records: list[PromptRecord], step: int) -> tuple[Rollout, _Plan]:
         """This rank's rollout and the step's agreed micro-batch counts (:class:`_Plan`). A
@@ -317,13 +341,22 @@ class GRPOTrainModule(TransformerTrainModule):
                 "error is logged there); fix the function and resume"
             )
         assert out is not None
+        loss = self.config.loss
+        if loss.scale_rewards == RewardScaling.batch and self.dp_world_size > 1:
+            # The std of every rank's rewards, now that every rank is known to have them.
+            advantages, _ = group_advantages(
+                out.rewards, loss.group_size, scale=loss.scale_rewards, eps=loss.advantage_eps,
+                process_group=self.dp_process_group,
+            )  # fmt: skip
+            out = dataclasses.replace(out, advantages=advantages)
         return out, dataclasses.replace(plan, full=agreed[1], minibatch=agreed[2])
 
     def optim_step(self) -> None:
         self._update(self.updates_per_step - 1)
         pending, self._pending = self._pending, {}
         if pending and not pending["dry_run"]:
-            self._record(pending["rollout"], pending["stats"], pending["started"])
+            self._record(pending["rollout"], pending["stats"], pending["extremes"],
+                         pending["started"])  # fmt: skip
         self._norms = []
 
     def _refresh_reference(self, step: int) -> None:
@@ -378,18 +411,20 @@ class GRPOTrainModule(TransformerTrainModule):
         return torch.cat(parts)
 
     def _backward(
-        self, out: Rollout, rows: slice, plan: _Plan, old: Tensor | None, ref: Tensor | None
-    ) -> Tensor:
-        """Forward and backward over one minibatch; returns its loss and stat sums."""
-        per_token = self.config.loss.aggregation == LossAggregation.token
-        mask = out.completion_mask[rows]
-        count = mask.sum() if per_token else torch.tensor(float(mask.shape[0]), device=mask.device)
-        if self.dp_world_size > 1:
-            count = count.clone()
-            dist.all_reduce(count, group=self.dp_process_group)
-        # DDP / FSDP average gradients over ranks: times the world size, the sum over ranks.
-        scale = self.dp_world_size / count.clamp(min=1.0)
-        sums = torch.zeros(len(_STATS) + 2, device=mask.device)
+        self,
+        out: Rollout,
+        rows: slice,
+        plan: _Plan,
+        old: Tensor | None,
+        ref: Tensor | None,
+        denominator: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """Forward and backward over one minibatch (one update's share of this rank), whose
+        loss is divided by ``denominator`` (:func:`update_denominators`). Returns its loss and
+        token-weighted stat sums, and its smallest per-completion low-clip share and negated
+        largest high-clip share."""
+        sums = torch.zeros(len(_STATS) + 2, device=denominator.device)
+        lowest = torch.full((2,), torch.inf, device=denominator.device)
         slices = plan.slices(rows, plan.minibatch)
         for i, span in enumerate(slices):
             with self._grad_sync(last=i == len(slices) - 1):
@@ -397,7 +432,6 @@ class GRPOTrainModule(TransformerTrainModule):
                     self._padding_step()
                     continue
                 part = _select(out, span)
-                n = part.input_ids.shape[0]
                 with self._autocast:
                     logps, entropy = completion_logps(
                         self._forward_module, part, with_entropy=True, **self._sampled
@@ -410,16 +444,19 @@ class GRPOTrainModule(TransformerTrainModule):
                 part.completion_mask,
                 self.config.loss,
                 ref_logps=None if ref is None else ref[span],
+                denominator=denominator,
             )
-            tokens = part.completion_mask.sum()
-            weight = tokens if per_token else torch.tensor(float(n), device=tokens.device)
-            (loss * weight * scale).backward()
+            # DDP / FSDP average gradients over ranks: times the world size, the sum over ranks.
+            (loss * self.dp_world_size).backward()
             assert entropy is not None
+            tokens = part.completion_mask.sum()
             values = (stats.kl, stats.clip_fraction, stats.clip_low_fraction,
                       stats.clip_high_fraction, stats.ratio_mean, entropy)  # fmt: skip
-            sums += torch.stack([loss.detach() * weight * scale, *(v * tokens for v in values),
-                                 tokens])  # fmt: skip
-        return sums
+            sums += torch.stack([loss.detach() * self.dp_world_size,
+                                 *(v * tokens for v in values), tokens])  # fmt: skip
+            extremes = torch.stack([stats.clip_low_min, -stats.clip_high_max]).nan_to_num(torch.inf)
+            lowest = torch.minimum(lowest, extremes)
+        return sums, lowest
 
     def _update(self, update: int) -> None:
         """Optimizer update ``update`` (0-based) of this step, with its LR and clipping."""
@@ -433,17 +470,20 @@ class GRPOTrainModule(TransformerTrainModule):
             self._norms.append(norm)
         self.optim.step()
 
-    def _record(self, out: Rollout, stats: Tensor, started: float) -> None:
+    def _record(self, out: Rollout, stats: Tensor, extremes: Tensor, started: float) -> None:
         def record(name: str, value: float | Tensor, reduce: ReduceType = ReduceType.mean) -> None:
             self.record_metric(name, value, reduce, namespace="train")
 
         for name, value in out.metrics.items():
             record(name, value, _ROLLOUT_REDUCE.get(name, ReduceType.mean))
-        record("GRPO loss", stats[0] / self.updates_per_step)
+        self.record_loss(stats[0] / self.updates_per_step, ReduceType.mean)
         tokens = stats[-1].clamp(min=1.0)
         for name, value in zip(_STATS, stats[1:-1]):
             if name != "KL" or self.reference is not None:
                 record(name, value / tokens)
+        low_min, high_max = extremes[0], -extremes[1]
+        for (name, reduce), value in zip(_EXTREMES.items(), (low_min, high_max)):
+            record(name, value, reduce)
         seconds = time.perf_counter() - started
         record("generation share", float(out.metrics["generation seconds"]) / max(seconds, 1e-9))
         if self.reference is not None:
