@@ -83,6 +83,12 @@ class ParallelDegrees:
         """Ranks that see different data: the data loader's world size."""
         return self.dp_replicate * self.dp_shard
 
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel rank of global ``rank`` in :func:`build_device_mesh`'s mesh: its
+        index over (``dp_replicate``, ``dp_shard``); the data loader serves that slice. Known
+        without the mesh, so a data loader can be built before the model is."""
+        return (rank // (self.cp * self.tp)) % self.dp
+
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_DIMS}
 

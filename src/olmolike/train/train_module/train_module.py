@@ -35,6 +35,11 @@ class TrainModule(ABC):
     micro-batches), then :meth:`optim_step`, then :meth:`zero_grads`.
     """
 
+    dp_process_group: dist.ProcessGroup | None = None
+    """The data-parallel group: the ranks that see different batches (``None``: all ranks).
+    Under tensor parallelism it is smaller than the world; the trainer checks the data loader
+    against it."""
+
     def __init__(self) -> None:
         self._trainer: Trainer | None = None
 
@@ -249,7 +254,7 @@ class BasicTrainModule(ModelAndOptimTrainModule):
         self.label_ignore_index = label_ignore_index
         self._params = list(model.parameters())  # not a fresh generator every step
         self._ddp: DDP | None = None
-        self._dp_group = dp_process_group
+        self._dp_group = self.dp_process_group = dp_process_group
         # A model sharded with FSDP2 (DTensor parameters) already synchronises its gradients.
         sharded = any(isinstance(p, DTensor) for p in model.parameters())
         if is_distributed() and get_world_size(dp_process_group) > 1 and not sharded:
