@@ -65,7 +65,7 @@ def train(
     save: str | Path,
     *,
     tp: int = 1,
-    dp: str | None = None,
+    dp: str | DataParallelConfig | None = None,
     steps: int = STEPS,
     model: TransformerConfig | None = None,
     **trainer_kwargs: Any,
@@ -77,7 +77,7 @@ def train(
         max_grad_norm=0.5,
         z_loss_multiplier=1e-3,
         label_smoothing=0.1,
-        dp_config=None if dp is None else DataParallelConfig(name=DataParallelType(dp)),
+        dp_config=DataParallelConfig(name=DataParallelType(dp)) if isinstance(dp, str) else dp,
         tp_config=TensorParallelConfig(degree=tp) if tp > 1 else None,
     ).build((model or model_config()).build(init_device="meta"))
     degrees = module.layout.degrees
@@ -134,7 +134,7 @@ def greedy(model: torch.nn.Module) -> list[list[int]]:
     ]
 
 
-def _tensor_parallel_two_ranks() -> tuple[list[dict[str, Any]], list[list[list[int]]]]:
+def _tensor_parallel_two_ranks() -> tuple[list[dict[str, Any]], list[list[list[int]]], str]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from olmolike.nn.parallel_plan import apply_tensor_parallel
@@ -146,24 +146,43 @@ def _tensor_parallel_two_ranks() -> tuple[list[dict[str, Any]], list[list[list[i
     model = model_config().build(init_device="meta")
     apply_tensor_parallel(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
     model.materialize("cpu", seed=3)
-    return runs, greedy(model)
+    return runs, greedy(model), _loader_of_global_ranks_refused(save)
+
+
+def _loader_of_global_ranks_refused(save: str) -> str:
+    """A loader that splits batches over the global ranks would feed the two halves of one
+    tensor-parallel group different data: the trainer refuses it."""
+    module = TransformerTrainModuleConfig(
+        rank_microbatch_size=SEQ, tp_config=TensorParallelConfig(degree=2)
+    ).build(model_config().build(init_device="meta"))
+    loader = TokenTensorDataLoader(
+        random_token_instances(64, SEQ, VOCAB), global_batch_size=ROWS * SEQ
+    )
+    try:
+        TrainerConfig(save_folder=save, max_duration=Duration.steps(1)).build(module, loader)
+    except ConfigurationError as e:
+        return str(e)
+    return "accepted"
 
 
 @pytest.mark.slow
 def test_tensor_parallel_equals_one_process(tmp_path: Path) -> None:
     """TP=2 alone: OLMo-2 blocks (QK-norm over the full width) and Llama blocks with a tied
     embedding; every step's loss, z-loss and clipped grad norm, and the final weights. Greedy
-    generation (with and without the KV cache) gives the unsplit model's tokens."""
+    generation (with and without the KV cache) gives the unsplit model's tokens, and a data
+    loader over the global ranks is refused."""
     llama = model_config(qk_norm=False, block_type="default", tie_weights=True, n_kv_heads=None)
     want = [
         train(tmp_path / "olmo2", no_checkpoints=True),
         train(tmp_path / "llama", model=llama, no_checkpoints=True),
     ]
     tokens = greedy(model_config().build(seed=3))
-    for results, generated in run_distributed_test(_tensor_parallel_two_ranks, 2, timeout=300):
+    outcomes = run_distributed_test(_tensor_parallel_two_ranks, 2, timeout=300)
+    for results, generated, refusal in outcomes:
         for got, expected in zip(results, want, strict=True):
             assert_same_run(got, expected)
         assert generated == tokens
+        assert "build the loader with dp_" in refusal, refusal
 
 
 def test_context_parallelism_is_refused_with_the_reason() -> None:
@@ -200,6 +219,8 @@ def _four_ranks(root: str) -> dict[str, Any]:
     """TP=2 x FSDP=2: the whole run, a run stopped at step 2 and resumed, and the step-2
     checkpoints of other layouts (TPxFSDP -> FSDP alone, one process -> TPxFSDP) resumed."""
     runs = {"full": train(Path(root) / "full", tp=2, dp="fsdp", no_checkpoints=True)}
+    hsdp = DataParallelConfig(name=DataParallelType.hsdp, num_replicas=2)
+    runs["tp_hsdp"] = train(Path(root) / "hsdp", tp=2, dp=hsdp, no_checkpoints=True)
     train(Path(root) / "tp_fsdp", tp=2, dp="fsdp", hard_stop=Duration.steps(2))
     runs["resumed"] = train(Path(root) / "tp_fsdp", tp=2, dp="fsdp")
     tp_step2 = str(Path(root) / "tp_fsdp" / "step2")
@@ -215,7 +236,8 @@ def _four_ranks(root: str) -> dict[str, Any]:
 def test_tensor_parallel_with_fsdp_equals_one_process_and_checkpoints_move(
     tmp_path: Path,
 ) -> None:
-    """TP=2 x FSDP=2 on 4 ranks equals one process; it stops and resumes exactly; its
+    """TP=2 x FSDP=2 on 4 ranks equals one process, and so does TP=2 x HSDP (2 replicas);
+    TP x FSDP stops and resumes exactly; its
     checkpoint (model and optimizer) continues the run under one process and under FSDP
     alone, and one process's checkpoint continues it under TPxFSDP."""
     want = train(tmp_path / "want", no_checkpoints=True)
@@ -223,6 +245,7 @@ def test_tensor_parallel_with_fsdp_equals_one_process_and_checkpoints_move(
     results = run_distributed_test(_four_ranks, 4, args=(str(tmp_path),), timeout=600)
     for runs in results:
         assert_same_run(runs["full"], want)
+        assert_same_run(runs["tp_hsdp"], want)
         assert runs["resumed"]["loaded"] and sorted(runs["resumed"]["losses"]) == [3, 4]
         assert_same_run(runs["resumed"], _from_step(runs["full"], 3), exact=True)
         for name in ("fsdp_from_tp", "tp_from_single"):
