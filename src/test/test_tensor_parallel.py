@@ -8,6 +8,7 @@ label smoothing, which the vocabulary-parallel cross-entropy computes from shard
 
 from __future__ import annotations
 
+import datetime
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from testutils import run_distributed_test
 from olmolike.data import TokenTensorDataLoader
 from olmolike.distributed.parallel import DataParallelConfig, DataParallelType
 from olmolike.distributed.tensor_parallel import ContextParallelConfig, TensorParallelConfig
-from olmolike.distributed.utils import broadcast_object, get_rank
+from olmolike.distributed.utils import broadcast_object, get_rank, group_timeout
 from olmolike.exceptions import ConfigurationError
 from olmolike.nn import TransformerConfig
 from olmolike.optim import AdamWConfig
@@ -98,7 +99,9 @@ def train(
     ).build(module, loader)
     trainer.callbacks["checkpointer"].save_interval = 2  # type: ignore[attr-defined]
     trainer.fit()
+    mesh = module.layout.mesh
     return {
+        "tp_group_timeout": None if mesh is None else group_timeout(mesh["tp"].get_group()),
         "losses": recorder.losses,
         "z_losses": recorder.z_losses,
         "grad_norms": recorder.grad_norms,
@@ -143,10 +146,16 @@ def _tensor_parallel_two_ranks() -> tuple[list[dict[str, Any]], list[list[list[i
     runs = [train(Path(save) / "olmo2", tp=2, no_checkpoints=True)]
     llama = model_config(qk_norm=False, block_type="default", tie_weights=True, n_kv_heads=None)
     runs.append(train(Path(save) / "llama", tp=2, model=llama, no_checkpoints=True))
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     model = model_config().build(init_device="meta")
-    apply_tensor_parallel(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    apply_tensor_parallel(model, mesh)
     model.materialize("cpu", seed=3)
-    return runs, greedy(model), _loader_of_global_ranks_refused(save)
+    # A model split after it was materialised (as a reference model is) keeps its tied
+    # embedding tied.
+    tied = llama.build(seed=3)
+    apply_tensor_parallel(tied, mesh)
+    assert tied.lm_head.weight is tied.embeddings.weight
+    return runs, greedy(model) + greedy(tied), _loader_of_global_ranks_refused(save)
 
 
 def _loader_of_global_ranks_refused(save: str) -> str:
@@ -176,13 +185,15 @@ def test_tensor_parallel_equals_one_process(tmp_path: Path) -> None:
         train(tmp_path / "olmo2", no_checkpoints=True),
         train(tmp_path / "llama", model=llama, no_checkpoints=True),
     ]
-    tokens = greedy(model_config().build(seed=3))
+    tokens = greedy(model_config().build(seed=3)) + greedy(llama.build(seed=3))
     outcomes = run_distributed_test(_tensor_parallel_two_ranks, 2, timeout=300)
     for results, generated, refusal in outcomes:
         for got, expected in zip(results, want, strict=True):
             assert_same_run(got, expected)
         assert generated == tokens
         assert "build the loader with dp_" in refusal, refusal
+        # The mesh's groups had their timeout shortened with the others after step 1.
+        assert results[0]["tp_group_timeout"] == datetime.timedelta(seconds=300)
 
 
 def test_context_parallelism_is_refused_with_the_reason() -> None:

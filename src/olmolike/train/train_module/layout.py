@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ...distributed.mesh import DATA_DIMS, ParallelDegrees, build_device_mesh
 from ...distributed.parallel import DataParallelConfig, DataParallelType, apply_fsdp
-from ...distributed.utils import get_world_size, is_distributed
+from ...distributed.utils import adopt_group, get_world_size, is_distributed
 from ...exceptions import ConfigurationError
 from ...nn.parallel_plan import apply_tensor_parallel
 from ...nn.transformer import Transformer
@@ -74,7 +74,9 @@ class ParallelLayout:
         mesh = build_device_mesh(degrees, device.type)
         if not split:  # the data dimensions span every rank: the default group is the group
             return cls(degrees, dp_config, mesh, dp_process_group)
-        return cls(degrees, dp_config, mesh, mesh[DATA_DIMS]._flatten("dp").get_group())
+        dp_group = mesh[DATA_DIMS]._flatten("dp").get_group()
+        adopt_group(dp_group)
+        return cls(degrees, dp_config, mesh, dp_group)
 
     @property
     def dp_world_size(self) -> int:
