@@ -10,7 +10,8 @@ tokens/s, over the device's dense bf16 peak).
 Targets on one H200: >= 60,000 tokens/s per GPU and MFU >= 45%.
 
 Run it with ``python src/benchmarks/gpu_throughput.py`` (one GPU) or under
-``torchrun --nproc-per-node=N``. Without a GPU it runs a small CPU smoke size, so the script
+``torchrun --nproc-per-node=N``; ``--tp T`` splits every layer over T adjacent ranks (tensor
+parallelism, FSDP over the rest: ``torchrun --nproc-per-node=8 ... --tp 2`` is TP=2 x FSDP=4). Without a GPU it runs a small CPU smoke size, so the script
 keeps working; those figures say nothing about GPUs. It always exits 0: it measures.
 """
 
@@ -28,6 +29,7 @@ from rich.table import Table
 from olmolike.config import DType
 from olmolike.data import TokenTensorDataLoader
 from olmolike.distributed.parallel import DataParallelConfig, DataParallelType
+from olmolike.distributed.tensor_parallel import TensorParallelConfig
 from olmolike.distributed.utils import broadcast_object, get_rank, get_world_size
 from olmolike.hardware import peak_flops
 from olmolike.nn import TransformerConfig
@@ -83,13 +85,15 @@ class Setup:
     vocab_size: int
     seq_len: int
     rank_batch: int
-    """Instances per rank per step."""
+    """Instances per data-parallel rank per step (a tensor-parallel group shares them)."""
     micro_batch: int
     steps: int
     warmup: int
     compile: bool
     dtype: DType
     activation_checkpointing: bool
+    tp: int = 1
+    """Tensor-parallel degree."""
 
 
 def parse_args() -> Setup:
@@ -103,12 +107,13 @@ def parse_args() -> Setup:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--ac", action="store_true", help="full activation checkpointing")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default: 1)")
     parser.add_argument(
         "--smoke", "--quick", action="store_true", help="the small CPU size, even on a GPU"
     )
     args = parser.parse_args()
     if args.smoke or not torch.cuda.is_available():
-        return Setup("tiny", 512, 128, 4, 2, 6, 2, False, DType.float32, args.ac)
+        return Setup("tiny", 512, 128, 4, 2, 6, 2, False, DType.float32, args.ac, args.tp)
     return Setup(
         args.preset,
         args.vocab_size,
@@ -120,6 +125,7 @@ def parse_args() -> Setup:
         not args.no_compile,
         DType.bfloat16,
         args.ac,
+        args.tp,
     )
 
 
@@ -133,21 +139,28 @@ def run(setup: Setup, save_folder: str) -> tuple[StepTimer, int, float]:
         optim=AdamWConfig(lr=3e-4),
         max_grad_norm=1.0,
         compile_model=setup.compile,
-        dp_config=DataParallelConfig(name=DataParallelType.fsdp, param_dtype=DType.bfloat16)
-        if bf16
+        # FSDP over the data ranks: bf16 gathers, and tensor parallelism composes with it only.
+        dp_config=DataParallelConfig(
+            name=DataParallelType.fsdp, param_dtype=DType.bfloat16 if bf16 else None
+        )
+        if bf16 or setup.tp > 1
         else None,
+        tp_config=TensorParallelConfig(degree=setup.tp) if setup.tp > 1 else None,
         ac_config=ActivationCheckpointingConfig() if setup.activation_checkpointing else None,
     )
     train_module = module_config.build(model_config.build(init_device="meta"))
-    world = get_world_size()
+    degrees = train_module.layout.degrees
     instances = torch.randint(
         0,
         setup.vocab_size,
-        (setup.rank_batch * world * setup.steps, setup.seq_len),
+        (setup.rank_batch * degrees.dp * setup.steps, setup.seq_len),
         generator=torch.Generator().manual_seed(0),
     )
     loader = TokenTensorDataLoader(
-        instances, global_batch_size=setup.rank_batch * world * setup.seq_len
+        instances,
+        global_batch_size=setup.rank_batch * degrees.dp * setup.seq_len,
+        dp_rank=degrees.dp_rank(get_rank()),
+        dp_world_size=degrees.dp,
     )
     timer = StepTimer(warmup=setup.warmup)
     trainer = TrainerConfig(
@@ -174,13 +187,15 @@ def report(setup: Setup, timer: StepTimer, flops_per_token: int, memory_gib: flo
         else torch.device("cpu")
     )
     seconds = timer.end - timer.start
-    tokens_per_s = timer.timed_steps * setup.rank_batch * setup.seq_len / seconds
+    # A tensor-parallel group of tp devices trains one data-parallel rank's batch.
+    tokens_per_s = timer.timed_steps * setup.rank_batch * setup.seq_len / setup.tp / seconds
     peak = peak_flops(device, setup.dtype.as_pt())
     mfu = tokens_per_s * flops_per_token / peak if peak else None
     console = Console(width=120)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke size)"
     table = Table(
-        title=f"{setup.preset}, seq {setup.seq_len}, {setup.dtype}, {get_world_size()} rank(s) on {name}"
+        title=f"{setup.preset}, seq {setup.seq_len}, {setup.dtype}, {get_world_size()} rank(s) "
+        f"(tp {setup.tp}) on {name}"
     )
     for column in ("tokens/s per device", "ms/step", "TFLOP/s per device", "MFU", "peak memory"):
         table.add_column(column, justify="right")
@@ -194,7 +209,7 @@ def report(setup: Setup, timer: StepTimer, flops_per_token: int, memory_gib: flo
     console.print(table)
     console.print(
         f"{timer.timed_steps} timed steps after {setup.warmup} warm-up steps; compile={setup.compile}, "
-        f"{setup.rank_batch} x {setup.seq_len} tokens per rank per step in micro-batches of "
+        f"{setup.rank_batch} x {setup.seq_len} tokens per data-parallel rank per step in micro-batches of "
         f"{setup.micro_batch}; {flops_per_token / 1e9:.2f} GFLOPs per token"
     )
     if device.type == "cuda" and mfu is not None:

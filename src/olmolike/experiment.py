@@ -120,7 +120,8 @@ def train(config: ExperimentConfig, rewards: RewardRegistry | None = None) -> Tr
     """
     # First what is most likely wrong (a reward name, a missing folder), before the model.
     registry = load_rewards(config.train_module, rewards)
-    data_loader = build_data_loader(config.dataset, config.data_loader, config.model)
+    degrees = config.train_module.parallel_degrees()  # checked against the world size here
+    data_loader = build_data_loader(config.dataset, config.data_loader, config.model, degrees)
     # Built on the meta device: the train module shards it (if asked), then materialises it.
     model = config.model.build(init_device="meta")
     train_module = build_train_module(config.train_module, model, config.tokenizer, registry)

@@ -27,6 +27,8 @@ from .data.numpy_dataset import NumpyDatasetConfig
 from .data.post_training_data import PreferenceDatasetConfig, PromptDatasetConfig
 from .data.sft_dataset import SFTDatasetConfig
 from .data.tokenizer import TokenizerConfig
+from .distributed.mesh import ParallelDegrees
+from .distributed.utils import get_rank
 from .exceptions import ConfigurationError
 from .nn import TransformerConfig
 from .train.train_module import TransformerTrainModule, TransformerTrainModuleConfig
@@ -139,17 +141,32 @@ def check_data(
 
 
 def build_data_loader(
-    dataset: DatasetConfig, loader: NumpyDataLoaderConfig, model: TransformerConfig
+    dataset: DatasetConfig,
+    loader: NumpyDataLoaderConfig,
+    model: TransformerConfig,
+    degrees: ParallelDegrees | None = None,
 ) -> DataLoaderBase:
-    """This rank's loader over the experiment's data; checks the data fits the model."""
+    """This rank's loader over the experiment's data; checks the data fits the model.
+
+    With ``degrees`` (the train module's layout) it serves this rank's data-parallel slice:
+    the ranks of one tensor-parallel group get the same batches.
+    """
+    dp_rank, dp_world = (degrees.dp_rank(get_rank()), degrees.dp) if degrees else (None, None)
     try:
         if isinstance(dataset, PromptDatasetConfig):
             return dataset.build_loader(
-                global_batch_size=loader.global_batch_size, seed=loader.seed
+                global_batch_size=loader.global_batch_size,
+                seed=loader.seed,
+                dp_rank=dp_rank,
+                dp_world_size=dp_world,
             )
         if isinstance(dataset, PreferenceDatasetConfig):
             built = dataset.build_loader(
-                global_batch_size=loader.global_batch_size, seed=loader.seed, shuffle=loader.shuffle
+                global_batch_size=loader.global_batch_size,
+                seed=loader.seed,
+                shuffle=loader.shuffle,
+                dp_rank=dp_rank,
+                dp_world_size=dp_world,
             )
             _check_fits(model, built.instances.shape[1] // 4)
             return built
@@ -157,7 +174,7 @@ def build_data_loader(
         raise e.under("data_loader") from None
     if isinstance(dataset, SFTDatasetConfig):
         _check_fits(model, dataset.sequence_length)
-    return loader.build(dataset.build())
+    return loader.build(dataset.build(), dp_rank=dp_rank, dp_world_size=dp_world)
 
 
 def _check_fits(model: TransformerConfig, sequence_length: int) -> None:

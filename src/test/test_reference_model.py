@@ -12,6 +12,7 @@ from olmolike.distributed.parallel import DataParallelConfig, DataParallelType
 from olmolike.exceptions import CheckpointError, ConfigurationError
 from olmolike.nn import TransformerConfig
 from olmolike.nn.functional import sequence_log_probs
+from olmolike.train.train_module.layout import ParallelLayout
 from olmolike.train.train_module.reference import (
     ReferenceModel,
     check_same_architecture,
@@ -75,7 +76,8 @@ def _sharded_reference(dp_name: str) -> tuple[str, torch.Tensor, bool]:
     torch.manual_seed(0)
     policy = _config().build(seed=1)
     dp = DataParallelConfig(name=DataParallelType(dp_name))
-    ref = ReferenceModel.snapshot_of(policy, source="s", device=CPU, dp_config=dp)
+    layout = ParallelLayout.build(dp.degrees(2), dp, CPU)
+    ref = ReferenceModel.snapshot_of(policy, source="s", device=CPU, layout=layout)
     ids, labels = _batch()
     logps, _ = ref.sequence_log_probs(ids, labels)
     frozen = all(not p.requires_grad for p in ref.model.parameters())

@@ -36,10 +36,17 @@ class PreferenceDatasetConfig(Config):
             raise self._invalid("split", f"must be 'train' or 'val', got {self.split!r}")
 
     def build_loader(
-        self, *, global_batch_size: int, seed: int = 0, shuffle: bool = True
+        self,
+        *,
+        global_batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        dp_rank: int | None = None,
+        dp_world_size: int | None = None,
     ) -> PreferenceDataLoader:
         """``global_batch_size`` counts the stored rows' tokens: pairs x 4 x sequence length
-        (chosen and rejected, each ids and labels), as :class:`PreferenceDataLoader` does."""
+        (chosen and rejected, each ids and labels), as :class:`PreferenceDataLoader` does.
+        ``dp_rank``/``dp_world_size`` default to the global rank and world size."""
         rows = load_preference_rows(self.path, self.split)
         row = rows.shape[1]
         if global_batch_size % row:
@@ -50,7 +57,12 @@ class PreferenceDatasetConfig(Config):
                 path="global_batch_size",
             )
         return PreferenceDataLoader(
-            rows.long(), global_batch_size=global_batch_size, seed=seed, shuffle=shuffle
+            rows.long(),
+            global_batch_size=global_batch_size,
+            seed=seed,
+            shuffle=shuffle,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
         )
 
 
@@ -65,9 +77,17 @@ class PromptDatasetConfig(Config):
     prompt_key: str = "prompt"
     """The key holding the prompt; every other key is passed to the reward functions."""
 
-    def build_loader(self, *, global_batch_size: int, seed: int = 0) -> PromptDataLoader:
-        """``global_batch_size`` counts prompts over all ranks (each gets an equal share)."""
-        world = get_world_size()
+    def build_loader(
+        self,
+        *,
+        global_batch_size: int,
+        seed: int = 0,
+        dp_rank: int | None = None,
+        dp_world_size: int | None = None,
+    ) -> PromptDataLoader:
+        """``global_batch_size`` counts prompts over all data-parallel ranks (each gets an
+        equal share); ``dp_rank``/``dp_world_size`` default to the global ones."""
+        world = get_world_size() if dp_world_size is None else dp_world_size
         if global_batch_size % world:
             raise ConfigurationError(
                 f"{global_batch_size} prompts cannot be split equally over {world} ranks; use "
@@ -75,4 +95,10 @@ class PromptDatasetConfig(Config):
                 path="global_batch_size",
             )
         records = read_prompt_jsonl(self.path, prompt_key=self.prompt_key)
-        return PromptDataLoader(records, prompts_per_rank=global_batch_size // world, seed=seed)
+        return PromptDataLoader(
+            records,
+            prompts_per_rank=global_batch_size // world,
+            seed=seed,
+            dp_world_size=world,
+            dp_rank=dp_rank,
+        )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..exceptions import ConfigurationError
-from .utils import get_world_size, init_single_process_group
+from .utils import adopt_group, get_world_size, init_single_process_group
 
 __all__ = ["DATA_DIMS", "MESH_DIMS", "ParallelDegrees", "build_device_mesh", "data_parallel_mesh"]
 
@@ -83,6 +83,12 @@ class ParallelDegrees:
         """Ranks that see different data: the data loader's world size."""
         return self.dp_replicate * self.dp_shard
 
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel rank of global ``rank`` in :func:`build_device_mesh`'s mesh: its
+        index over (``dp_replicate``, ``dp_shard``); the data loader serves that slice. Known
+        without the mesh, so a data loader can be built before the model is."""
+        return (rank // (self.cp * self.tp)) % self.dp
+
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in MESH_DIMS}
 
@@ -102,11 +108,17 @@ def build_device_mesh(degrees: ParallelDegrees, device_type: str) -> DeviceMesh:
     """The 5-D mesh over all ranks, with every dimension of :data:`MESH_DIMS`, in that order.
 
     Starts a one-rank process group when none exists, so a plain ``python`` run gets a mesh too.
+    The mesh's groups get the run's timeout, shortened with the others after the first step
+    (:func:`~olmolike.distributed.utils.adopt_group`): a collective of a tensor-parallel group
+    that one rank never joins then fails like any other, instead of hanging for 30 minutes.
     """
     init_single_process_group()
     degrees.check_world_size(get_world_size())
     shape = tuple(degrees.as_dict().values())
-    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    for name in MESH_DIMS:
+        adopt_group(mesh.get_group(name))
+    return mesh
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:

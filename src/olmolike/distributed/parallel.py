@@ -1,4 +1,5 @@
-"""Data parallelism for training: DDP, FSDP2 (``fully_shard``) and HSDP, and their device meshes."""
+"""Data parallelism for training: DDP, FSDP2 (``fully_shard``) and HSDP, on the data dimensions
+of the run's one device mesh (:mod:`olmolike.distributed.mesh`)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import Config, DType, StrEnum
 from ..exceptions import ConfigurationError
+from .mesh import ParallelDegrees, build_device_mesh, data_parallel_mesh
 from .utils import (
     get_local_world_size,
     get_world_size,
@@ -70,23 +72,45 @@ class DataParallelConfig(Config):
             if self.num_replicas <= 0:
                 raise self._invalid("num_replicas", f"must be positive, got {self.num_replicas}")
 
+    def degrees(self, world_size: int, *, pp: int = 1, cp: int = 1, tp: int = 1) -> ParallelDegrees:
+        """The run's degrees: the data dimensions take the ranks the other degrees leave.
+
+        DDP replicates over all of them (``dp_replicate``); FSDP shards over all of them
+        (``dp_shard``); HSDP shards within ``num_replicas`` groups, by default one group per
+        node's worth of data-parallel ranks, so the shard traffic stays on a node's links.
+        """
+        if self.name == DataParallelType.fsdp:
+            return ParallelDegrees.resolve(world_size, pp=pp, cp=cp, tp=tp)
+        inner = pp * cp * tp
+        data = ParallelDegrees.resolve(world_size, pp=pp, cp=cp, tp=tp).dp
+        if self.name == DataParallelType.ddp:
+            return ParallelDegrees.resolve(world_size, pp=pp, dp_replicate=data, cp=cp, tp=tp)
+        per_node = max(1, get_local_world_size() // (cp * tp))
+        replicas = self.num_replicas or max(1, data // per_node)
+        if data % replicas:
+            raise ConfigurationError(
+                f"the data-parallel ranks ({data} = world size {world_size} / {inner} for the "
+                f"other degrees) must be a multiple of num_replicas ({replicas})",
+                path="num_replicas",
+            )
+        return ParallelDegrees.resolve(world_size, pp=pp, dp_replicate=replicas, cp=cp, tp=tp)
+
+    def data_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The sub-mesh of the run's mesh that FSDP (``dp_shard``) or HSDP (``dp_replicate``
+        x ``dp_shard``) shards over."""
+        if self.name == DataParallelType.ddp:
+            raise ConfigurationError("DDP needs no device mesh", path="name")
+        if self.name == DataParallelType.fsdp:
+            return mesh["dp_shard"]
+        return data_parallel_mesh(mesh)
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The device mesh for FSDP (1-D) or HSDP (2-D: replicate x shard) over all ranks."""
+        """The data sub-mesh of a mesh of data parallelism alone, over all ranks (for a model
+        sharded outside a train module; the train module builds one mesh for every degree)."""
         if self.name == DataParallelType.ddp:
             raise ConfigurationError("DDP needs no device mesh", path="name")
         init_single_process_group()  # a mesh needs a group; a no-op under a launcher
-        world = get_world_size()
-        if self.name == DataParallelType.fsdp:
-            return init_device_mesh(device_type, (world,), mesh_dim_names=("dp_shard",))
-        replicas = self.num_replicas or max(1, world // get_local_world_size())
-        if world % replicas:
-            raise ConfigurationError(
-                f"the world size ({world}) must be a multiple of num_replicas ({replicas})",
-                path="num_replicas",
-            )
-        return init_device_mesh(
-            device_type, (replicas, world // replicas), mesh_dim_names=("dp_replicate", "dp_shard")
-        )
+        return self.data_mesh(build_device_mesh(self.degrees(get_world_size()), device_type))
 
 
 def apply_fsdp(

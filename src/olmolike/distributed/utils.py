@@ -20,6 +20,7 @@ __all__ = [
     "DEBUG_GROUPS_ENV",
     "AgreedCounts",
     "GroupMisuseError",
+    "adopt_group",
     "agree_counts",
     "all_agree",
     "backend_supports_cpu",
@@ -174,6 +175,18 @@ def new_group(purpose: str, *, shorten_timeout: bool = True) -> dist.ProcessGrou
     group = dist.new_group(backend="gloo" if backend_supports_cpu() else None, **kwargs)
     _made.append((group, shorten_timeout))
     return group
+
+
+def adopt_group(group: dist.ProcessGroup) -> None:
+    """Treat a group that torch made (a device mesh's) like one of :func:`new_group`'s: it
+    gets the run's timeout (torch gives its own 30-minute default), :func:`set_group_timeouts`
+    shortens it with the others, and teardown barriers on it. Every rank adopts the groups of
+    its mesh in the same order."""
+    if not is_distributed() or group is dist.group.WORLD or any(g is group for g, _ in _made):
+        return
+    if _run_timeout is not None:
+        dist.distributed_c10d._set_pg_timeout(_run_timeout, group)
+    _made.append((group, True))
 
 
 def destroy_group(group: dist.ProcessGroup | None, *, barrier: bool) -> None:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..config import StrEnum, check_choice
+from .vocab_parallel import VocabParallelLogits, is_vocab_parallel
 
 __all__ = [
     "DPOLossType",
@@ -53,6 +54,9 @@ def cross_entropy_loss(
     ``"mean"`` averages over tokens whose label is not ``ignore_index``; a batch where every
     label is ignored gives 0 rather than NaN. ``"none"`` returns per-token values shaped like
     ``labels``, 0 at ignored tokens.
+
+    Vocabulary-sharded logits (a tensor-parallel head's DTensor) are reduced without gathering
+    a full row (:mod:`olmolike.nn.vocab_parallel`); the results are plain tensors.
     """
     reduction = check_choice(reduction, Reduction, "reduction")
     if logits.shape[:-1] != labels.shape:
@@ -60,21 +64,41 @@ def cross_entropy_loss(
             f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree: logits "
             "must be labels' shape plus a trailing vocabulary dimension"
         )
-    flat_logits = logits.reshape(-1, logits.shape[-1]).float()
     flat_labels = labels.reshape(-1)
     mask = flat_labels != ignore_index
-    per_token = F.cross_entropy(
-        flat_logits,
-        flat_labels,
-        ignore_index=ignore_index,
-        reduction="none",
-        label_smoothing=label_smoothing,
-    )
+    logsumexp: Tensor | None
+    if is_vocab_parallel(logits):
+        sharded = VocabParallelLogits.of(logits)
+        per_token, logsumexp = _sharded_cross_entropy(sharded, flat_labels, mask, label_smoothing)
+    else:
+        flat_logits = logits.reshape(-1, logits.shape[-1]).float()
+        per_token = F.cross_entropy(
+            flat_logits,
+            flat_labels,
+            ignore_index=ignore_index,
+            reduction="none",
+            label_smoothing=label_smoothing,
+        )
+        logsumexp = None if z_loss_multiplier is None else torch.logsumexp(flat_logits, dim=-1)
     ce_loss = _reduce(per_token, mask, reduction, labels.shape)
     if z_loss_multiplier is None:
         return ce_loss, None
-    z_squared = torch.logsumexp(flat_logits, dim=-1).pow(2) * mask
+    assert logsumexp is not None
+    z_squared = logsumexp.pow(2) * mask
     return ce_loss, z_loss_multiplier * _reduce(z_squared, mask, reduction, labels.shape)
+
+
+def _sharded_cross_entropy(
+    logits: VocabParallelLogits, labels: Tensor, mask: Tensor, label_smoothing: float
+) -> tuple[Tensor, Tensor]:
+    """Per-token cross-entropy (0 at ignored tokens) and log-partition, as
+    ``F.cross_entropy`` computes them: with smoothing ``e``, ``(1 - e) * nll + e * (logsumexp -
+    mean logit)``."""
+    nll = logits.logsumexp - logits.label_logits(labels)
+    if label_smoothing:
+        uniform = logits.logsumexp - logits.mean_logit()
+        nll = (1 - label_smoothing) * nll + label_smoothing * uniform
+    return nll * mask, logits.logsumexp
 
 
 def _reduce(values: Tensor, mask: Tensor, reduction: Reduction, shape: torch.Size) -> Tensor:
@@ -102,6 +126,10 @@ def log_probs_of_labels(logits: Tensor, labels: Tensor, *, ignore_index: int = -
     mask = labels != ignore_index
     # An ignored label may be out of the vocabulary range: gather a valid index instead.
     safe_labels = torch.where(mask, labels, torch.zeros_like(labels))
+    if is_vocab_parallel(logits):
+        sharded = VocabParallelLogits.of(logits)
+        picked = sharded.label_logits(safe_labels) - sharded.logsumexp
+        return picked.view(labels.shape) * mask
     logits = logits.float()
     picked = logits.gather(-1, safe_labels.unsqueeze(-1)).squeeze(-1)
     return (picked - torch.logsumexp(logits, dim=-1)) * mask
@@ -136,10 +164,16 @@ def token_kl_divergence(
             f"policy logits {tuple(policy_logits.shape)} and reference logits "
             f"{tuple(reference_logits.shape)} differ: both models must share the vocabulary"
         )
+    mask = labels != ignore_index
+    if is_vocab_parallel(policy_logits):
+        p, q = VocabParallelLogits.of(policy_logits), VocabParallelLogits.of(reference_logits)
+        log_p = p.local - p.logsumexp[:, None]
+        log_q = (q.local - q.logsumexp[:, None]).detach()
+        per_token = p.sum_over_vocab(log_p.exp() * (log_p - log_q)).view(labels.shape)
+        return (per_token * mask).sum() / mask.sum().clamp(min=1)
     log_p = F.log_softmax(policy_logits.float(), dim=-1)
     log_q = F.log_softmax(reference_logits.detach().float(), dim=-1)
     per_token = (log_p.exp() * (log_p - log_q)).sum(-1)
-    mask = labels != ignore_index
     return (per_token * mask).sum() / mask.sum().clamp(min=1)
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ..distributed.utils import agree_counts
@@ -114,7 +115,10 @@ def sample(
     core = model.module if isinstance(model, DistributedDataParallel) else model
     ids, valid = _left_pad(prompts, pad_token_id, _device_of(core))
     stops = _stop_table(stop_token_ids, ids.shape[0], ids.device)
-    lockstep = dist.is_initialized() and any(isinstance(m, FSDPModule) for m in core.modules())
+    lockstep = dist.is_initialized() and (
+        any(isinstance(m, FSDPModule) for m in core.modules())
+        or any(isinstance(p, DTensor) for p in core.parameters())  # tensor parallelism
+    )
     if lockstep:
         _check_same_on_every_rank(max_new_tokens)
     if not isinstance(core, Transformer) and not bool(valid.all()):
@@ -250,7 +254,7 @@ class _Steps:
         self.ids = torch.cat((self.ids, new_ids), dim=-1)
         self.valid = torch.cat((self.valid, self.valid.new_ones(new_ids.shape)), dim=-1)
         if self.use_cache and self.cache is not None and self.cache.length < self.cache.capacity:
-            return self.model(new_ids, cache=self.cache)[:, -1]
+            return _last_position(self.model(new_ids, cache=self.cache))
         if self.use_cache and self.context is not None:
             return self._refill(self.context - self.context // 4)
         return self._refill(self.ids.shape[1])
@@ -262,11 +266,18 @@ class _Steps:
         window, valid = self.ids[:, -keep:], self.valid[:, -keep:]
         model = self.model
         if not isinstance(model, Transformer) or not (self.use_cache or not bool(valid.all())):
-            return model(window)[:, -1]
+            return _last_position(model(window))
         capacity = min(model.config.max_sequence_length, keep + self.max_new_tokens)
         self.cache = KVCache(batch_size=len(window), capacity=capacity, n_layers=len(model.blocks))
         self.cache.set_padding(valid)
-        return model(window, cache=self.cache)[:, -1]
+        return _last_position(model(window, cache=self.cache))
+
+
+def _last_position(logits: Tensor) -> Tensor:
+    """The logits (B, V) that pick the next tokens; a tensor-parallel head's vocabulary shards
+    are gathered for these B rows only."""
+    last = logits[:, -1]
+    return last.full_tensor() if isinstance(last, DTensor) else last
 
 
 def _device_of(model: nn.Module) -> torch.device:

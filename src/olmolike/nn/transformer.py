@@ -316,14 +316,16 @@ class Attention(nn.Module):
     ) -> Tensor:
         """``mask`` (B, 1, T, keys), True where attention is allowed, replaces the causal mask;
         with a ``cache``, the keys are every cached one followed by this call's."""
-        batch, seq_len, d_model = x.shape
+        batch, seq_len, _ = x.shape
         q, k, v = self.w_q(x), self.w_k(x), self.w_v(x)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        # (B, T, heads * head_dim) -> (B, heads, T, head_dim), the layout SDPA expects.
-        q = q.view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # (B, T, heads * head_dim) -> (B, heads, T, head_dim), the layout SDPA expects. The
+        # head counts come from the projections' widths: under tensor parallelism a rank
+        # holds only some of the heads (see olmolike.nn.parallel_plan).
+        q = q.view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # With enable_gqa, query head h reads key/value head h // (n_heads / n_kv_heads), the
         # same grouping as Hugging Face's repeat_kv, without materialising repeated k and v.
@@ -333,7 +335,7 @@ class Attention(nn.Module):
             q, k, v, attn_mask=mask, is_causal=mask is None,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )  # fmt: skip
-        return self.w_out(y.transpose(1, 2).reshape(batch, seq_len, d_model))
+        return self.w_out(y.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
 class FeedForward(nn.Module):

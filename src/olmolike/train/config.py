@@ -191,7 +191,8 @@ class TrainerConfig(Config):
     ) -> Trainer:
         """Build the trainer. Also re-validates, since fields may have changed since construction.
 
-        :param dp_process_group: the data-parallel group (default: all ranks).
+        :param dp_process_group: the data-parallel group (default: the train module's, which
+            is all ranks unless it splits the model across ranks).
         :param checkpointer_pg: the group checkpoint I/O will use (default: all ranks).
         :param eval_only: for ``Trainer.eval_checkpoints()`` rather than ``fit()``: no
             checkpoint is saved and none is resumed from the save folder.
@@ -204,6 +205,8 @@ class TrainerConfig(Config):
                 checkpointer_pg=checkpointer_pg,
             )
         self.validate()
+        if dp_process_group is None:
+            dp_process_group = train_module.dp_process_group
         self._check_save_folder()
         self._check_same_on_every_rank()
         work_dir = Path(self.work_dir) if self.work_dir else self._default_work_dir()

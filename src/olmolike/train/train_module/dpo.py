@@ -109,22 +109,26 @@ class DPOTrainModule(TransformerTrainModule):
         if reference is not None:
             check_same_architecture(model, reference)
         super().__init__(config, model, device, dp_process_group)
-        dp = config.dp_config
         weights = config.reference or config.init_weights
         if reference is not None:
             self.reference = ReferenceModel(
-                reference, source=reference_source or "given model", device=device, dp_config=dp
+                reference,
+                source=reference_source or "given model",
+                device=device,
+                layout=self.layout,
             )
         elif weights is not None:
             # The policy gets `init_weights` only when fit() starts: the reference loads them
             # now rather than snapshotting the policy's not yet loaded weights.
-            self.reference = ReferenceModel.load(self.model, weights, device=device, dp_config=dp)
+            self.reference = ReferenceModel.load(
+                self.model, weights, device=device, layout=self.layout
+            )
         else:
             self.reference = ReferenceModel.snapshot_of(
                 self.model,
                 source=reference_source or "initial policy",
                 device=device,
-                dp_config=dp,
+                layout=self.layout,
             )
         self._cached_logps: torch.Tensor | None = None
         """``(pairs, 2)`` reference log-probs (chosen, rejected) of every training pair."""
@@ -230,7 +234,7 @@ class DPOTrainModule(TransformerTrainModule):
         micro_pairs = max(1, self.config.rank_microbatch_size // (loader.seq_len // 4))
         return cached_reference_logps(
             self.reference, loader, self.trainer.work_dir, micro_pairs,
-            self.config.label_ignore_index,
+            self.config.label_ignore_index, self.dp_process_group,
         )  # fmt: skip
 
     def _record(self, means: torch.Tensor) -> None:

@@ -23,11 +23,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ...data.preference import PreferenceDataLoader, split_pair_rows
-from ...distributed.parallel import DataParallelConfig, DataParallelType, apply_fsdp
 from ...distributed.utils import broadcast_object, get_rank, get_world_size, is_distributed
 from ...exceptions import CheckpointError, ConfigurationError
 from ...nn.functional import sequence_log_probs
 from ..weights import load_pretrained_weights
+from .layout import ParallelLayout
 
 __all__ = [
     "ReferenceModel",
@@ -102,25 +102,20 @@ class ReferenceModel:
         *,
         source: str,
         device: torch.device,
-        dp_config: DataParallelConfig | None = None,
+        layout: ParallelLayout | None = None,
     ) -> None:
-        """Freeze ``model`` (unsharded, with the reference weights) and shard it per ``dp_config``.
+        """Freeze ``model`` (unsharded, with the reference weights) and split it on the policy's
+        ``layout`` (tensor parallelism, FSDP/HSDP; nothing for DDP or one process).
 
         ``source`` says where the weights came from (a path, or ``"policy@step N"`` for a
         snapshot); it is saved with the fingerprint to identify the reference in checkpoints.
         """
         model.to(device)
-        model.requires_grad_(False)
         model.eval()
         self.fingerprint = model_fingerprint(model)
-        if dp_config is not None and dp_config.name != DataParallelType.ddp:
-            apply_fsdp(
-                model,
-                dp_config.build_mesh(device.type),
-                param_dtype=dp_config.param_dtype.as_pt() if dp_config.param_dtype else None,
-                reduce_dtype=dp_config.reduce_dtype.as_pt(),
-                reshard_after_forward=dp_config.reshard_after_forward,
-            )
+        if layout is not None:
+            layout.shard(model)
+        model.requires_grad_(False)  # after sharding: tensor parallelism makes new parameters
         self.model = model
         self.source = source
         log.info("reference model from %s, fingerprint %s", source, self.fingerprint)
@@ -132,7 +127,7 @@ class ReferenceModel:
         source: str,
         *,
         device: torch.device,
-        dp_config: DataParallelConfig | None = None,
+        layout: ParallelLayout | None = None,
     ) -> ReferenceModel:
         """A frozen model of ``policy``'s architecture with the weights of ``source``: a
         Hugging Face model folder or an olmolike checkpoint / save folder, local or remote.
@@ -151,7 +146,7 @@ class ReferenceModel:
                 "architecture, or unset it to use the policy's initial weights",
                 path="reference",
             ) from None
-        return cls(model, source=source, device=device, dp_config=dp_config)
+        return cls(model, source=source, device=device, layout=layout)
 
     @classmethod
     def snapshot_of(
@@ -160,7 +155,7 @@ class ReferenceModel:
         *,
         source: str,
         device: torch.device,
-        dp_config: DataParallelConfig | None = None,
+        layout: ParallelLayout | None = None,
     ) -> ReferenceModel:
         """A frozen copy of ``policy``'s current weights (an unsharded policy, or a full state)."""
         state = {
@@ -169,7 +164,7 @@ class ReferenceModel:
         }
         model = _empty_like(policy)
         model.load_state_dict({k: v.detach().cpu().clone() for k, v in state.items()})
-        return cls(model, source=source, device=device, dp_config=dp_config)
+        return cls(model, source=source, device=device, layout=layout)
 
     @torch.no_grad()
     def sequence_log_probs(
@@ -208,10 +203,13 @@ def cached_reference_logps(
     work_dir: Path,
     micro_pairs: int,
     ignore_index: int = -100,
+    dp_process_group: torch.distributed.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """The reference's summed log-probs ``(pairs, 2)`` (chosen, rejected) of every pair the
     loader holds, read from ``work_dir`` if a run computed them before, else computed now
-    (each rank scores its share, the shares are gathered) and written there by rank 0.
+    (each data-parallel rank of ``dp_process_group`` scores its share, the shares are
+    gathered; the ranks of a tensor-parallel group score the same share together) and written
+    there by rank 0.
 
     The file is named by the reference's and the data's fingerprints, so other weights or
     other data never read it. Every rank must call this: rank 0 decides whether the file is
@@ -228,7 +226,9 @@ def cached_reference_logps(
     if cached is not None:
         log.info("reference log-probs of %d pairs read from %s", cached.shape[0], path)
         return cached
-    logps = _score_all_pairs(reference, loader.instances, micro_pairs, ignore_index)
+    logps = _score_all_pairs(
+        reference, loader.instances, micro_pairs, ignore_index, dp_process_group
+    )
     if get_rank() == 0:
         tmp = path.with_name(path.name + ".tmp")
         torch.save(logps, tmp)
@@ -239,11 +239,16 @@ def cached_reference_logps(
 
 @torch.no_grad()
 def _score_all_pairs(
-    reference: ReferenceModel, rows: torch.Tensor, micro_pairs: int, ignore_index: int
+    reference: ReferenceModel,
+    rows: torch.Tensor,
+    micro_pairs: int,
+    ignore_index: int,
+    group: torch.distributed.ProcessGroup | None,
 ) -> torch.Tensor:
-    """Every rank scores a contiguous share of ``rows`` (padded with row 0 so that all ranks
-    run the same forwards, as FSDP's collectives need), then the shares are gathered."""
-    world, rank = get_world_size(), get_rank()
+    """Every data-parallel rank scores a contiguous share of ``rows`` (padded with row 0 so
+    that all ranks run the same forwards, as FSDP's collectives need), then the shares are
+    gathered."""
+    world, rank = get_world_size(group), get_rank(group)
     total = rows.shape[0]
     share = -(-total // world)
     mine = torch.arange(rank * share, (rank + 1) * share).clamp(max=total) % total
@@ -259,5 +264,5 @@ def _score_all_pairs(
     if world == 1:
         return local.cpu()
     gathered = [torch.empty_like(local) for _ in range(world)]
-    torch.distributed.all_gather(gathered, local)
+    torch.distributed.all_gather(gathered, local, group=group)
     return torch.cat(gathered)[:total].cpu()

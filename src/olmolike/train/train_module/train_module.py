@@ -41,6 +41,11 @@ class TrainModule(ABC):
     run is watched on its DPO loss and no metric is named for a loss it is not. Pretraining
     and SFT keep OLMo-core's ``train/CE loss``."""
 
+    dp_process_group: dist.ProcessGroup | None = None
+    """The data-parallel group: the ranks that see different batches (``None``: all ranks).
+    Under tensor parallelism it is smaller than the world; the trainer checks the data loader
+    against it."""
+
     def __init__(self) -> None:
         self._trainer: Trainer | None = None
 
@@ -261,7 +266,7 @@ class BasicTrainModule(ModelAndOptimTrainModule):
         self.label_ignore_index = label_ignore_index
         self._params = list(model.parameters())  # not a fresh generator every step
         self._ddp: DDP | None = None
-        self._dp_group = dp_process_group
+        self._dp_group = self.dp_process_group = dp_process_group
         # A model sharded with FSDP2 (DTensor parameters) already synchronises its gradients.
         sharded = any(isinstance(p, DTensor) for p in model.parameters())
         if is_distributed() and get_world_size(dp_process_group) > 1 and not sharded:

@@ -1,4 +1,5 @@
-"""Train a transformer LM: micro-batches, loss, LR schedule, clipping, DDP / FSDP2 / HSDP."""
+"""Train a transformer LM: micro-batches, loss, LR schedule, clipping, and its parallel layout
+(DDP / FSDP2 / HSDP over the data dimensions, tensor parallelism within them)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 from ...config import Config, DType, StrEnum
-from ...distributed.parallel import DataParallelConfig, DataParallelType, apply_ddp, apply_fsdp
-from ...distributed.utils import get_world_size, is_distributed
+from ...distributed.mesh import ParallelDegrees
+from ...distributed.parallel import DataParallelConfig, DataParallelType, apply_ddp
+from ...distributed.tensor_parallel import ContextParallelConfig, TensorParallelConfig
+from ...distributed.utils import get_world_size
 from ...exceptions import ConfigurationError
 from ...nn.functional import cross_entropy_loss
 from ...optim import AdamWConfig, OptimConfig, Scheduler, SchedulerUnits
 from ...utils import get_default_device
 from ..callbacks.init_weights import InitWeightsCallback
 from ..common import ReduceType
+from .layout import ParallelLayout
 from .train_module import (
     ModelAndOptimTrainModule,
     agreed_microbatches,
@@ -94,7 +98,13 @@ class TransformerTrainModuleConfig(Config):
     """``torch.compile`` each transformer block (the blocks are identical, so one compile)."""
     compile_backend: str = "inductor"
     dp_config: DataParallelConfig | None = None
-    """Data parallelism; ``None`` means DDP when running on several ranks."""
+    """Data parallelism over the ranks the other degrees leave; ``None`` means DDP when there
+    are several data-parallel ranks."""
+    tp_config: TensorParallelConfig | None = None
+    """Tensor parallelism (innermost mesh dimension); ``None`` means none. Needs FSDP/HSDP
+    (not DDP) when there are several data-parallel ranks."""
+    cp_config: ContextParallelConfig | None = None
+    """Context parallelism: only ``degree=1`` (see :class:`ContextParallelConfig`)."""
     ac_config: ActivationCheckpointingConfig | None = None
     init_seed: int = 0
     """Seed for the weights when the model was built on the ``meta`` device."""
@@ -114,6 +124,15 @@ class TransformerTrainModuleConfig(Config):
             raise self._invalid("z_loss_multiplier", "must be >= 0")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise self._invalid("label_smoothing", "must be in [0, 1)")
+
+    def parallel_degrees(self, world_size: int | None = None) -> ParallelDegrees:
+        """How many ranks each parallelism spans on ``world_size`` ranks (default: the run's).
+
+        :raises ConfigurationError: degrees that do not multiply to the world size.
+        """
+        world = get_world_size() if world_size is None else world_size
+        dp = self.dp_config or DataParallelConfig(name=DataParallelType.ddp)
+        return dp.degrees(world, cp=_degree(self.cp_config), tp=_degree(self.tp_config))
 
     def build(
         self,
@@ -153,8 +172,11 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         super().__init__()
         self.config = config
         self.device = device
-        self.dp_process_group = dp_process_group
-        self.dp_world_size = get_world_size(dp_process_group) if is_distributed() else 1
+        self.layout = ParallelLayout.build(
+            config.parallel_degrees(), config.dp_config, device, dp_process_group
+        )
+        self.dp_process_group = self.layout.dp_process_group
+        self.dp_world_size = self.layout.dp_world_size
         self.model = model
         self._ddp: DDP | None = None
         self._parallelize(model)
@@ -171,38 +193,25 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
     # -- building ---------------------------------------------------------------------------
 
     def _parallelize(self, model: nn.Module) -> None:
-        config = self.config
-        dp = config.dp_config
-        if dp is None and self.dp_world_size > 1:
-            dp = DataParallelConfig(name=DataParallelType.ddp)
-            log.info("dp_config is unset on %d ranks: using DDP", self.dp_world_size)
+        config, layout = self.config, self.layout
         on_meta = any(p.is_meta for p in model.parameters())
         if config.ac_config is not None:
             self._apply_activation_checkpointing(model, config.ac_config)
         if config.compile_model:
             for block in self._blocks(model):
                 block.compile(backend=config.compile_backend)
-        sharded = dp is not None and dp.name != DataParallelType.ddp
         if not on_meta:
             model.to(self.device)
-        if sharded:
-            assert dp is not None
-            if self.dp_process_group is not None and self.dp_world_size != get_world_size():
-                raise ConfigurationError(
-                    "FSDP/HSDP shard over all ranks; a dp_process_group smaller than the world "
-                    "is only supported with DDP",
-                    path="dp_config.name",
-                )
-            apply_fsdp(
-                model,
-                dp.build_mesh(self.device.type),
-                param_dtype=dp.param_dtype.as_pt() if dp.param_dtype else None,
-                reduce_dtype=dp.reduce_dtype.as_pt(),
-                reshard_after_forward=dp.reshard_after_forward,
+        if layout.sharded and self.dp_world_size != layout.degrees.dp:
+            raise ConfigurationError(
+                "FSDP/HSDP shard over all data-parallel ranks; a dp_process_group smaller than "
+                "the world is only supported with DDP",
+                path="dp_config.name",
             )
+        layout.shard(model)
         if on_meta:
             self._materialize(model)
-        if dp is not None and dp.name == DataParallelType.ddp:
+        if layout.ddp:
             self._ddp = apply_ddp(model, self.dp_process_group)
 
     def _materialize(self, model: nn.Module) -> None:
@@ -340,7 +349,11 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
 
     @torch.no_grad()
     def eval_batch(self, batch: dict[str, Any], labels: torch.Tensor | None = None) -> Any:
-        """The logits of ``batch``, or with ``labels`` the mean CE loss over non-ignored tokens."""
+        """The logits of ``batch``, or with ``labels`` the mean CE loss over non-ignored tokens.
+
+        Under tensor parallelism the logits are a DTensor sharded on the vocabulary: the losses
+        of :mod:`olmolike.nn.functional` take it as it is; ``full_tensor()`` gathers it.
+        """
         was_training = self.model.training
         self.model.eval()
         try:
@@ -410,6 +423,10 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
     def num_flops_per_token(self, seq_len: int) -> int | None:
         own = getattr(self.model, "num_flops_per_token", None)
         return int(own(seq_len)) if callable(own) else None
+
+
+def _degree(config: TensorParallelConfig | ContextParallelConfig | None) -> int:
+    return 1 if config is None else config.degree
 
 
 def _doc_kwargs(doc_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:

@@ -92,7 +92,7 @@ class TwoStageKLTrainModule(TransformerTrainModule):
         # Allocated up front, sharded like the policy, so a checkpoint always has the same
         # layout; it holds meaningful weights only once `snapshot_taken` is set.
         self.reference = ReferenceModel.snapshot_of(
-            self.model, source="policy snapshot", device=device, dp_config=config.dp_config
+            self.model, source="policy snapshot", device=device, layout=self.layout
         )
         self.snapshot_taken = torch.zeros((), dtype=torch.int64)
 

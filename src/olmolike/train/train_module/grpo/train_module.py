@@ -118,6 +118,15 @@ class GRPOTrainModuleConfig(TransformerTrainModuleConfig):
 
     def validate(self) -> None:
         super().validate()
+        if self.tp_config is not None and self.tp_config.degree > 1:
+            raise self._invalid(
+                "tp_config.degree",
+                f"is {self.tp_config.degree}, but GRPO does not run under tensor parallelism "
+                "yet: its rollouts sample with a per-rank seed (the ranks of a tensor-parallel "
+                "group would feed different tokens to one split model) and its completion "
+                "log-probs and entropy slice the vocabulary the split head shards; set "
+                "tp_config.degree=1 and shard the policy with dp_config.name=fsdp",
+            )
         if self.num_iterations < 1:
             raise self._invalid("num_iterations", f"must be >= 1, got {self.num_iterations}")
         if self.num_minibatches < 1:
@@ -193,15 +202,14 @@ class GRPOTrainModule(TransformerTrainModule):
         """The step after which the policy's weights were copied into the reference; -1 while
         the step-1 snapshot is pending. Saved in checkpoints with the reference's weights."""
         if config.loss.kl_coef > 0:
-            dp = config.dp_config
             if reference is None:
                 # Allocated now, sharded like the policy; it gets its weights at step 1.
                 self.reference = ReferenceModel.snapshot_of(
-                    self.model, source="policy@step 0", device=device, dp_config=dp
+                    self.model, source="policy@step 0", device=device, layout=self.layout
                 )
             else:
                 self.reference = ReferenceModel(
-                    reference, source="given reference", device=device, dp_config=dp
+                    reference, source="given reference", device=device, layout=self.layout
                 )
                 self.reference_step.fill_(0)
         self._pending: dict[str, Any] = {}

@@ -1,0 +1,142 @@
+"""Tensor parallelism for :class:`~olmolike.nn.transformer.Transformer` (Megatron-LM's split,
+with sequence parallelism), applied with torch's ``parallelize_module``.
+
+Per block: the q/k/v projections and the MLP's gate and up projections are split column-wise
+(each rank computes some heads, some hidden units), the attention output and the MLP's down
+projection row-wise (each rank's partial product is summed across ranks). Between the
+sublayers the activations are sharded on the sequence dimension (sequence parallelism): the
+RMSNorms and the residual adds then work on ``1/tp`` of the tokens, and the all-reduce of each
+row-wise projection becomes a reduce-scatter, with an all-gather before the next column-wise
+one. The embedding is split on the vocabulary (each rank looks up the ids it owns, the others
+contribute zeros) and the head column-wise, so the logits stay sharded on the vocabulary:
+:mod:`olmolike.nn.vocab_parallel` computes the loss from them without gathering a full row.
+
+QK-norm (OLMo-2) normalises over all heads at once, so it cannot act on one rank's heads
+alone: there the q/k projections hand on feature-sharded DTensors and the norm's mean of
+squares is all-reduced, which keeps the result equal to the unsplit model's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from ..exceptions import ConfigurationError
+from .transformer import Transformer, TransformerBlock, TransformerConfig
+
+__all__ = ["apply_tensor_parallel", "check_tensor_parallel_degree"]
+
+
+def check_tensor_parallel_degree(config: TransformerConfig, degree: int) -> None:
+    """Every split dimension must divide evenly by the tensor-parallel degree."""
+    sizes = {
+        "n_heads": config.n_heads,
+        "n_kv_heads": config.kv_heads,
+        "mlp hidden size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+    }
+    for name, size in sizes.items():
+        if size % degree:
+            raise ConfigurationError(
+                f"tensor parallelism over {degree} ranks splits the model's {name} ({size}) "
+                f"evenly, but {degree} does not divide it; choose a tp degree that does "
+                "(pad vocab_size to a multiple of it)",
+                path="train_module.tp_config.degree",
+            )
+
+
+def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh) -> None:
+    """Split ``model`` in place over the 1-D tensor-parallel ``mesh`` (before FSDP, which
+    then shards the resulting DTensors over the data dimensions)."""
+    check_tensor_parallel_degree(model.config, mesh.size())
+    sequence = Shard(1)
+    tied = model.config.tie_weights
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "embeddings": RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=sequence, use_local_output=False
+            ),
+            "norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(
+                input_layouts=sequence, output_layouts=Shard(-1), use_local_output=False
+            ),
+        },
+    )
+    if tied:  # each style distributed its own copy of the shared matrix: share one again
+        model.lm_head.weight = model.embeddings.weight
+    for block in model.blocks:
+        assert isinstance(block, TransformerBlock)
+        parallelize_module(block, mesh, _block_plan(block.attention.q_norm is not None))
+
+
+def _block_plan(qk_norm: bool) -> dict[str, ParallelStyle]:
+    sequence = Shard(1)
+    # The attention's arguments after x (cos, sin, mask, cache) are plain, replicated values.
+    gather = PrepareModuleInput(
+        input_layouts=(sequence, None, None, None, None),
+        desired_input_layouts=(Replicate(), None, None, None, None),
+    )
+    # With QK-norm, q and k leave their projections as DTensors for the norm (see the module
+    # docstring); the norm hands its rank's heads on as a plain tensor.
+    projection = ColwiseParallel(use_local_output=not qk_norm)
+    plan: dict[str, ParallelStyle] = {
+        "attention_norm": SequenceParallel(),
+        "feed_forward_norm": SequenceParallel(),
+        "attention": gather,
+        "attention.w_q": projection,
+        "attention.w_k": projection,
+        "attention.w_v": ColwiseParallel(),
+        "attention.w_out": RowwiseParallel(output_layouts=sequence, use_local_output=False),
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(sequence,), desired_input_layouts=(Replicate(),)
+        ),
+        "feed_forward.w_gate": ColwiseParallel(),
+        "feed_forward.w_up": ColwiseParallel(),
+        "feed_forward.w_down": RowwiseParallel(output_layouts=sequence, use_local_output=False),
+    }
+    if qk_norm:
+        plan["attention.q_norm"] = FeatureShardedNorm()
+        plan["attention.k_norm"] = FeatureShardedNorm()
+    return plan
+
+
+class FeatureShardedNorm(ParallelStyle):
+    """An RMSNorm over a feature dimension that is sharded across the ranks.
+
+    Its scale is sharded like the features (``Shard(0)``); the input is a DTensor sharded on
+    its last dimension, so the mean of squares over the features is a partial sum that DTensor
+    all-reduces. The output is this rank's slice, as a plain tensor.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            partition_fn=_shard_parameters,
+            output_fn=_local_output,
+        )
+
+
+def _shard_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    del name
+    for param_name, param in list(module.named_parameters(recurse=False)):
+        sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]))
+        module.register_parameter(param_name, sharded)
+
+
+def _local_output(module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+    del module, mesh
+    return output.to_local() if isinstance(output, DTensor) else output

@@ -1,0 +1,115 @@
+"""The parallel layout of a transformer train module: one device mesh, and the model split on it.
+
+The mesh (:mod:`olmolike.distributed.mesh`) has every dimension, outermost first: ``pp``,
+``dp_replicate``, ``dp_shard``, ``cp``, ``tp``. Tensor parallelism splits each layer over the
+innermost dimension; FSDP/HSDP then shard those (possibly already split) parameters over the
+data dimensions; DDP replicates over them. The ranks of one tensor-parallel group see the same
+batch, so the data loader, the micro-batch agreement and the loss's token count use the
+data-parallel group (:attr:`ParallelLayout.dp_process_group`), never the global ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ...distributed.mesh import DATA_DIMS, ParallelDegrees, build_device_mesh
+from ...distributed.parallel import DataParallelConfig, DataParallelType, apply_fsdp
+from ...distributed.utils import adopt_group, get_world_size, is_distributed
+from ...exceptions import ConfigurationError
+from ...nn.parallel_plan import apply_tensor_parallel
+from ...nn.transformer import Transformer
+
+__all__ = ["ParallelLayout"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ParallelLayout:
+    """The degrees of every parallelism of a run, its mesh, and its data-parallel group."""
+
+    degrees: ParallelDegrees
+    """How many ranks each dimension of the mesh spans."""
+    dp_config: DataParallelConfig | None
+    """The data parallelism in force: ``None`` on one data-parallel rank without FSDP."""
+    mesh: DeviceMesh | None
+    """The run's mesh; ``None`` when nothing shards (one process, or DDP alone)."""
+    dp_process_group: dist.ProcessGroup | None
+    """The ranks that see different batches; ``None`` means all ranks."""
+
+    @classmethod
+    def build(
+        cls,
+        degrees: ParallelDegrees,
+        dp_config: DataParallelConfig | None,
+        device: torch.device,
+        dp_process_group: dist.ProcessGroup | None = None,
+    ) -> ParallelLayout:
+        """The layout for ``degrees`` (already checked against the world size)."""
+        if dp_config is None and degrees.dp > 1:
+            dp_config = DataParallelConfig(name=DataParallelType.ddp)
+            log.info("dp_config is unset on %d data-parallel ranks: using DDP", degrees.dp)
+        ddp = dp_config is not None and dp_config.name == DataParallelType.ddp
+        split = degrees.world_size // degrees.dp > 1
+        if split and ddp:
+            raise ConfigurationError(
+                "tensor parallelism composes with FSDP or HSDP over the data ranks, not with "
+                "DDP: set train_module.dp_config.name=fsdp",
+                path="train_module.dp_config.name",
+            )
+        if split and dp_process_group is not None:
+            raise ConfigurationError(
+                "with tensor parallelism the data-parallel group comes from the device mesh; "
+                "build the train module without dp_process_group",
+                path="train_module",
+            )
+        if not split and (dp_config is None or ddp):
+            return cls(degrees, dp_config, None, dp_process_group)
+        mesh = build_device_mesh(degrees, device.type)
+        if not split:  # the data dimensions span every rank: the default group is the group
+            return cls(degrees, dp_config, mesh, dp_process_group)
+        dp_group = mesh[DATA_DIMS]._flatten("dp").get_group()
+        adopt_group(dp_group)
+        return cls(degrees, dp_config, mesh, dp_group)
+
+    @property
+    def dp_world_size(self) -> int:
+        return get_world_size(self.dp_process_group) if is_distributed() else 1
+
+    @property
+    def sharded(self) -> bool:
+        """Whether FSDP/HSDP shard the parameters over the data dimensions."""
+        return self.dp_config is not None and self.dp_config.name != DataParallelType.ddp
+
+    @property
+    def ddp(self) -> bool:
+        return self.dp_config is not None and self.dp_config.name == DataParallelType.ddp
+
+    def shard(self, model: nn.Module) -> None:
+        """Tensor parallelism, then FSDP/HSDP: the model's parameters become DTensors on the
+        mesh (on the ``meta`` device too: they are materialised shard by shard afterwards)."""
+        if self.degrees.tp > 1:
+            assert self.mesh is not None
+            if not isinstance(model, Transformer):
+                raise ConfigurationError(
+                    f"tensor parallelism splits olmolike's Transformer; {type(model).__name__} "
+                    "has no tensor-parallel plan: set tp_config.degree=1",
+                    path="train_module.tp_config",
+                )
+            apply_tensor_parallel(model, self.mesh["tp"])
+        if self.sharded:
+            assert self.mesh is not None and self.dp_config is not None
+            dp = self.dp_config
+            apply_fsdp(
+                model,
+                dp.data_mesh(self.mesh),
+                param_dtype=dp.param_dtype.as_pt() if dp.param_dtype else None,
+                reduce_dtype=dp.reduce_dtype.as_pt(),
+                reshard_after_forward=dp.reshard_after_forward,
+            )
