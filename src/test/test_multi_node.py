@@ -1,0 +1,128 @@
+"""Two "nodes" on one machine: ``torchrun --nnodes=2`` twice, two ranks each, c10d rendezvous.
+
+The layout is the one docs/multi-node.md recommends for a model too large for FSDP on one
+node: tensor parallelism inside each node, HSDP replicas across the nodes. The test checks
+where the mesh puts each dimension (every tensor-parallel group on one node, every replica
+group across both), that ``olmolike train`` trains and saves there, and that a second launch
+resumes from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from testutils import free_port, patient
+
+from olmolike.data import prepare_data
+from olmolike.data.numpy_data_loader import NumpyDataLoaderConfig
+from olmolike.data.numpy_dataset import NumpyDatasetConfig
+from olmolike.experiment import ExperimentConfig
+from olmolike.nn import TransformerConfig
+from olmolike.train import Duration, TrainerConfig
+from olmolike.train.callbacks import CheckpointerCallback
+from olmolike.train.checkpoint import Checkpointer
+from olmolike.train.train_module import TransformerTrainModuleConfig
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+SEQ = 32
+
+NODE_SCRIPT = """
+import os
+import sys
+
+import torch.distributed as dist
+
+from olmolike.experiment import load_experiment, train
+from olmolike.train import prepare_training_environment, teardown_training_environment
+
+prepare_training_environment()
+trainer = train(load_experiment(sys.argv[1], sys.argv[2:]))
+mesh = trainer.train_module.layout.mesh
+node = int(os.environ["GROUP_RANK"])  # torchrun's node rank
+nodes = [None] * dist.get_world_size()
+dist.all_gather_object(nodes, node)
+for dim in ("tp", "dp_replicate"):
+    members = dist.get_process_group_ranks(mesh[dim].get_group())
+    print(f"RANK {dist.get_rank()} {dim} nodes {sorted(nodes[r] for r in members)}", flush=True)
+print(f"NODE DONE step={trainer.global_step}", flush=True)
+teardown_training_environment()
+"""
+
+
+def _experiment(tmp_path: Path) -> Path:
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(f"line {i}: the quick brown fox jumps over {i}\n" for i in range(400)))
+    prepare_data([text], tmp_path / "tokens")
+    config = ExperimentConfig(
+        run_name="two-nodes",
+        model=TransformerConfig(
+            vocab_size=272, d_model=32, n_layers=2, n_heads=4, max_sequence_length=SEQ
+        ),
+        dataset=NumpyDatasetConfig(paths=[str(tmp_path / "tokens")], sequence_length=SEQ),
+        data_loader=NumpyDataLoaderConfig(global_batch_size=4 * SEQ, seed=0),
+        train_module=TransformerTrainModuleConfig(rank_microbatch_size=2 * SEQ),
+        trainer=TrainerConfig(
+            save_folder=str(tmp_path / "run"),
+            max_duration=Duration.steps(2),
+            callbacks={"checkpointer": CheckpointerCallback(save_interval=2)},
+        ),
+    )
+    path = tmp_path / "experiment.yaml"
+    path.write_text(config.to_yaml())
+    return path
+
+
+def _launch(script: Path, experiment: Path, overrides: list[str], work: Path) -> list[str]:
+    """Both nodes' output; each node is one ``torchrun`` with two ranks."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OLMOLIKE_SHARED_FILESYSTEM": "1"}
+    nodes = []
+    for node in range(2):
+        command = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes=2", "--nproc_per_node=2", f"--node_rank={node}",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes",
+            str(script), str(experiment), *overrides, f"--trainer.work_dir={work / f'node{node}'}",
+        ]  # fmt: skip
+        nodes.append(
+            subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        )
+    outputs = []
+    try:
+        for process in nodes:
+            out, _ = process.communicate(timeout=patient(300))
+            text = out.decode(errors="replace")
+            assert process.returncode == 0, f"a node failed ({process.returncode}):\n{text[-4000:]}"
+            outputs.append(text)
+    finally:
+        for process in nodes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return outputs
+
+
+def test_tensor_parallel_within_nodes_and_hsdp_across_them(tmp_path: Path) -> None:
+    script = tmp_path / "node.py"
+    script.write_text(textwrap.dedent(NODE_SCRIPT))
+    experiment = _experiment(tmp_path)
+    layout = ["--train_module.tp_config.degree=2", "--train_module.dp_config.name=hsdp"]
+    lines = "".join(_launch(script, experiment, layout, tmp_path)).splitlines()
+    placement = sorted(line for line in lines if line.startswith("RANK "))
+    assert placement == sorted(
+        [f"RANK {r} tp nodes {[r // 2] * 2}" for r in range(4)]
+        + [f"RANK {r} dp_replicate nodes [0, 1]" for r in range(4)]
+    ), "\n".join(lines[-60:])
+    assert sum("NODE DONE step=2" in line for line in lines) == 4
+    assert [step for step, _ in Checkpointer.find_checkpoints(str(tmp_path / "run"))] == [0, 2]
+
+    longer = [*layout, "--trainer.max_duration.value=3"]
+    lines = "".join(_launch(script, experiment, longer, tmp_path)).splitlines()
+    assert sum("NODE DONE step=3" in line for line in lines) == 4, "\n".join(lines[-60:])
+    assert [step for step, _ in Checkpointer.find_checkpoints(str(tmp_path / "run"))] == [0, 2, 3]
