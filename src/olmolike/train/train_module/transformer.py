@@ -7,7 +7,7 @@ import functools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ...config import Config, DType, StrEnum
 from ...distributed.parallel import DataParallelConfig, DataParallelType, apply_ddp, apply_fsdp
+from ...distributed.pipeline import PipelineParallelConfig
 from ...distributed.utils import get_world_size, is_distributed
 from ...exceptions import ConfigurationError
 from ...nn.functional import cross_entropy_loss
@@ -95,6 +96,9 @@ class TransformerTrainModuleConfig(Config):
     compile_backend: str = "inductor"
     dp_config: DataParallelConfig | None = None
     """Data parallelism; ``None`` means DDP when running on several ranks."""
+    pp_config: PipelineParallelConfig | None = None
+    """Pipeline parallelism: the layers split into stages over ``pp_config.degree`` ranks
+    (:mod:`olmolike.train.train_module.pipeline`); the data dimensions take the other ranks."""
     ac_config: ActivationCheckpointingConfig | None = None
     init_seed: int = 0
     """Seed for the weights when the model was built on the ``meta`` device."""
@@ -105,7 +109,17 @@ class TransformerTrainModuleConfig(Config):
     ``fit()`` starts, after sharding and before step 1, and only if the run did not resume
     from a checkpoint: a resumed run continues from its own weights."""
 
+    pipeline_refusal: ClassVar[str | None] = None
+    """Why this kind of training refuses ``pp_config`` (``None``: it runs pipelined). The
+    pipelined step runs the plain LM loss; a subclass whose step runs more says why not."""
+
     def validate(self) -> None:
+        if self.pp_config is not None and self.pp_config.degree > 1 and self.pipeline_refusal:
+            raise self._invalid(
+                "pp_config",
+                f"{type(self).__name__} does not run under pipeline parallelism: "
+                f"{self.pipeline_refusal}; set pp_config=null (use FSDP to fit the model)",
+            )
         if self.rank_microbatch_size <= 0:
             raise self._invalid("rank_microbatch_size", "must be a positive number of tokens")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
@@ -127,7 +141,14 @@ class TransformerTrainModuleConfig(Config):
         shard by shard, so the full model never has to fit in one process's memory.
         """
         self.validate()
+        if self.pp_config is not None and self.pp_config.degree > 1:
+            return _pipelined[0](self, model, device or get_default_device())
         return TransformerTrainModule(self, model, device or get_default_device(), dp_process_group)
+
+
+_pipelined: list[Callable[..., TransformerTrainModule]] = []
+"""The pipelined train module :meth:`TransformerTrainModuleConfig.build` returns under
+``pp_config``; :mod:`.pipeline` (a subclass, imported by this package) registers it."""
 
 
 class TransformerTrainModule(ModelAndOptimTrainModule):
@@ -157,11 +178,11 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         self.dp_world_size = get_world_size(dp_process_group) if is_distributed() else 1
         self.model = model
         self._ddp: DDP | None = None
-        self._parallelize(model)
-        self.optim = config.optim.build(model)
+        self._parallelize(model)  # may replace self.model (a pipeline rank's stages)
+        self.optim = config.optim.build(self.model)
         self.scheduler = config.scheduler
         self._check_rewarm = False
-        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._autocast = (
             torch.autocast(device.type, dtype=config.autocast_precision.as_pt())
             if config.autocast_precision is not None
@@ -172,6 +193,12 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
 
     def _parallelize(self, model: nn.Module) -> None:
         config = self.config
+        if config.pp_config is not None and config.pp_config.degree > 1:
+            raise ConfigurationError(
+                f"{type(self).__name__} runs no pipeline: build the train module with "
+                "TransformerTrainModuleConfig.build(), which returns the pipelined one",
+                path="train_module.pp_config",
+            )
         dp = config.dp_config
         if dp is None and self.dp_world_size > 1:
             dp = DataParallelConfig(name=DataParallelType.ddp)
@@ -367,14 +394,17 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
                 self._warn_if_rewarmed(self.scheduler, current, t_max)
             self.scheduler.set_lr(self.optim, current, t_max)
         if self.config.max_grad_norm is not None:
-            grad_norm = nn.utils.clip_grad_norm_(self._params, self.config.max_grad_norm)
-            if isinstance(grad_norm, DTensor):
-                grad_norm = grad_norm.full_tensor()
+            grad_norm = self._clip_grad_norm(self.config.max_grad_norm)
             self.record_metric("total grad norm", grad_norm, namespace="optim")
         for i, group in enumerate(self.optim.param_groups):
             name = group.get("name", f"group {i}")
             self.record_metric(f"LR ({name})", float(group["lr"]), namespace="optim")
         self.optim.step()
+
+    def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to a total norm of ``max_norm``; returns the norm before."""
+        grad_norm = nn.utils.clip_grad_norm_(self._params, max_norm)
+        return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
 
     def _warn_if_rewarmed(self, scheduler: Scheduler, current: int, t_max: int | None) -> None:
         """Warn when a resumed run's LR jumps up: its schedule was stretched, e.g. by extending
