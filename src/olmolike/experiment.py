@@ -124,8 +124,15 @@ def train(config: ExperimentConfig, rewards: RewardRegistry | None = None) -> Tr
     # Built on the meta device: the train module shards it (if asked), then materialises it.
     model = config.model.build(init_device="meta")
     train_module = build_train_module(config.train_module, model, config.tokenizer, registry)
+    group = getattr(train_module, "dp_process_group", None)
+    if group is not None:  # e.g. pipeline stages: only the data-parallel ranks split the data
+        data_loader = build_data_loader(
+            config.dataset, config.data_loader, config.model, dp_process_group=group
+        )
     saver = ConfigSaverCallback(config=config.as_config_dict())  # for generate, evaluate
-    trainer = config.trainer.with_callback("config_saver", saver).build(train_module, data_loader)
+    trainer = config.trainer.with_callback("config_saver", saver).build(
+        train_module, data_loader, dp_process_group=group
+    )
     kind = kind_of(config.train_module, config.dataset)
     log.info(
         "%s (%s): %s parameters, %s %s per step, %s steps",

@@ -17,6 +17,7 @@ prints) works as well. Registering them imports nothing new: every class is alre
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
@@ -34,6 +35,9 @@ from .train.train_module.dpo import DPOTrainModuleConfig
 from .train.train_module.grpo import GRPOTrainModuleConfig, RewardRegistry
 from .train.train_module.grpo.entry_points import load_entry_point_rewards
 from .train.train_module.two_stage_kl import TwoStageKLTrainModuleConfig
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 __all__ = [
     "DatasetConfig",
@@ -139,9 +143,13 @@ def check_data(
 
 
 def build_data_loader(
-    dataset: DatasetConfig, loader: NumpyDataLoaderConfig, model: TransformerConfig
+    dataset: DatasetConfig,
+    loader: NumpyDataLoaderConfig,
+    model: TransformerConfig,
+    dp_process_group: dist.ProcessGroup | None = None,
 ) -> DataLoaderBase:
-    """This rank's loader over the experiment's data; checks the data fits the model."""
+    """This rank's loader over the experiment's data; checks the data fits the model.
+    ``dp_process_group``: the ranks that split the data (default: all); token data only."""
     try:
         if isinstance(dataset, PromptDatasetConfig):
             return dataset.build_loader(
@@ -157,7 +165,7 @@ def build_data_loader(
         raise e.under("data_loader") from None
     if isinstance(dataset, SFTDatasetConfig):
         _check_fits(model, dataset.sequence_length)
-    return loader.build(dataset.build())
+    return loader.build(dataset.build(), dp_process_group=dp_process_group)
 
 
 def _check_fits(model: TransformerConfig, sequence_length: int) -> None:

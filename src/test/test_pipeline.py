@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy
 import pytest
 import torch
 from testutils import run_distributed_test
 
-from olmolike.data import TokenTensorDataLoader
+from olmolike.data import NumpyDatasetConfig, TokenTensorDataLoader
 from olmolike.distributed.parallel import DataParallelConfig
 from olmolike.distributed.pipeline import PipelineParallelConfig, split_layers
 from olmolike.distributed.utils import broadcast_object, get_rank
@@ -31,7 +32,7 @@ from olmolike.nn.transformer_stage import TransformerParts, TransformerStage
 from olmolike.optim import AdamWConfig
 from olmolike.testing import random_token_instances
 from olmolike.train import Callback, Duration, TrainerConfig
-from olmolike.train.callbacks import CheckpointerCallback
+from olmolike.train.callbacks import CheckpointerCallback, LMEvaluatorCallbackConfig
 from olmolike.train.train_module import TransformerTrainModuleConfig
 
 SEQ_LEN = 16
@@ -104,6 +105,8 @@ def train(
     save_interval: int | None = None,
     load_path: str | None = None,
     evaluate: bool = False,
+    eval_data: str | None = None,
+    dp_group_for_trainer: bool = True,
 ) -> Run:
     """Train the model from the same seed on the same data, on however many ranks run it."""
     module_config = TransformerTrainModuleConfig(
@@ -123,8 +126,21 @@ def train(
         dp_world_size=train_module.dp_world_size,
         dp_rank=get_rank(group),
     )
+    if not dp_group_for_trainer:
+        loader = PackedLoader(
+            random_token_instances(64, SEQ_LEN, VOCAB, seed=1),
+            global_batch_size=INSTANCES_PER_BATCH * SEQ_LEN,
+            seed=0,
+        )
     record = Record()
     callbacks: dict[str, Callback] = {"record": record}
+    if eval_data is not None:  # the last step's metrics then include eval/lm/CE loss
+        callbacks["evaluator"] = LMEvaluatorCallbackConfig(
+            eval_dataset=NumpyDatasetConfig(paths=[eval_data], sequence_length=SEQ_LEN),
+            eval_batch_size=2,
+            eval_interval=None,
+            eval_on_finish=True,
+        )
     if save_interval is not None:
         callbacks["checkpointer"] = CheckpointerCallback(save_interval=save_interval)
     trainer = TrainerConfig(
@@ -135,7 +151,7 @@ def train(
         max_duration=Duration.steps(steps),
         no_checkpoints=save_interval is None,
         load_path=load_path,
-    ).build(train_module, loader, dp_process_group=group)
+    ).build(train_module, loader, dp_process_group=group if dp_group_for_trainer else None)
     trainer.fit()
     params = {n: _full(p) for n, p in train_module.model.state_dict().items()}
     run = Run(record.metrics, record.grads, params)
@@ -145,6 +161,13 @@ def train(
         run.eval_loss = float(train_module.eval_batch({"input_ids": ids}, labels))
         run.eval_logits = train_module.eval_batch({"input_ids": ids})
     return run
+
+
+def _without_eval(run: Run) -> Run:
+    metrics = {
+        s: {k: v for k, v in m.items() if not k.startswith("eval/")} for s, m in run.metrics.items()
+    }
+    return Run(metrics, run.grads, run.params)
 
 
 def assert_same_run(got: Run, want: Run, steps: range | None = None) -> None:
@@ -165,8 +188,12 @@ def assert_same_run(got: Run, want: Run, steps: range | None = None) -> None:
 def single() -> dict[str, Any]:
     """One process: the reference run, and a checkpoint of it at step 2 to load elsewhere."""
     folder = tempfile.mkdtemp()
-    reference = train(folder, save_interval=2, evaluate=True)
-    return {"run": reference, "checkpoint": f"{folder}/step2"}
+    eval_data = f"{tempfile.mkdtemp()}/eval.npy"
+    # 7 instances: the evaluator's last batch is short (a new micro-batch shape).
+    tokens = random_token_instances(7, SEQ_LEN, VOCAB, seed=5).numpy().astype(numpy.uint16)
+    numpy.save(eval_data, tokens.reshape(-1))
+    reference = train(folder, save_interval=2, evaluate=True, eval_data=eval_data)
+    return {"run": reference, "checkpoint": f"{folder}/step2", "eval_data": eval_data}
 
 
 # -- one process ------------------------------------------------------------------------------
@@ -206,6 +233,7 @@ def test_stages_hold_the_model_under_its_own_names_and_initial_weights() -> None
         assert not merged.keys() & parts.state_dict().keys()
         merged.update(parts.state_dict())
     want = whole.state_dict()
+    assert parts.num_flops_per_token(SEQ_LEN) == whole.num_flops_per_token(SEQ_LEN)
     assert merged.keys() == want.keys()
     for name, tensor in want.items():
         assert torch.equal(merged[name], tensor), name
@@ -245,17 +273,22 @@ def test_post_training_that_cannot_pipeline_says_why() -> None:
 # -- two ranks: PP=2 ----------------------------------------------------------------------------
 
 
-def _two_rank_cases(single_checkpoint: str) -> dict[str, Any]:
+def _two_rank_cases(single_checkpoint: str, eval_data: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for schedule in SCHEDULES:
         pp = {"degree": 2, "schedule": schedule}
-        out[schedule] = train(broadcast_object(tempfile.mkdtemp()), pp=pp, evaluate=True)
+        folder = broadcast_object(tempfile.mkdtemp())
+        out[schedule] = train(folder, pp=pp, evaluate=True, eval_data=eval_data)
     pp = {"degree": 2, "schedule": "1f1b"}
     # Stop after step 2 (a checkpoint), then resume in a new trainer to the end.
     folder = broadcast_object(tempfile.mkdtemp())
     train(folder, steps=2, pp=pp, save_interval=2)
     out["resumed"] = train(folder, pp=pp, save_interval=2)
     out["pp_checkpoint"] = f"{folder}/step2"
+    try:  # a trainer over all ranks would give the two stages different batches
+        train(broadcast_object(tempfile.mkdtemp()), pp=pp, dp_group_for_trainer=False)
+    except ConfigurationError as e:
+        out["no_dp_group"] = str(e)
     # A one-process checkpoint continued under PP.
     out["from_single"] = train(
         broadcast_object(tempfile.mkdtemp()), pp=pp, load_path=single_checkpoint
@@ -265,7 +298,8 @@ def _two_rank_cases(single_checkpoint: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def two_ranks(single: dict[str, Any]) -> list[dict[str, Any]]:
-    return run_distributed_test(_two_rank_cases, 2, args=(single["checkpoint"],), timeout=300)
+    args = (single["checkpoint"], single["eval_data"])
+    return run_distributed_test(_two_rank_cases, 2, args=args, timeout=300)
 
 
 @pytest.mark.slow
@@ -297,7 +331,7 @@ def test_stop_and_resume_under_pp_is_exact(
     two_ranks: list[dict[str, Any]], single: dict[str, Any]
 ) -> None:
     for rank in two_ranks:
-        assert_same_run(rank["resumed"], single["run"], steps=range(3, STEPS + 1))
+        assert_same_run(rank["resumed"], _without_eval(single["run"]), range(3, STEPS + 1))
 
 
 @pytest.mark.slow
@@ -308,10 +342,10 @@ def test_checkpoints_move_between_pp_and_one_process(
     """Model and optimizer state: a one-process checkpoint continues under PP, and a PP
     checkpoint in one process, both exactly as the uninterrupted run."""
     for rank in two_ranks:
-        assert_same_run(rank["from_single"], single["run"], steps=range(3, STEPS + 1))
+        assert_same_run(rank["from_single"], _without_eval(single["run"]), range(3, STEPS + 1))
     folder = tempfile.mkdtemp()
     continued = train(folder, load_path=two_ranks[0]["pp_checkpoint"])
-    assert_same_run(continued, single["run"], steps=range(3, STEPS + 1))
+    assert_same_run(continued, _without_eval(single["run"]), range(3, STEPS + 1))
 
 
 @pytest.mark.slow
@@ -327,3 +361,56 @@ def test_unshard_reads_a_pp_checkpoint(two_ranks: list[dict[str, Any]], tmp_path
     (weights,) = tmp_path.glob("*.safetensors")
     unsharded = load_file(str(weights))
     assert set(unsharded) == set(model_config().build(init_device="meta").state_dict())
+
+
+# -- four ranks: PP=2 x FSDP=2 -------------------------------------------------------------------
+
+
+def _four_rank_cases(single_checkpoint: str, eval_data: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    fsdp = {"name": "fsdp"}
+    folder = broadcast_object(tempfile.mkdtemp())
+    pp = {"degree": 2, "schedule": "1f1b"}
+    out["1f1b"] = train(folder, pp=pp, dp=fsdp, save_interval=2, eval_data=eval_data)
+    out["pp_fsdp_checkpoint"] = f"{folder}/step2"
+    # No dp_config: the data-parallel ranks replicate the stages (DDP's place under PP).
+    pp = {"degree": 2, "schedule": "interleaved_1f1b"}
+    out["interleaved"] = train(broadcast_object(tempfile.mkdtemp()), pp=pp)
+    pp = {"degree": 2, "schedule": "gpipe"}
+    folder = broadcast_object(tempfile.mkdtemp())
+    out["from_single"] = train(folder, pp=pp, dp=fsdp, load_path=single_checkpoint)
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks(single: dict[str, Any]) -> list[dict[str, Any]]:
+    args = (single["checkpoint"], single["eval_data"])
+    return run_distributed_test(_four_rank_cases, 4, args=args, timeout=400)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_pp_with_fsdp_trains_as_one_process(
+    four_ranks: list[dict[str, Any]], single: dict[str, Any]
+) -> None:
+    for rank in four_ranks:
+        assert_same_run(rank["1f1b"], single["run"])
+        assert_same_run(rank["interleaved"], _without_eval(single["run"]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_checkpoints_move_between_pp_fsdp_and_one_process(
+    four_ranks: list[dict[str, Any]], single: dict[str, Any]
+) -> None:
+    for rank in four_ranks:
+        assert_same_run(rank["from_single"], _without_eval(single["run"]), range(3, STEPS + 1))
+    continued = train(tempfile.mkdtemp(), load_path=four_ranks[0]["pp_fsdp_checkpoint"])
+    assert_same_run(continued, _without_eval(single["run"]), range(3, STEPS + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_trainer_over_all_ranks_is_refused(two_ranks: list[dict[str, Any]]) -> None:
+    for rank in two_ranks:
+        assert "dp_process_group=train_module.dp_process_group" in rank["no_dp_group"]

@@ -49,6 +49,11 @@ class _Parts(nn.Module):
     def layer_indices(self) -> list[int]:
         return [int(key) for key in self.blocks]
 
+    def num_flops_per_token(self, seq_len: int) -> int:
+        """The whole model's training FLOPs per token (throughput and MFU count the model's
+        work, whichever ranks share it)."""
+        return self.config.num_flops_per_token(seq_len)
+
 
 class TransformerStage(_Parts):
     """Layers ``layers`` of ``model``, with the embedding if ``first``, the norm and head if

@@ -60,7 +60,8 @@ class Evaluator(ABC):
 class LMEvaluator(Evaluator):
     """Mean cross-entropy and perplexity of next-token prediction on a token dataset.
 
-    Instances are dealt round-robin to the data-parallel ranks and none is dropped. Every rank
+    Instances are dealt round-robin to the data-parallel ranks (the train module's
+    ``dp_process_group``, all ranks without one) and none is dropped. Every rank
     runs the same number of forward passes (a rank that has run out runs a batch whose labels
     are all ignored), because a sharded model needs every rank in every forward.
     """
@@ -82,16 +83,16 @@ class LMEvaluator(Evaluator):
         self.device = device
         self.ignore_index = label_ignore_index
 
-    def _rank_batches(self) -> tuple[list[list[int]], int]:
-        world, rank = get_world_size(), get_rank()
-        limit = self._instance_limit()
+    def _rank_batches(self, group: dist.ProcessGroup | None) -> tuple[list[list[int]], int]:
+        world, rank = get_world_size(group), get_rank(group)
+        limit = self._instance_limit(world)
         mine = list(range(rank, limit, world))
         per_rank = math.ceil(limit / world)
         count = math.ceil(per_rank / self.rank_batch_instances)
         size = self.rank_batch_instances
         return [mine[i * size : (i + 1) * size] for i in range(count)], count
 
-    def _instance_limit(self) -> int:
+    def _instance_limit(self, world: int) -> int:
         """How many instances (the first ones) an evaluation scores.
 
         ``max_batches`` counts batches as one process would run them, so the scored subset is
@@ -101,7 +102,7 @@ class LMEvaluator(Evaluator):
         limit = len(self.dataset)
         if self.max_batches is not None:
             limit = min(limit, self.max_batches * self.rank_batch_instances)
-        duration, global_batch = self.eval_duration, self.rank_batch_instances * get_world_size()
+        duration, global_batch = self.eval_duration, self.rank_batch_instances * world
         if duration is not None and duration.unit == DurationUnit.steps:
             limit = min(limit, duration.value * global_batch)
         elif duration is not None and duration.unit == DurationUnit.tokens:
@@ -131,7 +132,10 @@ class LMEvaluator(Evaluator):
 
     def evaluate(self, train_module: TrainModule) -> dict[str, torch.Tensor]:
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # loss sum, tokens
-        batches, count = self._rank_batches()
+        # The data-parallel ranks split the data; the ranks of one pipeline (or tensor-parallel
+        # group) share a batch, so the data-parallel group is the train module's, not the world.
+        group = getattr(train_module, "dp_process_group", None)
+        batches, count = self._rank_batches(group)
         for i, indices in enumerate(batches, start=1):
             if self.log_interval and (i % self.log_interval == 0 or i == count):
                 log.info("[eval=%s,step=%d/%d]", self.name, i, count)
@@ -143,7 +147,7 @@ class LMEvaluator(Evaluator):
             totals[0] += loss_sum.double()
             totals[1] += (labels != self.ignore_index).sum()
         if is_distributed():
-            dist.all_reduce(totals)
+            dist.all_reduce(totals, group=group)
         ce_loss = (totals[0] / totals[1].clamp(min=1)).float()
         return {"CE loss": ce_loss, "PPL": ce_loss.exp()}
 

@@ -223,6 +223,17 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
 
     def on_attach(self) -> None:
         super().on_attach()
+        trainer_dp = self.trainer.dp_process_group
+        if trainer_dp is None or get_world_size(trainer_dp) != self.dp_world_size:
+            # Else each pipeline rank would read a different batch: the first stage's inputs
+            # and the last stage's labels would not belong together.
+            raise ConfigurationError(
+                "under pipeline parallelism the ranks of one pipeline must read the same batch: "
+                "build the trainer with dp_process_group=train_module.dp_process_group and the "
+                "data loader for that group (dp_world_size=train_module.dp_world_size, dp_rank="
+                "its rank in the group)",
+                path="train_module.pp_config",
+            )
         self._pp.check_microbatches(
             self.trainer.rank_batch_size // self.config.rank_microbatch_size
         )
@@ -299,27 +310,48 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
     def _pad_to_agreed_microbatches(
         self, input_ids: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
-        """The batch padded to the micro-batch count every data-parallel rank agrees on, in
-        whole micro-batches: every pipeline runs the same schedule, so FSDP's collectives
-        match. Padding rows have every label ignored: they add nothing to loss or gradients."""
+        """The batch padded to the micro-batch count (and sequence length) every
+        data-parallel rank agrees on: every pipeline then runs the same schedule on the same
+        shapes, so FSDP's collectives (also those of a new schedule's shape inference) match.
+        Padding has every label ignored: it adds nothing to loss or gradients."""
         per = microbatch_rows(
             input_ids, self.config.rank_microbatch_size, "train_module.rank_microbatch_size"
         )
-        rows = input_ids.shape[0]
-        n = agree_counts([max(1, -(-rows // per))], self.dp_process_group).max[0]
-        missing = n * per - rows
-        if missing:
-            pad = (0, 0, 0, missing)
-            input_ids = F.pad(input_ids, pad, value=0)
-            labels = F.pad(labels, pad, value=self.config.label_ignore_index)
-            doc_ids = None if doc_ids is None else F.pad(doc_ids, pad, value=-1)
+        rows, seq = input_ids.shape
+        n, seq = agree_counts([max(1, -(-rows // per)), seq], self.dp_process_group).max
+        input_ids, labels, doc_ids = self._pad(input_ids, labels, doc_ids, n * per, seq)
         return input_ids, labels, doc_ids, n
+
+    def _pad(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None,
+        doc_ids: torch.Tensor | None,
+        rows: int,
+        seq: int,
+    ) -> tuple[torch.Tensor, Any, Any]:
+        """Right-pad to ``rows x seq``: token 0, ignored labels, padding documents (-1).
+        Causal attention keeps the real tokens' results unchanged."""
+        pad = (0, seq - input_ids.shape[1], 0, rows - input_ids.shape[0])
+        if not any(pad):
+            return input_ids, labels, doc_ids
+        ignore = self.config.label_ignore_index
+        return (
+            F.pad(input_ids, pad, value=0),
+            None if labels is None else F.pad(labels, pad, value=ignore),
+            None if doc_ids is None else F.pad(doc_ids, pad, value=-1),
+        )
 
     @torch.no_grad()
     def eval_batch(self, batch: dict[str, Any], labels: torch.Tensor | None = None) -> Any:
         """As without a pipeline, on every pipeline rank: the last stage's logits (or mean CE
-        loss) are broadcast to the others. The batch is one micro-batch."""
-        input_ids, doc_ids = batch["input_ids"], batch.get("doc_ids")
+        loss) are broadcast to the others. The batch is one micro-batch, padded to the shape
+        every data-parallel rank agrees on (an evaluator's last batches differ by rank)."""
+        rows, seq = batch["input_ids"].shape
+        shape = agree_counts([rows, seq], self.dp_process_group).max
+        input_ids, labels, doc_ids = self._pad(
+            batch["input_ids"], labels, batch.get("doc_ids"), *shape
+        )
         was_training = self.model.training
         self.model.eval()
         try:
@@ -338,9 +370,8 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
                 )
             return self._from_last_stage(loss.float())
         if not self.is_last_stage_rank:
-            shape = (*input_ids.shape, self.model.config.vocab_size)
-            logits = torch.empty(shape, device=self.device)
-        return self._from_last_stage(logits.float())
+            logits = torch.empty((*shape, self.model.config.vocab_size), device=self.device)
+        return self._from_last_stage(logits.float())[:rows, :seq]
 
     def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.broadcast(tensor, group=self.pp_group, group_src=self._pp.degree - 1)
