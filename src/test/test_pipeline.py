@@ -33,7 +33,10 @@ from olmolike.optim import AdamWConfig
 from olmolike.testing import random_token_instances
 from olmolike.train import Callback, Duration, TrainerConfig
 from olmolike.train.callbacks import CheckpointerCallback, LMEvaluatorCallbackConfig
-from olmolike.train.train_module import TransformerTrainModuleConfig
+from olmolike.train.train_module import (
+    ActivationCheckpointingConfig,
+    TransformerTrainModuleConfig,
+)
 
 SEQ_LEN = 16
 VOCAB = 64
@@ -107,6 +110,8 @@ def train(
     evaluate: bool = False,
     eval_data: str | None = None,
     dp_group_for_trainer: bool = True,
+    init_device: str = "meta",
+    **module: Any,
 ) -> Run:
     """Train the model from the same seed on the same data, on however many ranks run it."""
     module_config = TransformerTrainModuleConfig(
@@ -116,8 +121,10 @@ def train(
         z_loss_multiplier=1e-4,
         pp_config=PipelineParallelConfig.from_dict(pp) if pp else None,
         dp_config=DataParallelConfig.from_dict(dp) if dp else None,
+        **module,
     )
-    train_module = module_config.build(model_config().build(init_device="meta"))
+    model = model_config().build(init_device=init_device, seed=module_config.init_seed)
+    train_module = module_config.build(model)
     group = getattr(train_module, "dp_process_group", None)
     loader = PackedLoader(
         random_token_instances(64, SEQ_LEN, VOCAB, seed=1),
@@ -275,10 +282,16 @@ def test_post_training_that_cannot_pipeline_says_why() -> None:
 
 def _two_rank_cases(single_checkpoint: str, eval_data: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    # Variations that change nothing: activation checkpointing, a model built on a device.
+    variations: dict[str, dict[str, Any]] = {
+        "gpipe": {"ac_config": ActivationCheckpointingConfig()},
+        "interleaved_1f1b": {"init_device": "cpu"},
+    }
     for schedule in SCHEDULES:
         pp = {"degree": 2, "schedule": schedule}
         folder = broadcast_object(tempfile.mkdtemp())
-        out[schedule] = train(folder, pp=pp, evaluate=True, eval_data=eval_data)
+        varied = variations.get(schedule, {})
+        out[schedule] = train(folder, pp=pp, evaluate=True, eval_data=eval_data, **varied)
     pp = {"degree": 2, "schedule": "1f1b"}
     # Stop after step 2 (a checkpoint), then resume in a new trainer to the end.
     folder = broadcast_object(tempfile.mkdtemp())
