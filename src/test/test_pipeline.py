@@ -254,6 +254,16 @@ def test_tied_weights_are_refused_with_the_fix() -> None:
         config.build(model_config(tie_weights=True).build(init_device="meta"))
 
 
+def test_init_weights_is_refused_with_the_way_round() -> None:
+    config = TransformerTrainModuleConfig(
+        rank_microbatch_size=SEQ_LEN,
+        pp_config=PipelineParallelConfig(degree=2),
+        init_weights="/some/hf/folder",
+    )
+    with pytest.raises(ConfigurationError, match=r"trainer\.load_optim_state=false"):
+        config.build(model_config().build(init_device="meta"))
+
+
 def test_too_few_layers_is_refused_with_the_fix() -> None:
     config = TransformerTrainModuleConfig(
         rank_microbatch_size=SEQ_LEN,
@@ -362,11 +372,16 @@ def test_checkpoints_move_between_pp_and_one_process(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_unshard_reads_a_pp_checkpoint(two_ranks: list[dict[str, Any]], tmp_path: Path) -> None:
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    ("group", "key"), [("two_ranks", "pp_checkpoint"), ("four_ranks", "pp_fsdp_checkpoint")]
+)
+def test_unshard_reads_a_pp_checkpoint(
+    group: str, key: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     from safetensors.torch import load_file
 
-    checkpoint = two_ranks[0]["pp_checkpoint"]
+    checkpoint = request.getfixturevalue(group)[0][key]
     subprocess.run(
         [sys.executable, "-m", "olmolike", "unshard", checkpoint, str(tmp_path), "--safetensors"],
         check=True,

@@ -6,7 +6,7 @@ the whole model (``blocks`` is a ``ModuleDict`` keyed by the global layer index)
 parameter names are the unsplit model's: checkpoints do not depend on the pipeline layout.
 
 The modules are the whole model's own (not copies), so building stages from a model on the
-``meta`` device allocates nothing; :meth:`TransformerStage.materialize` then initialises each
+``meta`` device allocates nothing; :meth:`TransformerParts.materialize` then initialises each
 stage with exactly the weights the unsplit model would get from the same seed.
 """
 

@@ -76,6 +76,15 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
 
     def _parallelize(self, model: nn.Module) -> None:
         pp = self._pp
+        if self.config.init_weights is not None:
+            raise ConfigurationError(
+                "init_weights is not supported under pipeline parallelism yet (the weights are "
+                "read for the whole model on each rank); load them in one process once and "
+                "save a checkpoint, then start this run from it with trainer.load_path=<that "
+                "checkpoint>, trainer.load_trainer_state=false and "
+                "trainer.load_optim_state=false (checkpoints move between layouts)",
+                path="train_module.init_weights",
+            )
         self._check_model(model)
         assert isinstance(model, Transformer)
         layers = split_layers(model.config.n_layers, pp.num_stages)
