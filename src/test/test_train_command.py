@@ -89,11 +89,20 @@ def test_a_mistake_in_the_overrides_is_one_line(
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_under_torchrun(config_file: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--train_module.dp_config.name=fsdp"],
+        # Two pipeline stages: the loader and trainer must use the data-parallel group.
+        ["--train_module.pp_config.degree=2", "--model.n_layers=2"],
+    ],
+    ids=["fsdp", "pp"],
+)
+def test_under_torchrun(config_file: Path, tmp_path: Path, layout: list[str]) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
     command = ["-m", "olmolike", "train", str(config_file), "--trainer.max_duration.value=2"]
     result = subprocess.run(
-        [*torchrun, f"--master-port={free_port()}", *command, "--train_module.dp_config.name=fsdp"],
+        [*torchrun, f"--master-port={free_port()}", *command, *layout],
         capture_output=True,
         text=True,
         timeout=patient(200),

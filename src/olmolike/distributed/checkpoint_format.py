@@ -332,9 +332,11 @@ def describe_shape_mismatch(
     metadata: Metadata,
     model_state: dict[str, Any],
     current_config: str | bytes | None,
+    held_elsewhere: Collection[str] = (),
 ) -> str | None:
     """A message naming the tensors (and config fields) whose shapes differ, or that one side
-    has and the other lacks (another ``n_layers``, say), or ``None``."""
+    has and the other lacks (another ``n_layers``, say), or ``None``. ``held_elsewhere``:
+    parameter names other ranks hold (pipeline stages), which this rank may lack."""
     differing = []
     for fqn, tensor in model_state.items():
         saved = metadata.state_dict_metadata.get(f"model.{fqn}")
@@ -346,7 +348,7 @@ def describe_shape_mismatch(
         k[len("model.") :] for k in metadata.state_dict_metadata if k.startswith("model.")
     }
     only_here = sorted(k for k in model_state if k not in saved_keys)
-    only_saved = sorted(saved_keys - model_state.keys())
+    only_saved = sorted(saved_keys - model_state.keys() - set(held_elsewhere))
     for keys, where in ((only_here, "not in the checkpoint"), (only_saved, "not in this model")):
         if keys:
             more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""

@@ -128,7 +128,9 @@ def apply_fsdp(
     first, right away.
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for block in getattr(model, "blocks", ()):
+    blocks = getattr(model, "blocks", ())
+    # A pipeline stage keys its blocks by global layer index (a ModuleDict).
+    for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
 

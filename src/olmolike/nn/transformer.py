@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -467,27 +468,7 @@ class Transformer(nn.Module):
         device = self.embeddings.weight.device if device is None else torch.device(device)
         if device.type == "meta":
             return
-        generator = None if seed is None else torch.Generator(device).manual_seed(seed)
-        std = self.config.init_std
-        out_std = std / math.sqrt(2 * self.config.n_layers)
-
-        def normal(weight: Tensor, scale: float) -> None:
-            _init_trunc_normal(weight, scale, generator)
-
-        normal(self.embeddings.weight, std)
-        for module in self.modules():
-            if isinstance(module, Attention):
-                for linear in (module.w_q, module.w_k, module.w_v):
-                    normal(linear.weight, std)
-                normal(module.w_out.weight, out_std)
-            elif isinstance(module, FeedForward):
-                normal(module.w_gate.weight, std)
-                normal(module.w_up.weight, std)
-                normal(module.w_down.weight, out_std)
-            elif isinstance(module, RMSNorm):
-                module.reset_parameters()
-        if not self.config.tie_weights:
-            normal(self.lm_head.weight, std)
+        init_parameters(self, self.config, seed=seed, device=device)
         self.rope.reset_buffers(device)
 
     def materialize(self, device: str | torch.device, *, seed: int | None = None) -> Transformer:
@@ -502,3 +483,52 @@ class Transformer(nn.Module):
 
     def num_flops_per_token(self, seq_len: int) -> int:
         return self.config.num_flops_per_token(seq_len)
+
+
+def init_draws(config: TransformerConfig) -> Iterator[tuple[str, float]]:
+    """The truncated-normal draws that initialise a :class:`Transformer`, in the order they are
+    taken from the random stream: ``(parameter name, std)``.
+
+    The order is part of the weights' identity: a pipeline stage that holds only some of the
+    parameters walks the same order, drawing (and dropping) the ones it does not hold, so every
+    layout starts from exactly the weights of the unsplit model with the same seed.
+    """
+    std = config.init_std
+    out_std = std / math.sqrt(2 * config.n_layers)
+    yield "embeddings.weight", std
+    for i in range(config.n_layers):
+        prefix = f"blocks.{i}"
+        for name in ("w_q", "w_k", "w_v"):
+            yield f"{prefix}.attention.{name}.weight", std
+        yield f"{prefix}.attention.w_out.weight", out_std
+        yield f"{prefix}.feed_forward.w_gate.weight", std
+        yield f"{prefix}.feed_forward.w_up.weight", std
+        yield f"{prefix}.feed_forward.w_down.weight", out_std
+    if not config.tie_weights:
+        yield "lm_head.weight", std
+
+
+@torch.no_grad()
+def init_parameters(
+    module: nn.Module, config: TransformerConfig, *, seed: int | None, device: torch.device
+) -> None:
+    """Initialise the parameters ``module`` holds, named as in a :class:`Transformer`, exactly
+    as the whole model's :meth:`Transformer.init_weights` would: draws for parameters it does
+    not hold are taken into a scratch tensor and dropped, so the random stream stays aligned.
+    RMSNorm scales are reset to one; RoPE tables are left to the caller."""
+    generator = None if seed is None else torch.Generator(device).manual_seed(seed)
+    held: dict[str, Tensor] = dict(module.named_parameters())
+    shapes: dict[str, torch.Size] | None = None
+    for name, std in init_draws(config):
+        weight = held.get(name)
+        if weight is None:
+            if generator is None:
+                continue  # the global stream: nothing to keep aligned with
+            if shapes is None:
+                with torch.device("meta"):
+                    shapes = {n: p.shape for n, p in Transformer(config).named_parameters()}
+            weight = torch.empty(shapes[name], device=device)
+        _init_trunc_normal(weight, std, generator)
+    for submodule in module.modules():
+        if isinstance(submodule, RMSNorm):
+            submodule.reset_parameters()

@@ -103,8 +103,13 @@ class CheckpointLoad:
         state = train_module.state_dict_to_load(
             optim=has_optim if load_optim_state is None else load_optim_state
         )
+        model_state = state.get("model", {})
+        # Under pipeline parallelism each rank holds some of the parameters: the checkpoint
+        # must match what all ranks hold together.
+        with using_group(self.group, "checkpointer"):
+            held = set().union(*gather_objects(sorted(model_state), self.group))
         mismatch = describe_shape_mismatch(
-            dir, metadata, state.get("model", {}), self.current_config
+            dir, metadata, model_state, self.current_config, held_elsewhere=held
         )
         if mismatch is not None:
             raise CheckpointError(mismatch)

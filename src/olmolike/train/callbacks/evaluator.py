@@ -60,7 +60,8 @@ class Evaluator(ABC):
 class LMEvaluator(Evaluator):
     """Mean cross-entropy and perplexity of next-token prediction on a token dataset.
 
-    Instances are dealt round-robin to the data-parallel ranks and none is dropped. Every rank
+    Instances are dealt round-robin to the data-parallel ranks (the train module's
+    ``dp_process_group``, all ranks without one) and none is dropped. Every rank
     runs the same number of forward passes (a rank that has run out runs a batch whose labels
     are all ignored), because a sharded model needs every rank in every forward.
     """

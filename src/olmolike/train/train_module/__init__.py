@@ -1,5 +1,6 @@
 """Train modules: what one training step does."""
 
+from .pipeline import PipelineTransformerTrainModule
 from .train_module import BasicTrainModule, TrainModule
 from .transformer import (
     ActivationCheckpointingConfig,
@@ -12,6 +13,7 @@ __all__ = [
     "ActivationCheckpointingConfig",
     "ActivationCheckpointingMode",
     "BasicTrainModule",
+    "PipelineTransformerTrainModule",
     "TrainModule",
     "TransformerTrainModule",
     "TransformerTrainModuleConfig",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,11 @@ class DPOTrainModuleConfig(TransformerTrainModuleConfig):
     ``rank_microbatch_size`` counts the tokens of one side: a micro-batch of ``m`` pairs runs
     ``2 m`` sequences (chosen and rejected) through the model in one forward.
     """
+
+    pipeline_refusal: ClassVar[str | None] = (
+        "its loss compares the policy's and the frozen reference model's log-probabilities "
+        "of both responses of a pair, and the pipelined step runs the plain LM loss only"
+    )
 
     beta: float = 0.1
     """Strength of the implicit KL constraint to the reference: larger keeps the policy

@@ -57,7 +57,7 @@ class ParallelLayout:
             log.info("dp_config is unset on %d data-parallel ranks: using DDP", degrees.dp)
         ddp = dp_config is not None and dp_config.name == DataParallelType.ddp
         split = degrees.world_size // degrees.dp > 1
-        if split and ddp:
+        if degrees.tp * degrees.cp > 1 and ddp:
             raise ConfigurationError(
                 "tensor parallelism composes with FSDP or HSDP over the data ranks, not with "
                 "DDP: set train_module.dp_config.name=fsdp",

@@ -8,7 +8,7 @@ import functools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from ...config import Config, DType, StrEnum
 from ...distributed.mesh import ParallelDegrees
 from ...distributed.parallel import DataParallelConfig, DataParallelType, apply_ddp
+from ...distributed.pipeline import PipelineParallelConfig
 from ...distributed.tensor_parallel import ContextParallelConfig, TensorParallelConfig
 from ...distributed.utils import get_world_size
 from ...exceptions import ConfigurationError
@@ -105,6 +106,9 @@ class TransformerTrainModuleConfig(Config):
     (not DDP) when there are several data-parallel ranks."""
     cp_config: ContextParallelConfig | None = None
     """Context parallelism: only ``degree=1`` (see :class:`ContextParallelConfig`)."""
+    pp_config: PipelineParallelConfig | None = None
+    """Pipeline parallelism: the layers split into stages over ``pp_config.degree`` ranks
+    (:mod:`olmolike.train.train_module.pipeline`); the data dimensions take the other ranks."""
     ac_config: ActivationCheckpointingConfig | None = None
     init_seed: int = 0
     """Seed for the weights when the model was built on the ``meta`` device."""
@@ -115,7 +119,23 @@ class TransformerTrainModuleConfig(Config):
     ``fit()`` starts, after sharding and before step 1, and only if the run did not resume
     from a checkpoint: a resumed run continues from its own weights."""
 
+    pipeline_refusal: ClassVar[str | None] = None
+    """Why this kind of training refuses ``pp_config`` (``None``: it runs pipelined). The
+    pipelined step runs the plain LM loss; a subclass whose step runs more says why not."""
+
     def validate(self) -> None:
+        if self.pp_config is not None and self.pp_config.degree > 1 and self.pipeline_refusal:
+            raise self._invalid(
+                "pp_config",
+                f"{type(self).__name__} does not run under pipeline parallelism: "
+                f"{self.pipeline_refusal}; set pp_config=null (use FSDP to fit the model)",
+            )
+        if _degree(self.pp_config) > 1 and _degree(self.tp_config) > 1:
+            raise self._invalid(
+                "pp_config",
+                "tensor and pipeline parallelism in one run are not supported yet; use one of "
+                "them (each composes with FSDP over the data ranks)",
+            )
         if self.rank_microbatch_size <= 0:
             raise self._invalid("rank_microbatch_size", "must be a positive number of tokens")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
@@ -132,7 +152,8 @@ class TransformerTrainModuleConfig(Config):
         """
         world = get_world_size() if world_size is None else world_size
         dp = self.dp_config or DataParallelConfig(name=DataParallelType.ddp)
-        return dp.degrees(world, cp=_degree(self.cp_config), tp=_degree(self.tp_config))
+        pp = _degree(self.pp_config)
+        return dp.degrees(world, pp=pp, cp=_degree(self.cp_config), tp=_degree(self.tp_config))
 
     def build(
         self,
@@ -146,7 +167,14 @@ class TransformerTrainModuleConfig(Config):
         shard by shard, so the full model never has to fit in one process's memory.
         """
         self.validate()
+        if self.pp_config is not None and self.pp_config.degree > 1:
+            return _pipelined[0](self, model, device or get_default_device())
         return TransformerTrainModule(self, model, device or get_default_device(), dp_process_group)
+
+
+_pipelined: list[Callable[..., TransformerTrainModule]] = []
+"""The pipelined train module :meth:`TransformerTrainModuleConfig.build` returns under
+``pp_config``; :mod:`.pipeline` (a subclass, imported by this package) registers it."""
 
 
 class TransformerTrainModule(ModelAndOptimTrainModule):
@@ -179,11 +207,11 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         self.dp_world_size = self.layout.dp_world_size
         self.model = model
         self._ddp: DDP | None = None
-        self._parallelize(model)
-        self.optim = config.optim.build(model)
+        self._parallelize(model)  # may replace self.model (a pipeline rank's stages)
+        self.optim = config.optim.build(self.model)
         self.scheduler = config.scheduler
         self._check_rewarm = False
-        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._autocast = (
             torch.autocast(device.type, dtype=config.autocast_precision.as_pt())
             if config.autocast_precision is not None
@@ -194,6 +222,12 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
 
     def _parallelize(self, model: nn.Module) -> None:
         config, layout = self.config, self.layout
+        if config.pp_config is not None and config.pp_config.degree > 1:
+            raise ConfigurationError(
+                f"{type(self).__name__} runs no pipeline: build the train module with "
+                "TransformerTrainModuleConfig.build(), which returns the pipelined one",
+                path="train_module.pp_config",
+            )
         on_meta = any(p.is_meta for p in model.parameters())
         if config.ac_config is not None:
             self._apply_activation_checkpointing(model, config.ac_config)
@@ -380,14 +414,17 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
                 self._warn_if_rewarmed(self.scheduler, current, t_max)
             self.scheduler.set_lr(self.optim, current, t_max)
         if self.config.max_grad_norm is not None:
-            grad_norm = nn.utils.clip_grad_norm_(self._params, self.config.max_grad_norm)
-            if isinstance(grad_norm, DTensor):
-                grad_norm = grad_norm.full_tensor()
+            grad_norm = self._clip_grad_norm(self.config.max_grad_norm)
             self.record_metric("total grad norm", grad_norm, namespace="optim")
         for i, group in enumerate(self.optim.param_groups):
             name = group.get("name", f"group {i}")
             self.record_metric(f"LR ({name})", float(group["lr"]), namespace="optim")
         self.optim.step()
+
+    def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to a total norm of ``max_norm``; returns the norm before."""
+        grad_norm = nn.utils.clip_grad_norm_(self._params, max_norm)
+        return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
 
     def _warn_if_rewarmed(self, scheduler: Scheduler, current: int, t_max: int | None) -> None:
         """Warn when a resumed run's LR jumps up: its schedule was stretched, e.g. by extending
@@ -425,7 +462,9 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         return int(own(seq_len)) if callable(own) else None
 
 
-def _degree(config: TensorParallelConfig | ContextParallelConfig | None) -> int:
+def _degree(
+    config: TensorParallelConfig | ContextParallelConfig | PipelineParallelConfig | None,
+) -> int:
     return 1 if config is None else config.degree
 
 

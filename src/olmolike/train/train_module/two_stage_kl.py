@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,11 @@ log = logging.getLogger(__name__)
 class TwoStageKLTrainModuleConfig(TransformerTrainModuleConfig):
     """A :class:`TransformerTrainModuleConfig` for two stages: cross-entropy only, then
     cross-entropy plus ``beta`` times the KL to a snapshot of the stage-1 model."""
+
+    pipeline_refusal: ClassVar[str | None] = (
+        "its stage-2 loss needs a frozen snapshot's logits next to the model's, and the "
+        "pipelined step runs the plain LM loss only"
+    )
 
     stage1_steps: int = 0
     """Optimizer steps of stage 1 (CE only); the snapshot is taken before step

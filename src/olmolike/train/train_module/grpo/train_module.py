@@ -38,7 +38,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -93,6 +93,11 @@ class GRPOTrainModuleConfig(TransformerTrainModuleConfig):
     ``rank_microbatch_size // width`` completions (at least one), ``width`` being the longest
     prompt plus completion of the generated batch.
     """
+
+    pipeline_refusal: ClassVar[str | None] = (
+        "generating rollouts needs the whole model on each rank (KV-cache decoding token by "
+        "token), and rollouts through a pipeline are not supported"
+    )
 
     rank_microbatch_size: int = 4096
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)

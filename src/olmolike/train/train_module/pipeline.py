@@ -1,0 +1,383 @@
+"""The transformer train module under pipeline parallelism (``pp_config.degree > 1``).
+
+Each rank holds its stages of the model (:class:`~olmolike.nn.transformer_stage.TransformerParts`,
+under the unsplit model's parameter names, so checkpoints move between layouts) and runs a
+``torch.distributed.pipelining`` schedule over the step's micro-batches. Everything the
+trainer and callbacks see is what they see without a pipeline:
+
+- the loss (CE, z-loss) is computed on the last stage, normalised by the global token count
+  exactly as without a pipeline, and shared with every pipeline rank by one all-reduce per
+  step, so each rank records the same metric values;
+- the gradient norm is that of the whole model (squares summed over the pipeline ranks), and
+  clipping uses it;
+- data parallelism (FSDP, HSDP, or replication for ``ddp``) runs over the data dimensions of
+  the device mesh; the ranks of one pipeline read the same batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from ...distributed.mesh import data_parallel_mesh
+from ...distributed.parallel import DataParallelConfig, DataParallelType, apply_fsdp
+from ...distributed.pipeline import (
+    PipelineParallelConfig,
+    build_schedule,
+    clip_grad_norm_across_stages,
+    split_layers,
+)
+from ...distributed.utils import gather_objects, get_world_size
+from ...exceptions import ConfigurationError
+from ...nn.functional import cross_entropy_loss
+from ...nn.transformer import Transformer
+from ...nn.transformer_stage import TransformerParts, TransformerStage
+from ..common import ReduceType
+from .train_module import agree_counts, labels_from_batch, microbatch_rows
+from .transformer import (
+    TransformerTrainModule,
+    TransformerTrainModuleConfig,
+    _doc_kwargs,
+    _pipelined,
+)
+
+__all__ = ["PipelineTransformerTrainModule"]
+
+
+def _group_key(index: int, group: dict[str, Any]) -> Any:
+    """A param group's identity on every rank: its name if it has one (a rank may lack a
+    group another has), else its position."""
+    return group.get("name", index)
+
+
+log = logging.getLogger(__name__)
+
+_CACHED_SCHEDULES = 4
+"""Schedules kept for reuse; each holds receive buffers for one micro-batch shape."""
+
+
+class PipelineTransformerTrainModule(TransformerTrainModule):
+    """:class:`TransformerTrainModule` with the model cut into pipeline stages (module doc)."""
+
+    model: TransformerParts
+
+    def __init__(
+        self, config: TransformerTrainModuleConfig, model: nn.Module, device: torch.device
+    ) -> None:
+        # What pipelining refuses is said before the device mesh is built.
+        self._check_model(config, model)
+        super().__init__(config, model, device)
+        self._whole_model_groups = self._gather_param_groups()
+
+    def _parallelize(self, model: nn.Module) -> None:
+        pp = self._pp
+        assert isinstance(model, Transformer)
+        layers = split_layers(model.config.n_layers, pp.num_stages)
+        if self.config.compile_model or self.config.ac_config is not None:
+            self._wrap_blocks(model)
+        dp = self._dp_config_under_pipeline(self.config.dp_config)
+        assert self.layout.mesh is not None  # a pipeline always splits the ranks
+        self.mesh = self.layout.mesh
+        self.pp_group: dist.ProcessGroup = self.mesh["pp"].get_group()
+        self.pp_rank = self.mesh["pp"].get_local_rank()
+        dp_mesh = data_parallel_mesh(self.mesh)
+        self.dp_process_group = dp_mesh._flatten("dp").get_group()
+        self.dp_world_size = dp_mesh.size()
+        self.stage_indices = pp.stage_indices(self.pp_rank)
+        last = pp.num_stages - 1
+        self.stages = [
+            TransformerStage(model, layers[s], first=s == 0, last=s == last)
+            for s in self.stage_indices
+        ]
+        self.model = TransformerParts(self.stages)
+        self._place(dp, dp_mesh)
+        self._schedules: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self._losses: list[torch.Tensor] = []
+        self._loss_scale = torch.ones(())
+        log.info(
+            "pipeline rank %d of %d runs stages %s (layers %s) with %s",
+            self.pp_rank, pp.degree, self.stage_indices,
+            [list(layers[s]) for s in self.stage_indices], pp.schedule,
+        )  # fmt: skip
+
+    @staticmethod
+    def _check_model(config: TransformerTrainModuleConfig, model: nn.Module) -> None:
+        if config.init_weights is not None:
+            raise ConfigurationError(
+                "init_weights is not supported under pipeline parallelism yet (the weights are "
+                "read for the whole model on each rank); load them in one process once and "
+                "save a checkpoint, then start this run from it with trainer.load_path=<that "
+                "checkpoint>, trainer.load_trainer_state=false and "
+                "trainer.load_optim_state=false (checkpoints move between layouts)",
+                path="train_module.init_weights",
+            )
+        if not isinstance(model, Transformer):
+            raise ConfigurationError(
+                f"pipeline parallelism splits an olmolike Transformer by layers; got "
+                f"{type(model).__name__}",
+                path="train_module.pp_config",
+            )
+        if model.config.tie_weights:
+            raise ConfigurationError(
+                "tie_weights shares the embedding with the output head, but they live on the "
+                "first and last pipeline stages; set model.tie_weights=false to pipeline",
+                path="model.tie_weights",
+            )
+        assert config.pp_config is not None
+        split_layers(model.config.n_layers, config.pp_config.num_stages)  # too few layers?
+
+    def _place(self, dp: DataParallelConfig | None, dp_mesh: DeviceMesh) -> None:
+        """Put the stages on the device, shard each over the data dimensions (every stage is
+        an FSDP root, as the pipeline schedule expects), and materialise a meta model."""
+        parts = self.model
+        on_meta = any(p.is_meta for p in parts.parameters())
+        if not on_meta:
+            parts.to(self.device)
+            for stage in self.stages:
+                stage.rope.to(self.device)
+        if dp is not None:
+            shard_mesh = dp_mesh["dp_shard"] if dp.name == DataParallelType.fsdp else dp_mesh
+            for stage in self.stages:
+                apply_fsdp(
+                    stage,
+                    shard_mesh,
+                    param_dtype=dp.param_dtype.as_pt() if dp.param_dtype else None,
+                    reduce_dtype=dp.reduce_dtype.as_pt(),
+                    reshard_after_forward=dp.reshard_after_forward,
+                )
+        if on_meta:
+            parts.materialize(self.device, seed=self.config.init_seed)
+
+    def _wrap_blocks(self, model: Transformer) -> None:
+        """Activation checkpointing and compile work per block, as without a pipeline."""
+        if self.config.ac_config is not None:
+            self._apply_activation_checkpointing(model, self.config.ac_config)
+        if self.config.compile_model:
+            for block in model.blocks:
+                block.compile(backend=self.config.compile_backend)
+
+    def _dp_config_under_pipeline(self, dp: DataParallelConfig | None) -> DataParallelConfig | None:
+        """Data parallelism over ``world / degree`` ranks. DDP is run as FSDP2 replication
+        (HSDP with shards of one rank): the pipeline schedule drives FSDP2's gradient sync."""
+        assert self.config.pp_config is not None
+        dp_ranks = get_world_size() // self.config.pp_config.degree
+        if dp_ranks <= 1:
+            return None
+        if dp is None or dp.name == DataParallelType.ddp:
+            return DataParallelConfig(name=DataParallelType.hsdp, num_replicas=dp_ranks)
+        return dp
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def _gather_param_groups(self) -> dict[Any, list[str]]:
+        """Each optimizer param group's parameter names over the whole model (all stages).
+
+        A checkpoint's optimizer ``param_groups`` name their parameters; saved as this rank's
+        names, the pipeline ranks would write different values under one key. Saved with the
+        whole model's names (as one process saves them), every layout writes and reads the
+        same thing, and loading picks each rank's own parameters out of them."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        local = {
+            _group_key(i, group): [names[id(p)] for p in group["params"]]
+            for i, group in enumerate(self.optim.param_groups)
+        }
+        whole: dict[Any, list[str]] = {}
+        for rank_groups in gather_objects(local, self.pp_group):
+            for key, params in rank_groups.items():
+                whole.setdefault(key, []).extend(params)
+        return whole
+
+    def _with_whole_model_groups(self, state: dict[str, Any]) -> dict[str, Any]:
+        for i, group in enumerate(state.get("optim", {}).get("param_groups", [])):
+            group["params"] = list(self._whole_model_groups[_group_key(i, group)])
+        return state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._with_whole_model_groups(super().state_dict())
+
+    def state_dict_to_load(self, optim: bool = True) -> dict[str, Any]:
+        return self._with_whole_model_groups(super().state_dict_to_load(optim))
+
+    # -- training ---------------------------------------------------------------------------
+
+    @property
+    def _pp(self) -> PipelineParallelConfig:
+        assert self.config.pp_config is not None
+        return self.config.pp_config
+
+    @property
+    def is_first_stage_rank(self) -> bool:
+        return 0 in self.stage_indices
+
+    @property
+    def is_last_stage_rank(self) -> bool:
+        return self._pp.num_stages - 1 in self.stage_indices
+
+    def on_attach(self) -> None:
+        super().on_attach()
+        trainer_dp = self.trainer.dp_process_group
+        if trainer_dp is None or get_world_size(trainer_dp) != self.dp_world_size:
+            # Else each pipeline rank would read a different batch: the first stage's inputs
+            # and the last stage's labels would not belong together.
+            raise ConfigurationError(
+                "under pipeline parallelism the ranks of one pipeline must read the same batch: "
+                "build the trainer with dp_process_group=train_module.dp_process_group and the "
+                "data loader for that group (dp_world_size=train_module.dp_world_size, dp_rank="
+                "its rank in the group)",
+                path="train_module.pp_config",
+            )
+        self._pp.check_microbatches(
+            self.trainer.rank_batch_size // self.config.rank_microbatch_size
+        )
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one micro-batch, scaled as the whole step's; its CE and
+        z-loss parts are kept for the metrics."""
+        ce_loss, z_loss = cross_entropy_loss(
+            logits,
+            labels,
+            ignore_index=self.config.label_ignore_index,
+            reduction="sum",
+            z_loss_multiplier=self.config.z_loss_multiplier,
+            label_smoothing=self.config.label_smoothing,
+        )
+        z = torch.zeros_like(ce_loss) if z_loss is None else z_loss
+        self._losses.append(torch.stack([ce_loss.detach(), z.detach()]))
+        return (ce_loss + z) * self._loss_scale
+
+    def _schedule(self, n: int, shape: tuple[int, ...], docs: bool, train: bool) -> Any:
+        """A schedule for ``n`` micro-batches of ``shape`` (reused: a schedule's stages keep
+        receive buffers sized for one shape)."""
+        key = (n, shape, docs, train)
+        schedule = self._schedules.pop(key, None)
+        if schedule is None:
+            schedule = build_schedule(
+                self._pp,
+                list(self.stages),
+                self.stage_indices,
+                n_microbatches=n,
+                loss_fn=self._loss if train else None,
+                group=self.pp_group,
+                device=self.device,
+            )
+            if len(self._schedules) >= _CACHED_SCHEDULES:
+                self._schedules.popitem(last=False)
+        self._schedules[key] = schedule
+        return schedule
+
+    def train_batch(self, batch: dict[str, Any], dry_run: bool = False) -> None:
+        if not self.model.training:
+            self.model.train()
+        input_ids = batch["input_ids"]
+        labels = labels_from_batch(batch, self.config.label_ignore_index)
+        doc_ids = batch.get("doc_ids")
+        # Scaled by the data-parallel world size because FSDP averages gradients across it.
+        self._loss_scale = self._global_token_count(labels).reciprocal() * self.dp_world_size
+        input_ids, labels, docs, n = self._pad_to_agreed_microbatches(input_ids, labels, doc_ids)
+        self._losses = []
+        schedule = self._schedule(n, tuple(input_ids.shape), docs is not None, train=True)
+        with self._autocast:
+            schedule.step(
+                *([input_ids] if self.is_first_stage_rank else []),
+                target=labels if self.is_last_stage_rank else None,
+                **_doc_kwargs(docs),
+            )
+        # The schedule's first step also runs the loss on placeholder tensors to learn the
+        # shapes: the step's own losses are the last n.
+        losses = self._losses[-n:] if self.is_last_stage_rank else []
+        totals = torch.stack(losses).sum(0) if losses else torch.zeros(2)
+        totals = totals.to(self.device) * self._loss_scale
+        # The loss exists on the last stage only: one all-reduce per step on every pipeline
+        # rank (the others add zeros) gives each rank the same values to record.
+        dist.all_reduce(totals, group=self.pp_group)
+        if dry_run:
+            return
+        self.record_ce_loss(totals[0], ReduceType.mean)
+        if self.config.z_loss_multiplier is not None:
+            self.record_metric("Z loss", totals[1], ReduceType.mean, namespace="train")
+        if doc_ids is not None:
+            padding = (doc_ids < 0).float().mean()
+            self.record_metric("padding fraction", padding, ReduceType.mean, namespace="train")
+
+    def _pad_to_agreed_microbatches(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        """The batch padded to the micro-batch count (and sequence length) every
+        data-parallel rank agrees on: every pipeline then runs the same schedule on the same
+        shapes, so FSDP's collectives (also those of a new schedule's shape inference) match.
+        Padding has every label ignored: it adds nothing to loss or gradients."""
+        per = microbatch_rows(
+            input_ids, self.config.rank_microbatch_size, "train_module.rank_microbatch_size"
+        )
+        rows, seq = input_ids.shape
+        n, seq = agree_counts([max(1, -(-rows // per)), seq], self.dp_process_group).max
+        input_ids, labels, doc_ids = self._pad(input_ids, labels, doc_ids, n * per, seq)
+        return input_ids, labels, doc_ids, n
+
+    def _pad(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None,
+        doc_ids: torch.Tensor | None,
+        rows: int,
+        seq: int,
+    ) -> tuple[torch.Tensor, Any, Any]:
+        """Right-pad to ``rows x seq``: token 0, ignored labels, padding documents (-1).
+        Causal attention keeps the real tokens' results unchanged."""
+        pad = (0, seq - input_ids.shape[1], 0, rows - input_ids.shape[0])
+        if not any(pad):
+            return input_ids, labels, doc_ids
+        ignore = self.config.label_ignore_index
+        return (
+            F.pad(input_ids, pad, value=0),
+            None if labels is None else F.pad(labels, pad, value=ignore),
+            None if doc_ids is None else F.pad(doc_ids, pad, value=-1),
+        )
+
+    @torch.no_grad()
+    def eval_batch(self, batch: dict[str, Any], labels: torch.Tensor | None = None) -> Any:
+        """As without a pipeline, on every pipeline rank: the last stage's logits (or mean CE
+        loss) are broadcast to the others. The batch is one micro-batch, padded to the shape
+        every data-parallel rank agrees on (an evaluator's last batches differ by rank)."""
+        rows, seq = batch["input_ids"].shape
+        shape = agree_counts([rows, seq], self.dp_process_group).max
+        input_ids, labels, doc_ids = self._pad(
+            batch["input_ids"], labels, batch.get("doc_ids"), *shape
+        )
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            schedule = self._schedule(1, tuple(input_ids.shape), doc_ids is not None, train=False)
+            with self._autocast:
+                logits = schedule.step(
+                    *([input_ids] if self.is_first_stage_rank else []), **_doc_kwargs(doc_ids)
+                )
+        finally:
+            self.model.train(was_training)
+        if labels is not None:
+            loss = torch.zeros((), device=self.device)
+            if self.is_last_stage_rank:
+                loss, _ = cross_entropy_loss(
+                    logits, labels, ignore_index=self.config.label_ignore_index, reduction="mean"
+                )
+            return self._from_last_stage(loss.float())
+        if not self.is_last_stage_rank:
+            logits = torch.empty((*shape, self.model.config.vocab_size), device=self.device)
+        return self._from_last_stage(logits.float())[:rows, :seq]
+
+    def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(tensor, group=self.pp_group, group_src=self._pp.degree - 1)
+        return tensor
+
+    def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_across_stages(self._params, max_norm, self.pp_group)
+
+
+_pipelined.append(PipelineTransformerTrainModule)
