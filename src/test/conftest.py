@@ -65,6 +65,7 @@ def _long(item: pytest.Item) -> bool:
     return any(item.get_closest_marker(name) is not None for name in ("slow", "timeout"))
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which may be missing
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``-n N``: tests are dealt out one by one (xdist's ``load``), but those of a test file
     that shares a module- or class-scoped fixture go to one worker together, so that the
