@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,3 +49,46 @@ def pytest_runtest_protocol(item: pytest.Item) -> Any:
         stretched = pytest.mark.timeout(float(seconds) * factor, *args, **kwargs)
         item.add_marker(stretched, append=False)
     yield
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``make test``), long tests first: the tests marked ``slow`` or with a
+    ``timeout`` of their own start while the short ones wait, and the short ones fill in at
+    the end. A long test dealt last would keep its worker busy while the other one idles.
+    A run without workers keeps the files' order."""
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: not _long(item))  # stable: the files' order otherwise
+
+
+def _long(item: pytest.Item) -> bool:
+    return any(item.get_closest_marker(name) is not None for name in ("slow", "timeout"))
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which may be missing
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``-n N``: tests are dealt out one by one (xdist's ``load``), but those of a test file
+    that shares a module- or class-scoped fixture go to one worker together, so that the
+    fixture (a trained checkpoint, an example run) is built once, not on every worker.
+
+    (xdist's own grouping, ``--dist loadgroup``, renames the tests, which pytest 9 ignores.)
+    Large groups go first (xdist's ``loadscope`` order), then the other tests in the order of
+    :func:`pytest_collection_modifyitems`.
+    """
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if _shares_a_fixture(config.rootpath / path) else nodeid
+
+    return SharedFixtureScheduling(config, log)
+
+
+@functools.cache
+def _shares_a_fixture(path: Path) -> bool:
+    """Whether a test file defines a module- or class-scoped fixture (read, not imported: the
+    process that deals out the tests collects none)."""
+    return re.search(r"scope=[\"'](module|class)[\"']", path.read_text()) is not None

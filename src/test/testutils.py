@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -14,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import rank_processes
 import torch
+from rank_processes import AsSpawned
 
 from olmolike.data import TokenTensorDataLoader
 from olmolike.distributed.checkpoint_storage import default_thread_count
@@ -52,6 +53,7 @@ class RankOutcome:
 
 
 def _worker(
+    inherited: AsSpawned,
     fn: Callable[..., Any],
     rank: int,
     world_size: int,
@@ -65,15 +67,18 @@ def _worker(
     from olmolike.train import prepare_training_environment, teardown_training_environment
 
     try:
-        prepare_training_environment(seed=0)
-        result = fn(*args)
-    except BaseException as e:
-        error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-        results.put(pickle.dumps(RankOutcome(rank, error=error)))
-        raise
-    # Plain pickle bytes: tensors travel by value, not as shared memory tied to this process.
-    results.put(pickle.dumps(RankOutcome(rank, result=result)))
-    teardown_training_environment()
+        try:
+            prepare_training_environment(seed=0)
+            result = fn(*args)
+        except BaseException as e:
+            error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            results.put(pickle.dumps(RankOutcome(rank, error=error)))
+            raise
+        # Plain pickle bytes: tensors travel by value, not as shared memory tied to this process.
+        results.put(pickle.dumps(RankOutcome(rank, result=result)))
+        teardown_training_environment()
+    finally:
+        inherited.exit()
 
 
 def patient(seconds: float) -> float:
@@ -90,16 +95,20 @@ def run_distributed(
     env: dict[str, str] | None = None,
     timeout: float = 120.0,
 ) -> list[RankOutcome]:
-    """Run ``fn(*args)`` on ``world_size`` spawned gloo ranks; return each rank's outcome.
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks, each a new process as if spawned
+    (:mod:`rank_processes`); return each rank's outcome.
 
     Never hangs: ranks still running after ``timeout`` seconds (:func:`patient`) are killed
     and reported as errors. ``fn`` must be a module-level function (it is pickled to the new processes).
     """
-    ctx = mp.get_context("spawn")
+    ctx = rank_processes.context()
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, env or {}, results))
+        ctx.Process(
+            target=_worker,
+            args=(AsSpawned(), fn, rank, world_size, port, args, env or {}, results),
+        )
         for rank in range(world_size)
     ]
     for p in procs:

@@ -1,0 +1,73 @@
+"""Rank processes for the tests, started in a fraction of a second instead of several seconds.
+
+A spawned rank imports torch and olmolike afresh: about 5 CPU seconds per rank, for hundreds
+of ranks per run of the suite on 2 cores. :func:`context` forks ranks instead from a
+multiprocessing fork server, started once per test process, that has imported
+:mod:`testutils` (torch, olmolike) and nothing else: no thread, no process group, no state of
+any test. A forked rank is then given what a spawned one has (:class:`AsSpawned`): the test
+process's environment, stdout and stderr as they are when the rank starts (pytest captures
+them per test), and its ``atexit`` handlers run when it ends (olmolike's teardown at exit
+among them), which a fork server's child would skip (it ends with ``os._exit``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import sys
+import threading
+from multiprocessing import forkserver, reduction
+from multiprocessing.context import BaseContext
+from typing import Any
+
+
+def context() -> BaseContext:
+    """The ``forkserver`` context, its server started with :mod:`testutils` imported."""
+    ctx = mp.get_context("forkserver")
+    if forkserver._forkserver._forkserver_pid is None:  # type: ignore[attr-defined]
+        ctx.set_forkserver_preload(["testutils"])
+        # The server finds the preloaded modules where this process does (Python 3.11's
+        # fork server ignores the sys.path it is given).
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
+    return ctx
+
+
+class AsSpawned:
+    """What a spawned process inherits from this one now, for a fork server's child: pass it
+    first in the process's arguments (unpickled there, it gives the child what it holds,
+    before the other arguments import anything), and call :meth:`exit` when the child ends."""
+
+    def __init__(self) -> None:
+        self.env = dict(os.environ)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled when the process starts: the descriptors travel with it (as inheritance
+        # would give them: the same open files, offsets shared).
+        return _rebuild, (self.env, reduction.DupFd(1), reduction.DupFd(2))
+
+    @staticmethod
+    def exit() -> None:
+        """End as the interpreter ends a spawned process: threads first, then ``atexit``."""
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+
+
+def _rebuild(env: dict[str, str], stdout: Any, stderr: Any) -> AsSpawned:
+    os.environ.clear()
+    os.environ.update(env)
+    for target, fd in ((1, stdout), (2, stderr)):
+        received = fd.detach()
+        os.dup2(received, target)
+        os.close(received)
+    inherited = AsSpawned.__new__(AsSpawned)
+    inherited.env = env
+    return inherited
