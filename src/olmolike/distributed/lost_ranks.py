@@ -1,0 +1,164 @@
+"""Which rank of a job is gone, and how, when a collective failed because a peer vanished.
+
+A rank killed by SIGKILL (or by the out-of-memory killer) reports nothing: the ranks left see
+only gloo's "Connection closed by peer [127.0.0.1]:7578", which names no rank. So every rank
+enters its host, pid and the pid's start time into the job's key-value store when its failure
+monitor starts, and the monitor keeps a heartbeat there. After a failure a surviving rank
+looks for the ranks that are gone (:func:`describe_lost_ranks`): on its own host by their
+processes (with the exit status, read from ``/proc`` while the process is not yet reaped by
+its launcher), on other hosts by heartbeats that stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+__all__ = ["RankProcess", "Roster", "describe_lost_ranks", "process_end"]
+
+
+@dataclass(frozen=True)
+class RankProcess:
+    """A rank's process: enough to tell, from the same host, whether it still runs."""
+
+    host: str
+    pid: int
+    started: str
+    """The process's start time in clock ticks since boot (``/proc/PID/stat``): a pid reused
+    by another process after this one ended has another."""
+
+    @classmethod
+    def this(cls) -> RankProcess:
+        return cls(socket.gethostname(), os.getpid(), _stat(os.getpid())[19])
+
+    def encode(self) -> str:
+        return f"{self.host} {self.pid} {self.started}"
+
+    @classmethod
+    def decode(cls, text: str) -> RankProcess:
+        host, pid, started = text.split()
+        return cls(host, int(pid), started)
+
+
+def _stat(pid: int) -> list[str]:
+    """The fields of ``/proc/PID/stat`` from the third (state) on: the name may hold spaces."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def process_end(process: RankProcess) -> str | None:
+    """How ``process`` ended ("was killed by SIGKILL", "exited with status 3", "is gone"), or
+    ``None`` while it runs or when it is on another host (nothing to tell from here)."""
+    if process.host != socket.gethostname():
+        return None
+    try:
+        fields = _stat(process.pid)
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return "is gone"  # already reaped by its launcher: its exit status went with it
+    except OSError:  # no /proc here
+        return None
+    if fields[19] != process.started:
+        return "is gone"  # the pid now belongs to another process
+    if fields[0] not in ("Z", "X"):
+        return None
+    if len(fields) < 50:  # a kernel older than 3.5 keeps no exit code here
+        return "is gone"
+    code = os.waitstatus_to_exitcode(int(fields[49]))
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+class Roster:
+    """The ranks' processes and heartbeats in the job's store, kept by the failure monitor."""
+
+    def __init__(self, store: dist.Store, prefix: str, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.processes: dict[int, RankProcess] = {}
+        self._store = store
+        self._prefix = prefix
+
+    def _key(self, kind: str, rank: int) -> str:
+        return f"{self._prefix}/{kind}/{rank}"
+
+    def enter(self) -> None:
+        """Enter this rank's process (once, at the monitor's start)."""
+        self.processes[self.rank] = RankProcess.this()
+        self._store.set(self._key("process", self.rank), self.processes[self.rank].encode())
+
+    def beat(self) -> None:
+        """One heartbeat; and read the other ranks' processes until all are known (once they
+        are, a store that went away with rank 0 still leaves them known here)."""
+        self._store.add(self._key("beat", self.rank), 1)
+        missing = [r for r in range(self.world_size) if r not in self.processes]
+        if missing and self._store.check([self._key("process", r) for r in missing]):
+            for r in missing:
+                self.processes[r] = RankProcess.decode(
+                    self._store.get(self._key("process", r)).decode()
+                )
+
+    def mark_failed(self) -> None:
+        """Note that this rank failed on its own (and will stop beating)."""
+        self._store.set(self._key("failed", self.rank), "1")
+
+    def failed(self, rank: int) -> bool:
+        return bool(self._store.check([self._key("failed", rank)]))
+
+    def beats(self) -> dict[int, int] | None:
+        """Every rank's heartbeat count, or ``None`` if the store is unreachable."""
+        try:
+            return {r: self._store.add(self._key("beat", r), 0) for r in range(self.world_size)}
+        except Exception:  # the store went away with its host
+            return None
+
+
+def describe_lost_ranks(roster: Roster, *, wait: float = 3.0, store_host: str = "") -> str | None:
+    """One phrase naming the ranks that are gone and how, or ``None`` if every rank seems alive.
+
+    Waits up to ``wait`` seconds: a killed process may still be ending when its peers see the
+    closed connection, and a heartbeat needs time to be seen missing. ``store_host`` names
+    who holds the store ("rank 0" when no launcher does), for when it is unreachable.
+    """
+    others = [r for r in range(roster.world_size) if r != roster.rank]
+    before = roster.beats()
+    deadline = time.monotonic() + wait
+    while True:
+        ended = {
+            r: end
+            for r in others
+            if r in roster.processes and (end := process_end(roster.processes[r])) is not None
+        }
+        if ended or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    if ended:
+        return "; ".join(
+            f"rank {r} (pid {roster.processes[r].pid}) {end}" for r, end in sorted(ended.items())
+        )
+    after = roster.beats()
+    try:
+        silent = [
+            r
+            for r in others
+            if after is not None
+            and before is not None
+            and after[r] == before[r]
+            and not roster.failed(r)
+        ]
+    except Exception:  # the store went away while we looked
+        after = None
+    if before is None or after is None:
+        holder = store_host or "the launcher"
+        return f"{holder}, which holds the job's key-value store, stopped responding"
+    if not silent:
+        return None
+    names = ", ".join(f"rank {r}" for r in silent)
+    hosts = {roster.processes[r].host for r in silent if r in roster.processes}
+    where = f" (on {', '.join(sorted(hosts))})" if hosts else ""
+    return f"{names}{where} stopped responding"
