@@ -57,7 +57,8 @@ def test_an_olmolike_error_escaping_a_script_is_one_line(tmp_path: Path) -> None
         [sys.executable, str(script)], capture_output=True, text=True, timeout=patient(120)
     )
     assert result.returncode == 1
-    assert result.stderr.splitlines()[0] == MESSAGE, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"{MESSAGE} (full traceback: "), result.stderr
     assert "Traceback" not in result.stderr
     (saved,) = _traceback_files(result.stderr)
     assert "Traceback (most recent call last)" in saved.read_text()

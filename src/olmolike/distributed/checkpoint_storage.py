@@ -81,18 +81,22 @@ class _CheckedFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 opened = True
                 yield stream
-        except Exception as e:
+        except Exception as e:  # raised by the writer once every thread is done
+            self.errors.append(_first_os_error(e))
             if not opened:
-                raise
-            # torch's archive writer fails again while closing ("unexpected pos"): keep the
-            # error that started it (a full disk), raised by the writer when threads are done.
-            cause: BaseException = e
-            while not isinstance(cause, OSError) and cause.__context__ is not None:
-                cause = cause.__context__
-            self.errors.append(cause if isinstance(cause, OSError) else e)
+                yield io_.BytesIO()  # the thread goes on with its other files, into a sink
             return
         if self._on_written is not None and "w" in mode and str(path).endswith(SHARD_SUFFIX):
             self._on_written(Path(path))
+
+
+def _first_os_error(error: Exception) -> Exception:
+    """The error that started ``error``: torch's archive writer fails again while closing
+    ("unexpected pos") after a write failed on a full disk."""
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__context__
+    return cause if isinstance(cause, OSError) else error
 
 
 class _CheckedWriter(FileSystemWriter):
