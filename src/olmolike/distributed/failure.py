@@ -13,12 +13,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import json
 import logging
 import os
 import signal
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +43,7 @@ __all__ = [
     "report_rank_failure",
     "start_failure_monitor",
     "stop_failure_monitor",
+    "tell_torchrun",
 ]
 
 log = logging.getLogger(__name__)
@@ -249,9 +252,26 @@ def print_uncaught(
     except OSError:
         where = Path("(not written)")
     if line:
-        sys.stderr.write(f"{line} (full traceback: {where})\n")
+        line = f"{line} (full traceback: {where})"
+        sys.stderr.write(f"{line}\n")
+        tell_torchrun(line)
     sys.stderr.flush()
     return True
+
+
+def tell_torchrun(line: str) -> None:
+    """Give torchrun's failure summary this rank's line, instead of its "To enable traceback
+    see ..." (the file its ``@record`` decorator would write, with the line as the
+    traceback: the full one is in the file the line names)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {
+        "message": line,
+        "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))},
+    }
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps({"message": data}))
 
 
 def _short_line(exc: BaseException, first: bool) -> str | None:
