@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from . import __version__
-from .exceptions import ConfigurationError, OLMoLikeError
+from .exceptions import ConfigurationError, DiskFullError, OLMoLikeError, RankLostError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -294,11 +294,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _explained_failure(error: BaseException) -> bool:
     """Whether ``error`` stands for another one: a lost rank's, a full disk's (from a run)."""
-    if "olmolike.train.explain" not in sys.modules:  # nothing trained: none of those
-        return False
-    from .distributed.failure import RankLostError
-    from .train.explain import DiskFullError
-
     return isinstance(error, (RankLostError, DiskFullError))
 
 

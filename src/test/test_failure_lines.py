@@ -160,6 +160,36 @@ def test_a_killed_rank_under_torchrun_is_one_line_then_torchrun_s_summary(
     assert f"traceback : {ours[0]}" in output or "exitcode  : -15" in output, output[-3000:]
 
 
+@pytest.mark.timeout(300)
+def test_a_killed_rank_under_olmolike_s_own_launcher_is_the_whole_output(
+    tmp_path: Path, experiment_file: Path
+) -> None:
+    """``olmolike train --nproc-per-node 2``: the rank left's line is all the failure output
+    (no launcher report), and it names the signal: the launcher keeps the dead rank unreaped
+    until the others ended, so they can read how it ended."""
+    command = [sys.executable, "-m", "olmolike", "train", "--nproc-per-node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _python_path()}
+    launcher = subprocess.Popen(
+        [*command, str(experiment_file)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        _wait_for(lambda: (tmp_path / "run" / "step2").exists() or launcher.poll() is not None)
+        os.kill(_rank_pids(launcher.pid)[1], signal.SIGKILL)
+        output, _ = launcher.communicate(timeout=patient(150))
+    finally:
+        launcher.kill()
+        launcher.communicate()
+    assert launcher.returncode == 128 + signal.SIGKILL
+    (line,) = failure_lines(output)
+    found = LOST_RANK_LINE.fullmatch(line)
+    assert found and "was killed by SIGKILL" in line, line
+    assert found["checkpoint"] == list(Checkpointer.find_checkpoints(tmp_path / "run"))[-1][1]
+
+
 def _wait_for(condition: object) -> None:
     import time
 

@@ -28,12 +28,11 @@ from types import FrameType, TracebackType
 
 import torch.distributed as dist
 
-from ..exceptions import OLMoLikeError
+from ..exceptions import OLMoLikeError, RankLostError
 from .lost_ranks import Roster, describe_lost_ranks
 
 __all__ = [
     "RankFailureMonitor",
-    "RankLostError",
     "exiting_on_error",
     "find_lost_ranks",
     "install_error_hook",
@@ -51,15 +50,6 @@ log = logging.getLogger(__name__)
 GRACE_ENV = "OLMOLIKE_RANK_FAILURE_GRACE_SECONDS"
 DEFAULT_GRACE_SECONDS = 15.0
 EXIT_CODE = 3
-
-
-class RankLostError(OLMoLikeError):
-    """Another rank of the job died or stopped responding: this rank cannot go on.
-
-    Not a mistake of the user's, but not this rank's bug either: its message names the rank
-    that is gone, how (a signal or exit status where this host can see it), and, from the
-    trainer, where the run can resume. Every surviving rank prints it as its one line.
-    """
 
 
 class RankFailureMonitor:
@@ -403,7 +393,8 @@ def install_exit_on_error() -> None:
         with _shielded(keep_sigterm_ignored=True):
             if not print_uncaught(exc_type, exc, tb):
                 previous(exc_type, exc, tb)
-        _exit_without_teardown(1)
+        # A Ctrl-C ends a process with 130 (128 + SIGINT), also a rank's.
+        _exit_without_teardown(130 if isinstance(exc, KeyboardInterrupt) else 1)
 
     sys.excepthook = hook
 

@@ -35,13 +35,16 @@ class RankProcess:
 
     @classmethod
     def this(cls) -> RankProcess:
+        """This process."""
         return cls(socket.gethostname(), os.getpid(), _stat(os.getpid())[19])
 
     def encode(self) -> str:
+        """As the store keeps it: ``host pid started``."""
         return f"{self.host} {self.pid} {self.started}"
 
     @classmethod
     def decode(cls, text: str) -> RankProcess:
+        """The process :meth:`encode` wrote as ``text``."""
         host, pid, started = text.split()
         return cls(host, int(pid), started)
 
@@ -108,6 +111,7 @@ class Roster:
         self._store.set(self._key("failed", self.rank), "1")
 
     def failed(self, rank: int) -> bool:
+        """Whether ``rank`` reported its own failure (its heartbeat then stops: not lost)."""
         return bool(self._store.check([self._key("failed", rank)]))
 
     def beats(self) -> dict[int, int] | None:

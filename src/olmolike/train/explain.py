@@ -18,18 +18,14 @@ from pathlib import Path
 
 from .. import io
 from ..distributed.checkpoint_format import latest_checkpoint
-from ..distributed.failure import RankLostError, find_lost_ranks
+from ..distributed.failure import find_lost_ranks
 from ..distributed.save_failures import SaveFailedError
 from ..distributed.utils import get_rank
-from ..exceptions import CheckpointError
+from ..exceptions import DiskFullError, RankLostError
 
-__all__ = ["DiskFullError", "describe_interrupt", "explain_failure", "last_checkpoint"]
+__all__ = ["describe_interrupt", "explain_failure", "last_checkpoint"]
 
 _RESUME = "run the same command again to resume"
-
-
-class DiskFullError(CheckpointError):
-    """A checkpoint save ran out of disk space; the checkpoint was left without a marker."""
 
 
 def last_checkpoint(save_folder: str) -> str:
