@@ -62,6 +62,7 @@ class RankFailureMonitor:
         *,
         attempt: str = "0",
         world_size: int = 1,
+        store_rank: int | None = None,
         poll_interval: float = 0.5,
         grace_period: float = DEFAULT_GRACE_SECONDS,
     ) -> None:
@@ -70,7 +71,7 @@ class RankFailureMonitor:
         self.grace_period = grace_period
         self._store = store
         self._key = f"olmolike/rank_failure/{attempt}"
-        self.roster = Roster(store, f"olmolike/ranks/{attempt}", rank, world_size)
+        self.roster = Roster(store, f"olmolike/ranks/{attempt}", rank, world_size, store_rank)
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._reported = False
@@ -111,6 +112,8 @@ class RankFailureMonitor:
                 return self._first
             self._reported = True
             summary = f"rank {self.rank} failed with {type(exc).__name__}: {exc}"
+            if self.roster.store_gone():  # nobody to tell; and nobody failed before us
+                return self._first
             try:
                 # The first failure is the cause; later ones are usually its consequences.
                 self.roster.mark_failed()
@@ -127,12 +130,14 @@ class RankFailureMonitor:
                 return  # this rank failed itself and is on its way out: let it finish
             try:
                 with self._lock:
+                    if self.roster.store_gone():
+                        raise ConnectionError("its process ended")
                     self.roster.beat()
                     failed = self._store.check([self._key])
                     message = self._store.get(self._key).decode() if failed else ""
             except Exception as e:
                 # The store lives on rank 0 (or the launcher): losing it means they are gone.
-                lost = describe_lost_ranks(self.roster, store_host=_store_host())
+                lost = describe_lost_ranks(self.roster)
                 self._terminate(lost or f"the job's key-value store is unreachable ({e})")
                 return
             if failed and not message.startswith(f"rank {self.rank} "):
@@ -179,8 +184,15 @@ def start_failure_monitor(rank: int) -> RankFailureMonitor | None:
     # does not end the new attempt.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     world_size = dist.get_world_size() if dist.is_initialized() else 1
+    # torchrun's agent holds the store its ranks use; without a launcher, rank 0 does.
+    store_rank = None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
     _monitor = RankFailureMonitor(
-        store, rank, attempt=attempt, world_size=world_size, grace_period=grace
+        store,
+        rank,
+        attempt=attempt,
+        world_size=world_size,
+        store_rank=store_rank,
+        grace_period=grace,
     )
     _monitor.start()
     return _monitor
@@ -311,14 +323,7 @@ def find_lost_ranks(exc: BaseException, *, wait: float = 3.0) -> str | None:
         sign in text for sign in _LOST_PEER_SIGNS
     ):
         return None
-    return describe_lost_ranks(monitor.roster, wait=wait, store_host=_store_host())
-
-
-def _store_host() -> str:
-    """Who holds the job's key-value store: torchrun's agent, or rank 0 (``env://``)."""
-    return (
-        "torchrun's agent" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "rank 0"
-    )
+    return describe_lost_ranks(monitor.roster, wait=wait)
 
 
 def install_error_hook() -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-__all__ = ["RankProcess", "Roster", "describe_lost_ranks", "process_end"]
+__all__ = ["RankProcess", "Roster", "describe_lost_ranks", "process_end", "process_exiting"]
 
 
 @dataclass(frozen=True)
@@ -77,18 +77,52 @@ def process_end(process: RankProcess) -> str | None:
     return f"exited with status {code}"
 
 
-class Roster:
-    """The ranks' processes and heartbeats in the job's store, kept by the failure monitor."""
+_PF_EXITING = 0x4
+"""The kernel's flag of a process that has begun to exit (``/proc/PID/stat``, field 9): set
+before it closes its sockets, so before its peers see a closed connection."""
 
-    def __init__(self, store: dist.Store, prefix: str, rank: int, world_size: int) -> None:
+
+def process_exiting(process: RankProcess) -> bool:
+    """Whether ``process``, on this host, has ended or begun to end."""
+    if process.host != socket.gethostname():
+        return False
+    try:
+        fields = _stat(process.pid)
+    except (OSError, IndexError):
+        return True  # gone (or no /proc: then process_end says nothing either)
+    return (
+        fields[19] != process.started
+        or fields[0] in ("Z", "X")
+        or (int(fields[6]) & _PF_EXITING != 0)
+    )
+
+
+class Roster:
+    """The ranks' processes and heartbeats in the job's store, kept by the failure monitor.
+
+    ``store_rank`` is the rank whose process holds the store (rank 0 when the ranks were
+    started with ``MASTER_ADDR``/``MASTER_PORT`` alone), ``None`` when a launcher holds it
+    (torchrun's agent). Once that rank is seen gone on this host, the store is not asked
+    again: each call to a dead store prints a C++ stack trace.
+    """
+
+    def __init__(
+        self, store: dist.Store, prefix: str, rank: int, world_size: int, store_rank: int | None
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.store_rank = store_rank
         self.processes: dict[int, RankProcess] = {}
         self._store = store
         self._prefix = prefix
 
     def _key(self, kind: str, rank: int) -> str:
         return f"{self._prefix}/{kind}/{rank}"
+
+    def store_gone(self) -> bool:
+        """Whether the process holding the store is known to have ended or to be ending."""
+        holder = self.processes.get(self.store_rank) if self.store_rank is not None else None
+        return holder is not None and process_exiting(holder)
 
     def enter(self) -> None:
         """Enter this rank's process (once, at the monitor's start)."""
@@ -110,24 +144,35 @@ class Roster:
         """Note that this rank failed on its own (and will stop beating)."""
         self._store.set(self._key("failed", self.rank), "1")
 
-    def failed(self, rank: int) -> bool:
-        """Whether ``rank`` reported its own failure (its heartbeat then stops: not lost)."""
-        return bool(self._store.check([self._key("failed", rank)]))
+    def silent(self, before: dict[int, int]) -> list[int] | None:
+        """The other ranks whose heartbeat did not move since ``before`` and that reported no
+        failure of their own; ``None`` if the store is unreachable."""
+        try:
+            return [
+                r
+                for r in range(self.world_size)
+                if r != self.rank
+                and self._store.add(self._key("beat", r), 0) == before[r]
+                and not self._store.check([self._key("failed", r)])
+            ]
+        except Exception:  # the store went away with its host
+            return None
 
     def beats(self) -> dict[int, int] | None:
         """Every rank's heartbeat count, or ``None`` if the store is unreachable."""
+        if self.store_gone():
+            return None
         try:
             return {r: self._store.add(self._key("beat", r), 0) for r in range(self.world_size)}
         except Exception:  # the store went away with its host
             return None
 
 
-def describe_lost_ranks(roster: Roster, *, wait: float = 3.0, store_host: str = "") -> str | None:
+def describe_lost_ranks(roster: Roster, *, wait: float = 3.0) -> str | None:
     """One phrase naming the ranks that are gone and how, or ``None`` if every rank seems alive.
 
     Waits up to ``wait`` seconds: a killed process may still be ending when its peers see the
-    closed connection, and a heartbeat needs time to be seen missing. ``store_host`` names
-    who holds the store ("rank 0" when no launcher does), for when it is unreachable.
+    closed connection, and a heartbeat needs time to be seen missing.
     """
     others = [r for r in range(roster.world_size) if r != roster.rank]
     before = roster.beats()
@@ -145,20 +190,9 @@ def describe_lost_ranks(roster: Roster, *, wait: float = 3.0, store_host: str = 
         return "; ".join(
             f"rank {r} (pid {roster.processes[r].pid}) {end}" for r, end in sorted(ended.items())
         )
-    after = roster.beats()
-    try:
-        silent = [
-            r
-            for r in others
-            if after is not None
-            and before is not None
-            and after[r] == before[r]
-            and not roster.failed(r)
-        ]
-    except Exception:  # the store went away while we looked
-        after = None
-    if before is None or after is None:
-        holder = store_host or "the launcher"
+    silent = roster.silent(before) if before is not None else None
+    if silent is None:
+        holder = "torchrun's agent" if roster.store_rank is None else f"rank {roster.store_rank}"
         return f"{holder}, which holds the job's key-value store, stopped responding"
     if not silent:
         return None

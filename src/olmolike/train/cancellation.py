@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import threading
+import traceback
 from collections.abc import Iterator
 from concurrent.futures import Future
 from types import FrameType
@@ -145,7 +146,10 @@ class CancelCoordinator:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            if self.error is not None and previous[signal.SIGTERM] is signal.SIG_DFL:
+            # A rank's error ends its process (failure.install_exit_on_error): until its
+            # hook runs, a launcher's SIGTERM must not end it without a word.
+            failing_rank = self.error is not None and self.world_size > 1
+            if failing_rank and previous[signal.SIGTERM] is signal.SIG_DFL:
                 signal.signal(signal.SIGTERM, self._say_why_then_end)
 
     def _say_why_then_end(self, signum: int, frame: FrameType | None) -> None:
@@ -154,7 +158,8 @@ class CancelCoordinator:
         always did. The hook ignores SIGTERM once it runs."""
         del frame
         error = cast(BaseException, self.error)
-        print_uncaught(type(error), error, error.__traceback__)
+        if not print_uncaught(type(error), error, error.__traceback__):
+            traceback.print_exception(error)
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
