@@ -114,6 +114,50 @@ def test_a_killed_rank_is_one_line_on_the_rank_left(tmp_path: Path, killed: int)
     assert "Traceback (most recent call last)" in details and "peer" in details
 
 
+END_SCRIPT = """
+import os, signal
+import torch.distributed as dist
+from olmolike.train import prepare_training_environment, teardown_training_environment
+
+prepare_training_environment()
+if dist.get_rank() == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+teardown_training_environment()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_killed_before_the_teardown_barrier_is_one_line(tmp_path: Path) -> None:
+    """The teardown's barrier meets a dead rank. Before: gloo's raw traceback from the
+    barrier, naming no rank."""
+    script = tmp_path / "end.py"
+    script.write_text(END_SCRIPT)
+    port = free_port()
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**os.environ, **launcher_env(rank, 2, port), "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        output, _ = ranks[0].communicate(timeout=patient(120))
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.communicate()
+    assert ranks[0].returncode == 1
+    (line,) = failure_lines(output)
+    assert re.fullmatch(
+        r"error: rank 1 \(pid \d+\) (was killed by SIGKILL|is gone); rank 0 was ending its "
+        r"run \(full traceback: \S+\)",
+        line,
+    ), line
+
+
 def _rank_pids(launcher: int) -> dict[int, int]:
     """The ranks torchrun ``launcher`` started: rank -> pid (from their environments)."""
     pids = {}

@@ -11,6 +11,7 @@ its launcher), on other hosts by heartbeats that stopped.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -133,6 +134,10 @@ class Roster:
         """One heartbeat; and read the other ranks' processes until all are known (once they
         are, a store that went away with rank 0 still leaves them known here)."""
         self._store.add(self._key("beat", self.rank), 1)
+        self.learn()
+
+    def learn(self) -> None:
+        """Read the processes of the ranks not known yet, once all have entered theirs."""
         missing = [r for r in range(self.world_size) if r not in self.processes]
         if missing and self._store.check([self._key("process", r) for r in missing]):
             for r in missing:
@@ -175,6 +180,9 @@ def describe_lost_ranks(roster: Roster, *, wait: float = 3.0) -> str | None:
     closed connection, and a heartbeat needs time to be seen missing.
     """
     others = [r for r in range(roster.world_size) if r != roster.rank]
+    if not roster.store_gone():
+        with contextlib.suppress(Exception):  # a rank that died at once is not known yet
+            roster.learn()
     before = roster.beats()
     deadline = time.monotonic() + wait
     while True:
