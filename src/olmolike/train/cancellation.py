@@ -34,11 +34,7 @@ from ..exceptions import OLMoLikeError
 from .bookkeeping import BookkeepingRunner
 from .explain import last_checkpoint
 
-__all__ = [
-    "CancelCoordinator",
-    "exit_if_signaled",
-    "log_failure",
-]
+__all__ = ["CancelCoordinator", "exit_if_signaled", "log_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -190,11 +186,10 @@ def exit_if_signaled(reason: str | None, step: int, save_folder: str) -> None:
     raise SystemExit(128 + signum)
 
 
-def log_failure(exc: BaseException, step: int, save_folder: str, *, first: bool) -> None:
+def log_failure(exc: BaseException, step: int, *, first: bool) -> None:
     """Log why training stopped, at info level when the exception's own line says it (a
     Ctrl-C, an :class:`OLMoLikeError`: the exception hook prints it) or when it follows from
     another rank's failure."""
-    del save_folder
     said = isinstance(exc, (OLMoLikeError, KeyboardInterrupt))
     level = logging.ERROR if first and not said else logging.INFO
     log.log(level, "Training failed at step %d: %s: %s", step, type(exc).__name__, exc)

@@ -645,7 +645,7 @@ class Trainer:
 
     def _handle_error(self, exc: BaseException) -> None:
         first = report_rank_failure(exc)  # a later rank's failure follows from the first's
-        log_failure(exc, self.global_step, self.save_folder, first=first)
+        log_failure(exc, self.global_step, first=first)
         self._hooks.call_each("on_error", exc, raise_errors=False)
         # A collective stuck on a dead peer must not keep this process alive.
         self._bookkeeping.shutdown(wait=False)
