@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from . import __version__
-from .exceptions import ConfigurationError, OLMoLikeError
+from .exceptions import ConfigurationError, DiskFullError, OLMoLikeError, RankLostError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -362,12 +362,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args))
     except (OLMoLikeError, FileExistsError) as e:
         # Mistakes the user can fix get one line naming the problem, not a traceback; under
-        # torchrun only from the job's first failing rank (the others usually fail alike).
-        from .distributed.failure import report_rank_failure
+        # torchrun only from the job's first failing rank (the others usually fail alike),
+        # except a lost rank's, which every rank left says. torchrun's summary shows it too.
+        from .distributed.failure import print_uncaught, report_rank_failure, tell_torchrun
 
-        if report_rank_failure(e):
+        if _explained_failure(e):  # the error it explains goes to a file the line names
+            print_uncaught(type(e), e, e.__traceback__)
+        elif report_rank_failure(e):
             print(f"error: {e}", file=sys.stderr)
+            tell_torchrun(f"error: {e}")
         return 2
+
+
+def _explained_failure(error: BaseException) -> bool:
+    """Whether ``error`` stands for another one: a lost rank's, a full disk's (from a run)."""
+    return isinstance(error, (RankLostError, DiskFullError))
 
 
 if __name__ == "__main__":

@@ -8,10 +8,12 @@ __all__ = [
     "ConfigurationError",
     "DamagedCheckpointError",
     "DataError",
+    "DiskFullError",
     "DistributedContextError",
     "MetricError",
     "NetworkError",
     "OLMoLikeError",
+    "RankLostError",
 ]
 
 
@@ -48,6 +50,23 @@ class DamagedCheckpointError(CheckpointError):
 
     A resume skips such a checkpoint for the next older one; other checkpoint errors (a model
     of another shape, say) are raised as they are.
+    """
+
+
+class DiskFullError(CheckpointError):
+    """A checkpoint save ran out of disk space; the checkpoint was left without a marker.
+
+    The message names the folder, about how much a checkpoint needs, what is free, and the last
+    complete checkpoint.
+    """
+
+
+class RankLostError(OLMoLikeError):
+    """Another rank of the job died or stopped responding: this rank cannot go on.
+
+    Not a mistake of the user's, and not this rank's bug: the message names the rank that is
+    gone, how (a signal or exit status where this host can see it), and, from the trainer,
+    where the run can resume. Every surviving rank prints it as its one line.
     """
 
 

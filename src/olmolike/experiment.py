@@ -145,6 +145,8 @@ def _train_command(args: argparse.Namespace) -> int:
     from .train import prepare_training_environment, teardown_training_environment
     from .utils import seed_all
 
+    if args.nproc_per_node is not None:
+        return _launch(args)
     # First: a mistake in the file or the overrides is then one line, once per job.
     prepare_training_environment()
     try:
@@ -161,6 +163,21 @@ def _train_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch(args: argparse.Namespace) -> int:
+    """``--nproc-per-node``: this process starts the ranks (see :mod:`olmolike.launch`)."""
+    from .distributed.utils import launched_distributed
+    from .launch import launch
+
+    if args.nproc_per_node < 1:
+        raise ConfigurationError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    if launched_distributed():
+        raise ConfigurationError(
+            "--nproc-per-node starts the ranks itself: drop it under torchrun (or drop torchrun)"
+        )
+    dry_run = ["--dry-run"] if args.dry_run else []
+    return launch(args.nproc_per_node, ["train", args.config, *dry_run, *args.overrides])
+
+
 def add_train_command(commands: argparse._SubParsersAction) -> None:
     """Register ``olmolike train`` on the CLI's subcommands."""
     cmd = commands.add_parser(
@@ -173,6 +190,13 @@ def add_train_command(commands: argparse._SubParsersAction) -> None:
         "dataset's _CLASS_ its data (numpy, sft, preference_pairs, prompts). GRPO's reward "
         "functions come from installed packages' olmolike.rewards entry points. Any field can "
         "be overridden: --trainer.max_duration.value=100.",
+    )
+    cmd.add_argument(
+        "--nproc-per-node",
+        type=int,
+        metavar="N",
+        help="start N ranks on this machine (gloo on CPU, NCCL on GPUs) instead of one process, "
+        "without torchrun; give it before the config file",
     )
     cmd.add_argument("config", help="the experiment config file (.yaml, .yml or .json)")
     cmd.add_argument(

@@ -70,3 +70,40 @@ def test_a_rank_that_failed_itself_is_left_to_finish(exits: list[int]) -> None:
     watcher._thread.join(60)  # it stops watching at its first look
     assert not watcher._thread.is_alive()
     assert exits == []
+
+
+def test_how_a_process_ended_is_read_until_it_is_reaped() -> None:
+    """A peer on this host: its signal while it is a zombie, "is gone" once reaped."""
+    import signal
+    import subprocess
+    import sys
+
+    from olmolike.distributed.lost_ranks import RankProcess, _stat, process_end, process_exiting
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        me = RankProcess.this()
+        process = RankProcess(me.host, child.pid, _stat(child.pid)[19])
+        assert process_end(process) is None and not process_exiting(process)
+        child.send_signal(signal.SIGKILL)
+        wait_for(lambda: process_end(process) is not None)  # a zombie: not reaped yet
+        assert process_end(process) == "was killed by SIGKILL" and process_exiting(process)
+    finally:
+        child.kill()
+        child.wait()
+    assert process_end(process) == "is gone"
+    elsewhere = RankProcess("another-host", child.pid, process.started)
+    assert process_end(elsewhere) is None  # nothing to tell from here
+
+
+def test_a_rank_on_another_host_whose_heartbeat_stopped_stopped_responding() -> None:
+    from olmolike.distributed.lost_ranks import RankProcess, Roster, describe_lost_ranks
+
+    store = dist.HashStore()
+    roster = Roster(store, "ranks", rank=0, world_size=2, store_rank=None)
+    roster.enter()
+    roster.processes[1] = RankProcess("node-7", 1234, "1")
+    assert describe_lost_ranks(roster, wait=0.2) == "rank 1 (on node-7) stopped responding"
+    # A rank that reported its own failure stops beating, and is not lost.
+    Roster(store, "ranks", rank=1, world_size=2, store_rank=None).mark_failed()
+    assert describe_lost_ranks(roster, wait=0.2) is None

@@ -63,20 +63,63 @@ def default_thread_count() -> int:
     return max(2, min(MAX_DEFAULT_THREADS, cpus or 1))
 
 
-class _ReportingFileSystem(FileSystem):
-    """DCP's local file system that calls ``on_written(path)`` once a shard file is closed
-    (DCP has fsynced it by then, when asked to)."""
+class _CheckedFileSystem(FileSystem):
+    """DCP's local file system that keeps the error of any stream that failed, instead of
+    letting it end the writing thread (see :class:`_CheckedWriter`); and calls
+    ``on_written(path)`` once a shard file is closed (DCP has fsynced it by then, when asked
+    to)."""
 
-    def __init__(self, on_written: Callable[[Path], None]) -> None:
+    def __init__(self, on_written: Callable[[Path], None] | None = None) -> None:
         super().__init__()
         self._on_written = on_written
+        self.errors: list[Exception] = []
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io_.IOBase]:
-        with super().create_stream(path, mode) as stream:
-            yield stream
-        if "w" in mode and str(path).endswith(SHARD_SUFFIX):
+        opened = False
+        try:
+            with super().create_stream(path, mode) as stream:
+                opened = True
+                yield stream
+        except Exception as e:  # raised by the writer once every thread is done
+            self.errors.append(_first_os_error(e))
+            if not opened:
+                yield io_.BytesIO()  # the thread goes on with its other files, into a sink
+            return
+        if self._on_written is not None and "w" in mode and str(path).endswith(SHARD_SUFFIX):
             self._on_written(Path(path))
+
+
+def _first_os_error(error: Exception) -> Exception:
+    """The error that started ``error``: torch's archive writer fails again while closing
+    ("unexpected pos") after a write failed on a full disk."""
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__context__
+    return cause if isinstance(cause, OSError) else error
+
+
+class _CheckedWriter(FileSystemWriter):
+    """torch's writer, failing when any writing thread failed.
+
+    torch (2.13) lets its extra writing threads die on an error (a full disk), prints their
+    tracebacks, and returns the results of the other threads as a successful write: the save
+    would then be marked complete with tensors missing. Here every stream's error is kept
+    (:class:`_CheckedFileSystem`) and the first one raised once the threads are done; a write
+    that returns fewer results than it had items fails too.
+    """
+
+    fs: _CheckedFileSystem
+
+    def write_data(self, plan: Any, planner: Any) -> Future[Any]:
+        self.fs.errors.clear()
+        future = super().write_data(plan, planner)
+        if self.fs.errors:
+            raise self.fs.errors[0]
+        written = len(future.value())
+        if written != len(plan.items):
+            raise OSError(f"DCP wrote {written} of this rank's {len(plan.items)} items")
+        return future
 
 
 def dcp_writer(
@@ -85,12 +128,12 @@ def dcp_writer(
     on_shard_written: Callable[[Path], None] | None = None,
 ) -> FileSystemWriter:
     """DCP's writer into the local directory ``dir`` with ``thread_count`` threads (files per
-    rank); ``on_shard_written(path)`` runs, on a writing thread, as each shard file is done."""
-    writer = FileSystemWriter(
+    rank), failing if any thread failed; ``on_shard_written(path)`` runs, on a writing thread,
+    as each shard file is done."""
+    writer = _CheckedWriter(
         str(dir), thread_count=thread_count or default_thread_count(), sync_files=True
     )
-    if on_shard_written is not None:
-        writer.fs = _ReportingFileSystem(on_shard_written)
+    writer.fs = _CheckedFileSystem(on_shard_written)
     return writer
 
 

@@ -13,22 +13,28 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import threading
+import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 
 import torch.distributed as dist
 
-from ..exceptions import OLMoLikeError
+from ..exceptions import OLMoLikeError, RankLostError
+from .lost_ranks import Roster, describe_lost_ranks
 
 __all__ = [
     "RankFailureMonitor",
     "exiting_on_error",
+    "find_lost_ranks",
     "install_error_hook",
     "install_exit_on_error",
     "print_uncaught",
@@ -36,6 +42,7 @@ __all__ = [
     "report_rank_failure",
     "start_failure_monitor",
     "stop_failure_monitor",
+    "tell_torchrun",
 ]
 
 log = logging.getLogger(__name__)
@@ -54,6 +61,8 @@ class RankFailureMonitor:
         rank: int,
         *,
         attempt: str = "0",
+        world_size: int = 1,
+        store_rank: int | None = None,
         poll_interval: float = 0.5,
         grace_period: float = DEFAULT_GRACE_SECONDS,
     ) -> None:
@@ -62,6 +71,7 @@ class RankFailureMonitor:
         self.grace_period = grace_period
         self._store = store
         self._key = f"olmolike/rank_failure/{attempt}"
+        self.roster = Roster(store, f"olmolike/ranks/{attempt}", rank, world_size, store_rank)
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._reported = False
@@ -71,6 +81,10 @@ class RankFailureMonitor:
         )
 
     def start(self) -> None:
+        try:
+            self.roster.enter()
+        except Exception as e:  # the job can run without it: a lost rank is then unnamed
+            log.debug("Could not enter this rank's process into the job's store: %s", e)
         self._thread.start()
 
     def stop(self) -> None:
@@ -98,15 +112,16 @@ class RankFailureMonitor:
                 return self._first
             self._reported = True
             summary = f"rank {self.rank} failed with {type(exc).__name__}: {exc}"
+            if self.roster.store_gone():  # nobody to tell; and nobody failed before us
+                return self._first
             try:
                 # The first failure is the cause; later ones are usually its consequences.
+                self.roster.mark_failed()
                 self._first = self._store.add(f"{self._key}/count", 1) == 1
                 if self._first:
                     self._store.set(self._key, summary[:2000])
             except Exception as store_error:  # the job is already failing; do not mask exc
-                log.warning(
-                    "Could not report this rank's failure to the other ranks: %s", store_error
-                )
+                log.info("Could not report this rank's failure to the other ranks: %s", store_error)
             return self._first
 
     def _watch(self) -> None:
@@ -115,18 +130,22 @@ class RankFailureMonitor:
                 return  # this rank failed itself and is on its way out: let it finish
             try:
                 with self._lock:
+                    if self.roster.store_gone():
+                        raise ConnectionError("its process ended")
+                    self.roster.beat()
                     failed = self._store.check([self._key])
                     message = self._store.get(self._key).decode() if failed else ""
             except Exception as e:
                 # The store lives on rank 0 (or the launcher): losing it means they are gone.
-                self._terminate(f"the job's key-value store is unreachable ({e})")
+                lost = describe_lost_ranks(self.roster)
+                self._terminate(lost or f"the job's key-value store is unreachable ({e})")
                 return
             if failed and not message.startswith(f"rank {self.rank} "):
                 self._terminate(message)
                 return
 
     def _terminate(self, why: str) -> None:
-        log.error(
+        log.info(
             "Rank %d is stopping because %s. Waiting %.0fs for it to exit on its own.",
             self.rank,
             why,
@@ -164,7 +183,17 @@ def start_failure_monitor(rank: int) -> RankFailureMonitor | None:
     # torchrun keeps one store across restarts: key the reports by attempt so an old failure
     # does not end the new attempt.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    _monitor = RankFailureMonitor(store, rank, attempt=attempt, grace_period=grace)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    # torchrun's agent holds the store its ranks use; without a launcher, rank 0 does.
+    store_rank = None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
+    _monitor = RankFailureMonitor(
+        store,
+        rank,
+        attempt=attempt,
+        world_size=world_size,
+        store_rank=store_rank,
+        grace_period=grace,
+    )
     _monitor.start()
     return _monitor
 
@@ -208,32 +237,93 @@ def print_uncaught(
     """Print an uncaught exception the short way, if it is one: returns False otherwise.
 
     An :class:`OLMoLikeError` (a mistake the user can fix) or a :class:`KeyboardInterrupt`
-    (Ctrl-C; what it cut short is logged) is one line, printed only by the job's first failing
-    rank (every rank usually raises the same one); the failure of a rank that followed
-    another rank's is one line too. Their full tracebacks go to a file, whose
-    path the line gives. Any other error of the first failing rank is a bug: not handled here.
+    (Ctrl-C; the line says what it cut short) is one line, printed only by the job's first
+    failing rank (every rank usually raises the same one). A :class:`RankLostError`, or any
+    error of a rank whose peer died (:func:`find_lost_ranks`), is one line on every rank left;
+    the failure of a rank that followed another rank's is one line too. Their full tracebacks
+    go to a file, whose path the line ends with. Any other error of the first failing rank is
+    a bug: not handled here.
     """
     first = report_rank_failure(exc)
-    if first and not isinstance(exc, (OLMoLikeError, KeyboardInterrupt)):
+    line = _short_line(exc, first)
+    if line is None:
         return False
     where = Path(tempfile.gettempdir()) / f"olmolike-traceback-{os.getpid()}.txt"
     try:
         where.write_text("".join(traceback.format_exception(exc_type, exc, tb)))
     except OSError:
         where = Path("(not written)")
-    if first:
-        kind = "interrupted" if isinstance(exc, KeyboardInterrupt) else "error"
-        sys.stderr.write(f"{kind}: {exc or 'KeyboardInterrupt'}\n(full traceback: {where})\n")
-    elif not isinstance(exc, (OLMoLikeError, KeyboardInterrupt)):  # the first one said why
-        monitor = _monitor or _stopped_monitor
-        rank = f"rank {monitor.rank}" if monitor is not None else "this rank"
-        what = str(exc).splitlines()[0][:200] if str(exc) else ""
-        sys.stderr.write(
-            f"{rank} stopped after another rank's failure: {exc_type.__name__}: {what} "
-            f"(full traceback: {where})\n"
-        )
+    if line:
+        line = f"{line} (full traceback: {where})"
+        sys.stderr.write(f"{line}\n")
+        tell_torchrun(line)
     sys.stderr.flush()
     return True
+
+
+def tell_torchrun(line: str) -> None:
+    """Give torchrun's failure summary this rank's line, instead of its "To enable traceback
+    see ..." (the file its ``@record`` decorator would write, with the line as the
+    traceback: the full one is in the file the line names)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {
+        "message": line,
+        "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))},
+    }
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps({"message": data}))
+
+
+def _short_line(exc: BaseException, first: bool) -> str | None:
+    """The line that stands for ``exc``: empty when another rank's line says it already,
+    ``None`` for a bug (its traceback is the message)."""
+    monitor = _monitor or _stopped_monitor
+    rank = f"rank {monitor.rank}" if monitor is not None else "this rank"
+    what = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+    if isinstance(exc, RankLostError):
+        return f"error: {exc}"
+    if isinstance(exc, (OLMoLikeError, KeyboardInterrupt)):
+        if not first:
+            return ""
+        kind = "interrupted" if isinstance(exc, KeyboardInterrupt) else "error"
+        return f"{kind}: {exc or 'KeyboardInterrupt'}"
+    if first and (lost := find_lost_ranks(exc)) is not None:
+        return f"error: {lost}; {rank} stopped on {what}"
+    if first:
+        return None
+    return f"{rank} stopped after another rank's failure: {what}"
+
+
+_LOST_PEER_SIGNS = (
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "connection refused",
+    "timed out",
+    "timeout",
+)
+"""What the error of a collective whose peer vanished says (gloo, NCCL, the store)."""
+
+
+def find_lost_ranks(exc: BaseException, *, wait: float = 3.0) -> str | None:
+    """If ``exc`` may come from a rank that vanished (a lost connection, a timeout), name the
+    ranks that are gone and how (see :mod:`.lost_ranks`); ``None`` otherwise."""
+    monitor = _monitor or _stopped_monitor
+    if monitor is None or monitor.roster.world_size < 2:
+        return None
+    chain: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(chain) < 10:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    text = " ".join(str(e).lower() for e in chain)
+    if not any(isinstance(e, dist.DistError) for e in chain) and not any(
+        sign in text for sign in _LOST_PEER_SIGNS
+    ):
+        return None
+    return describe_lost_ranks(monitor.roster, wait=wait)
 
 
 def install_error_hook() -> None:
@@ -241,13 +331,41 @@ def install_error_hook() -> None:
     previous = sys.excepthook
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        if not print_uncaught(exc_type, exc, tb):
-            previous(exc_type, exc, tb)
+        with _shielded(keep_sigterm_ignored=False):
+            if not print_uncaught(exc_type, exc, tb):
+                previous(exc_type, exc, tb)
 
     if getattr(previous, "olmolike", False):
         return
     hook.olmolike = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+@contextlib.contextmanager
+def _shielded(*, keep_sigterm_ignored: bool) -> Iterator[None]:
+    """While the uncaught error is printed, SIGINT and SIGTERM wait; afterwards a further
+    Ctrl-C ends the exiting process at once, quietly (a traceback from wherever the exit
+    happened to be, an ``atexit`` handler say, would bury the line just printed)."""
+    try:
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: signals are not ours to handle
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, _exit_at_once)
+        if not keep_sigterm_ignored:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_at_once(signum: int, frame: FrameType | None) -> None:
+    del frame
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(128 + signum)
 
 
 EXIT_HANDLERS_TIMEOUT = 10.0
@@ -275,9 +393,13 @@ def install_exit_on_error() -> None:
         previous = sys.__excepthook__
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        if not print_uncaught(exc_type, exc, tb):
-            previous(exc_type, exc, tb)
-        _exit_without_teardown(1)
+        # A launcher (torchrun's agent) ends the ranks left with SIGTERM when one fails: that
+        # must not cut this rank's line short. It exits within EXIT_HANDLERS_TIMEOUT anyway.
+        with _shielded(keep_sigterm_ignored=True):
+            if not print_uncaught(exc_type, exc, tb):
+                previous(exc_type, exc, tb)
+        # A Ctrl-C ends a process with 130 (128 + SIGINT), also a rank's.
+        _exit_without_teardown(130 if isinstance(exc, KeyboardInterrupt) else 1)
 
     sys.excepthook = hook
 

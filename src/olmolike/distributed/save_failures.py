@@ -83,5 +83,5 @@ def agree_on_failures(
     for rank, report in enumerate(reports):
         if rank in report:
             failures[rank] = report[rank]
-    if failures:
-        raise SaveFailedError(what, failures, consequence)
+    if failures:  # this rank's own error's traceback goes with it
+        raise SaveFailedError(what, failures, consequence) from error

@@ -17,9 +17,10 @@ import logging
 
 import torch.distributed as dist
 
-from .failure import exiting_on_error, rank_failed, stop_failure_monitor
+from ..exceptions import RankLostError
+from .failure import exiting_on_error, find_lost_ranks, rank_failed, stop_failure_monitor
 from .quiesce import wait_for_idle_gloo_workers
-from .utils import barrier_every_group, is_distributed
+from .utils import barrier_every_group, get_rank, is_distributed
 
 __all__ = ["teardown_at_exit", "teardown_distributed"]
 
@@ -34,12 +35,20 @@ def teardown_distributed(*, every_rank: bool = True) -> None:
     peer exiting is no longer a failure), every group is destroyed, and the wait for gloo's
     worker threads to finish releasing their last ops (:mod:`.quiesce`). Pass
     ``every_rank=False`` after a failure: other ranks may be gone or stuck, and a barrier
-    would fail or wait for the whole timeout.
+    would fail or wait for the whole timeout. A barrier that fails because a rank died ends
+    the groups without it and raises :class:`~olmolike.exceptions.RankLostError` naming it.
     """
     if not is_distributed():
         return
     if every_rank:
-        barrier_every_group()
+        try:
+            barrier_every_group()
+        except Exception as e:  # a peer is gone: end the groups without it, and say who
+            teardown_distributed(every_rank=False)
+            lost = find_lost_ranks(e)
+            if lost is None:
+                raise
+            raise RankLostError(f"{lost}; rank {get_rank()} was ending its run") from e
     stop_failure_monitor()
     dist.destroy_process_group()
     wait_for_idle_gloo_workers()
@@ -74,6 +83,5 @@ def _teardown_at_exit() -> None:
         return
     try:
         teardown_distributed(every_rank=not rank_failed())
-    except Exception as e:  # a peer is gone: the barrier failed
-        log.warning("Ending the process groups without the other ranks at exit: %s", e)
-        teardown_distributed(every_rank=False)
+    except Exception as e:  # a peer is gone: the barrier failed (and the groups are ended)
+        log.warning("Ended the process groups without the other ranks at exit: %s", e)

@@ -16,21 +16,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 import traceback
 from collections.abc import Iterator
 from concurrent.futures import Future
 from types import FrameType
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
-from ..distributed.checkpoint_format import latest_checkpoint
+from ..distributed.failure import print_uncaught
 from ..distributed.utils import broadcast_object, get_rank
+from ..exceptions import OLMoLikeError
 from .bookkeeping import BookkeepingRunner
+from .explain import last_checkpoint
 
-__all__ = ["CancelCoordinator", "describe_interrupt", "exit_if_signaled", "log_failure"]
+__all__ = ["CancelCoordinator", "exit_if_signaled", "log_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,11 @@ class CancelCoordinator:
         self.canceled = False
         self.reason: str | None = None
         self.canceling_rank: int | None = None
+        self.error: BaseException | None = None
+        """The error the run is ending on, once there is one: a signal then asks only for what
+        is under way already."""
+        self.aborted = False
+        """Whether a second SIGINT aborted the run."""
         self._requested: str | None = None
         self._check: tuple[int, Future[tuple[_Verdict, int]]] | None = None
 
@@ -55,7 +64,10 @@ class CancelCoordinator:
         if self._requested is not None or self.canceled:
             return
         self._requested = reason
-        log.warning("Rank %d asks to cancel the run: %s", self.rank, reason)
+        # A launcher's SIGTERM to a rank that is already failing (torchrun ends the ranks
+        # left once one died) is no news: the failure's own line says what happened.
+        level = logging.INFO if self.error is not None else logging.WARNING
+        log.log(level, "Rank %d asks to cancel the run: %s", self.rank, reason)
         if no_sync or self.world_size == 1:
             self._apply((self.rank, reason))
 
@@ -120,6 +132,7 @@ class CancelCoordinator:
             signals_received += 1
             name = signal.Signals(signum).name
             if signum == signal.SIGINT and signals_received > 1:
+                self.aborted = True
                 raise KeyboardInterrupt(f"second {name}: aborting without a graceful stop")
             self.request(_SIGNAL_REASON.format(name))
 
@@ -129,16 +142,25 @@ class CancelCoordinator:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            # A rank's error ends its process (failure.install_exit_on_error): until its
+            # hook runs, a launcher's SIGTERM must not end it without a word.
+            failing_rank = self.error is not None and self.world_size > 1
+            if failing_rank and previous[signal.SIGTERM] is signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, self._say_why_then_end)
+
+    def _say_why_then_end(self, signum: int, frame: FrameType | None) -> None:
+        """SIGTERM while the run's error is on its way to the exception hook (torchrun sends it
+        to the ranks left once one died): print the error's line first, then end as SIGTERM
+        always did. The hook ignores SIGTERM once it runs."""
+        del frame
+        error = cast(BaseException, self.error)
+        if not print_uncaught(type(error), error, error.__traceback__):
+            traceback.print_exception(error)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 _SIGNAL_REASON = "received {}"
-
-
-def _last_checkpoint(save_folder: str) -> str:
-    try:
-        return f"the last complete checkpoint is {latest_checkpoint(save_folder)}"
-    except (FileNotFoundError, OSError):
-        return f"{save_folder} holds no complete checkpoint"
 
 
 def exit_if_signaled(reason: str | None, step: int, save_folder: str) -> None:
@@ -154,7 +176,7 @@ def exit_if_signaled(reason: str | None, step: int, save_folder: str) -> None:
     if signum is None:
         return
     message = (
-        f"run canceled at step {step} ({reason}); {_last_checkpoint(save_folder)}: run the "
+        f"run canceled at step {step} ({reason}); {last_checkpoint(save_folder)}: run the "
         "same command again to resume"
     )
     if signum == signal.SIGINT:
@@ -164,23 +186,12 @@ def exit_if_signaled(reason: str | None, step: int, save_folder: str) -> None:
     raise SystemExit(128 + signum)
 
 
-def describe_interrupt(exc: KeyboardInterrupt, step: int, save_folder: str) -> str:
-    """What a KeyboardInterrupt (a second Ctrl-C) cut short, and what is safe to resume from."""
-    frames = {frame.name for frame in traceback.extract_tb(exc.__traceback__)}
-    saving = bool(
-        frames & {"save", "save_async", "save_checkpoint", "save_checkpoint_async", "_save"}
-    )
-    what = f"a checkpoint save at step {step} (left incomplete)" if saving else f"step {step}"
-    return f"Interrupted during {what}; {_last_checkpoint(save_folder)}"
-
-
-def log_failure(exc: BaseException, step: int, save_folder: str, *, first: bool) -> None:
-    """Log why training stopped: a Ctrl-C says what it interrupted; a later rank's failure
-    (one that follows from the first rank's) is logged at info level only."""
-    if isinstance(exc, KeyboardInterrupt):
-        log.error(describe_interrupt(exc, step, save_folder))
-        return
-    level = logging.ERROR if first else logging.INFO
+def log_failure(exc: BaseException, step: int, *, first: bool) -> None:
+    """Log why training stopped, at info level when the exception's own line says it (a
+    Ctrl-C, an :class:`OLMoLikeError`: the exception hook prints it) or when it follows from
+    another rank's failure."""
+    said = isinstance(exc, (OLMoLikeError, KeyboardInterrupt))
+    level = logging.ERROR if first and not said else logging.INFO
     log.log(level, "Training failed at step %d: %s: %s", step, type(exc).__name__, exc)
 
 

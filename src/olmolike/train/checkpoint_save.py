@@ -144,7 +144,8 @@ class CheckpointSave:
         """
         rank = get_rank()
         if cause is not None:
-            log.error("Writing the model and optimizer state of %s failed: %s", self.target, cause)
+            # Raised on every rank as the save's error, printed once: not logged twice.
+            log.info("Writing the model and optimizer state of %s failed: %s", self.target, cause)
         error = cause
         try:
             if cause is None:
@@ -153,13 +154,13 @@ class CheckpointSave:
                     for name, data in self.extra_files.items():
                         write_synced(self.staging / name, data)
         except Exception as e:
-            log.exception("Saving this rank's part of %s failed", self.target)
+            log.info("Saving this rank's part of %s failed: %s", self.target, e)
             error = e
         if self.remote:  # also when failed: no upload may outlive the save
             try:
                 self._finish_uploads(upload_rest=error is None)
             except Exception as e:
-                log.exception("Saving this rank's part of %s failed", self.target)
+                log.info("Saving this rank's part of %s failed: %s", self.target, e)
                 error = error or e
         self._agree(f"saving {self.target}", error)
         commit_error: Exception | None = None
@@ -167,7 +168,7 @@ class CheckpointSave:
             try:
                 self._commit(ephemeral)
             except Exception as e:
-                log.exception("Committing %s failed", self.target)
+                log.info("Committing %s failed: %s", self.target, e)
                 commit_error = e
         self._agree(f"committing {self.target}", commit_error)
         if self.remote:

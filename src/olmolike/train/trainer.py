@@ -37,6 +37,7 @@ from .common import (
     StepSkipRange,
     TrainingProgress,
 )
+from .explain import explain_failure
 from .metrics import metric_name
 from .step_bookkeeping import StepBookkeeping
 from .train_module import TrainModule
@@ -545,8 +546,14 @@ class Trainer:
         try:
             yield
         except BaseException as exc:
-            self._error = exc
-            self._handle_error(exc)
+            self._cancel.error = exc
+            self._error = explain_failure(
+                exc, self.global_step, self.save_folder, interrupted=self._cancel.aborted
+            )
+            self._cancel.error = self._error
+            self._handle_error(self._error)
+            if self._error is not exc:  # e.g. a rank died: say which, not gloo's lost connection
+                raise self._error from exc
             raise
         finally:
             self._close()
@@ -638,7 +645,7 @@ class Trainer:
 
     def _handle_error(self, exc: BaseException) -> None:
         first = report_rank_failure(exc)  # a later rank's failure follows from the first's
-        log_failure(exc, self.global_step, self.save_folder, first=first)
+        log_failure(exc, self.global_step, first=first)
         self._hooks.call_each("on_error", exc, raise_errors=False)
         # A collective stuck on a dead peer must not keep this process alive.
         self._bookkeeping.shutdown(wait=False)
