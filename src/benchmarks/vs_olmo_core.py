@@ -14,14 +14,24 @@ Every measurement runs in a fresh process, one framework at a time, alternating 
 first from round to round, so that neither framework's leftovers (allocator caches, threads,
 staging buffers) show in the other's figures. A process builds the state, then:
 
-1. two synchronous saves (time the loop is blocked; peak RSS of the second);
-2. two asynchronous saves (time the loop is blocked; of the second also the time until the
-   checkpoint is complete and peak RSS);
-3. the memory it still holds (RSS after the saves, less RSS before the first one);
-4. a load of the second checkpoint, which is in the page cache (time, peak RSS).
+1. one training step (forward, backward, AdamW step) with no save in flight;
+2. two synchronous saves (time the loop is blocked; peak RSS of the second);
+3. two asynchronous saves: of each the time the loop is blocked and the time until the
+   checkpoint is complete. The first runs alone (and its peak RSS is measured); during the
+   second a training step runs as soon as the save returns, as in a trainer, and is timed;
+4. the memory it still holds (RSS after the saves, less RSS before the first one);
+5. a load of the second checkpoint, which is in the page cache (time, peak RSS).
 
 The first save of each kind plans it, which both frameworks cache for later saves: it is
 reported apart, and the other rows are the steady state of a run that saves many times.
+Every time is also measured as CPU time (``time.process_time``: all threads of the process):
+on a shared machine wall times swing with what else runs, CPU times much less, and a framework
+with more threads gets a larger share of a busy machine's cores.
+
+``--threads`` sets torch's intra-op threads (``torch.set_num_threads`` and
+``OMP_NUM_THREADS``) of the measuring processes; each value is a case of its own. The
+checkpoint writer and reader threads are each framework's defaults (olmolike: the CPUs, 2 to
+8; OLMo-core: the CPUs + 4, at most 16).
 
 Peak RSS is the kernel's high-water mark (``VmHWM``), reset before each operation, and shown
 above the base: the process's RSS once model and optimizer exist, before the first save
@@ -31,7 +41,10 @@ checkpoints). The
 slowest rank's and its memory figures those of the rank that used more.
 
 It prints each figure per framework (median and min-max over rounds) and the ratio
-olmolike / OLMo-core per round (median and min-max). Needs ``ai2-olmo-core``
+olmolike / OLMo-core per round (median and min-max), and the load average of the machine.
+``--baseline SRC`` adds another copy of olmolike (the ``src`` folder of an older checkout,
+e.g. ``git worktree add /tmp/old <rev>``), measured in the same interleaved rounds: on a
+shared machine only figures from the same rounds can be compared. Needs ``ai2-olmo-core``
 (``pip install -e '.[bench]'``); without it, it says so and exits 0. It always exits 0
 unless a measurement fails.
 """
@@ -59,7 +72,9 @@ from memory import CLEAR_REFS, peak_above, rss
 from torch.distributed.checkpoint import state_dict as dcp_sd
 
 FRAMEWORKS = ("olmolike", "olmo_core")
-NAMES = {"olmolike": "olmolike", "olmo_core": "OLMo-core"}
+BASELINE = "baseline"
+"""The side that measures another copy of olmolike (``--baseline SRC``)."""
+NAMES = {"olmolike": "olmolike", "olmo_core": "OLMo-core", BASELINE: "baseline"}
 SIZES = {
     "64M": {"vocab_size": 32000, "d_model": 512, "n_layers": 10},
     "small": {"vocab_size": 1024, "d_model": 128, "n_layers": 2},
@@ -73,9 +88,12 @@ INSTALL_HINT = (
 ROWS = (
     ("sync_block", "sync save (loop blocked)", "s"),
     ("first_sync_block", "first sync save (plans it)", "s"),
-    ("async_block", "async save: loop blocked", "s"),
     ("first_async_block", "first async save: loop blocked", "s"),
-    ("async_total", "async save: until complete", "s"),
+    ("first_async_total", "first async save: until complete", "s"),
+    ("async_block", "second async save: loop blocked", "s"),
+    ("async_step", "second async save: step beside it", "s"),
+    ("async_total", "second async save: until complete", "s"),
+    ("step", "step, no save in flight", "s"),
     ("load", "load (warm page cache)", "s"),
     ("held", "extra memory held between saves", "GB"),
     ("peak_sync", "peak RSS above base: sync save", "GB"),
@@ -83,7 +101,8 @@ ROWS = (
     ("peak_load", "peak RSS above base: load", "GB"),
     ("base_rss", "base: RSS before saving", "GB"),
 )
-TIMES = {key for key, _, unit in ROWS if unit == "s"}
+CPU = "_cpu"
+"""Suffix of the CPU-time figure of each time."""
 
 
 # -- memory ----------------------------------------------------------------------------------
@@ -92,8 +111,11 @@ TIMES = {key for key, _, unit in ROWS if unit == "s"}
 # -- the state both frameworks save ----------------------------------------------------------
 
 
-def build_state(size: str, sharded: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The same model and AdamW state in every process: seeded, one step on seeded tokens."""
+def build_state(
+    size: str, sharded: bool
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[], None]]:
+    """The same model and AdamW state in every process: seeded, one step on seeded tokens;
+    and that training step, to run again."""
     from torch.distributed.fsdp import fully_shard
 
     from olmolike.testing import TinyCausalLM
@@ -106,12 +128,16 @@ def build_state(size: str, sharded: bool) -> tuple[torch.nn.Module, torch.optim.
         fully_shard(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, SIZES[size]["vocab_size"], (2, SEQ_LEN + 1))
-    logits = model(tokens[:, :-1])
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-    loss.backward()
-    optim.step()
-    optim.zero_grad(set_to_none=True)
-    return model, optim
+
+    def step() -> None:
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+    step()
+    return model, optim, step
 
 
 def train_state() -> dict[str, Any]:
@@ -214,42 +240,64 @@ class OlmoCore:
 # -- one process: build, save, save async, load ----------------------------------------------
 
 
-def _timed(action: Callable[[], Any]) -> tuple[float, Any]:
-    start = time.perf_counter()
-    result = action()
-    return time.perf_counter() - start, result
+class _Clock:
+    """Wall and CPU seconds (all threads of this process) since it was started."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def put(self, figures: dict[str, float], key: str) -> None:
+        figures[key] = time.perf_counter() - self.wall
+        figures[key + CPU] = time.process_time() - self.cpu
 
 
-def _save_async(side: Olmolike | OlmoCore, dir: str) -> tuple[float, float]:
-    """Seconds the caller is blocked, and seconds until the checkpoint is complete."""
+def _timed(figures: dict[str, float], key: str, action: Callable[[], Any]) -> None:
+    clock = _Clock()
+    action()
+    clock.put(figures, key)
+
+
+def _save_async(
+    side: Olmolike | OlmoCore,
+    dir: str,
+    figures: dict[str, float],
+    prefix: str,
+    beside: Callable[[], None] | None = None,
+) -> None:
+    """Time how long the caller is blocked, ``beside`` (run while the save is in flight),
+    and the time until the checkpoint is complete."""
     side.prepare()  # what the trainer's checkpointer callback does the step before
-    start = time.perf_counter()
+    clock = _Clock()
     wait = side.save_async(dir)
-    blocked = time.perf_counter() - start
+    clock.put(figures, f"{prefix}async_block")
+    if beside is not None:
+        _timed(figures, f"{prefix}async_step", beside)
     wait()
-    return blocked, time.perf_counter() - start
+    clock.put(figures, f"{prefix}async_total")
 
 
 def measure(framework: str, size: str, folder: Path) -> dict[str, float]:
     sharded = dist.is_initialized()
-    model, optim = build_state(size, sharded)
+    model, optim, step = build_state(size, sharded)
     side = (Olmolike if framework == "olmolike" else OlmoCore)(model, optim, folder / "work")
-    figures: dict[str, float] = {"base_rss": rss()}
+    figures: dict[str, float] = {}
+    _timed(figures, "step", step)
+    figures["base_rss"] = rss()
     dirs = [str(folder / f"step{n}") for n in range(1, 5)]
     # The first save of each kind plans it (and caches the plan): a one-off, reported apart.
-    figures["first_sync_block"], _ = _timed(lambda: side.save(dirs[0]))
+    _timed(figures, "first_sync_block", lambda: side.save(dirs[0]))
     with peak_above(figures["base_rss"], figures, "peak_sync"):
-        figures["sync_block"], _ = _timed(lambda: side.save(dirs[1]))
+        _timed(figures, "sync_block", lambda: side.save(dirs[1]))
 
-    figures["first_async_block"], _ = _save_async(side, dirs[2])
     with peak_above(figures["base_rss"], figures, "peak_async"):
-        figures["async_block"], figures["async_total"] = _save_async(side, dirs[3])
+        _save_async(side, dirs[2], figures, "first_")
+    _save_async(side, dirs[3], figures, "", beside=step)
     if sharded:
         dist.barrier()  # every rank's async save is done before anyone measures or loads
     figures["held"] = rss() - figures["base_rss"]
 
     with peak_above(figures["base_rss"], figures, "peak_load"):
-        figures["load"], _ = _timed(lambda: side.load(dirs[1]))
+        _timed(figures, "load", lambda: side.load(dirs[1]))
     figures["checkpoint_bytes"] = sum(
         p.stat().st_size for p in Path(dirs[1]).rglob("*") if p.is_file()
     )
@@ -262,9 +310,9 @@ def _rank_main(framework: str, size: str, folder: str, out: str) -> None:
     Path(f"{out}.rank{dist.get_rank()}").write_text(json.dumps(figures))
 
 
-def worker(framework: str, size: str, ranks: int, out: str) -> None:
+def worker(framework: str, size: str, ranks: int, threads: int, out: str) -> None:
     """Run in a fresh process: measure one framework and write its figures to ``out``."""
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     folder = Path(tempfile.mkdtemp(prefix=f"vs-olmo-core-{framework}-"))
     try:
         if ranks == 1:
@@ -288,16 +336,20 @@ def worker(framework: str, size: str, ranks: int, out: str) -> None:
 # -- the parent: alternate fresh processes, print the table ----------------------------------
 
 
-def run_one(framework: str, size: str, ranks: int) -> dict[str, float]:
+def run_one(side: str, size: str, ranks: int, threads: int, baseline: str) -> dict[str, float]:
+    """Measure ``side`` (a framework, or "baseline": olmolike from ``baseline``)."""
     with tempfile.TemporaryDirectory(prefix="vs-olmo-core-out-") as tmp:
         out = os.path.join(tmp, "figures.json")
-        command = [sys.executable, __file__, "--worker", framework]
-        command += ["--size", size, "--ranks", str(ranks), "--out", out]
-        env = {**os.environ, "OMP_NUM_THREADS": "2"}
+        framework = "olmolike" if side == BASELINE else side
+        command = [sys.executable, __file__, "--worker", framework, "--size", size]
+        command += ["--ranks", str(ranks), "--threads", str(threads), "--out", out]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        if side == BASELINE:
+            env["PYTHONPATH"] = os.pathsep.join([baseline, env.get("PYTHONPATH", "")])
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0:  # its log is noise unless it failed
             sys.stderr.write(done.stdout + done.stderr)
-            raise SystemExit(f"measuring {NAMES[framework]} on {ranks} rank(s) failed")
+            raise SystemExit(f"measuring {NAMES[side]} on {ranks} rank(s) failed")
         figures: dict[str, float] = json.loads(Path(out).read_text())
         return figures
 
@@ -309,34 +361,48 @@ def _spread(values: list[float], fmt: str) -> str:
     return f"{middle} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
-def report(ranks: int, rounds: list[dict[str, dict[str, float]]]) -> None:
+def _row(rounds: list[dict[str, dict[str, float]]], key: str, unit: str) -> list[str]:
+    """Each side's median (min-max), and that of the per-round ratio of each olmolike to
+    OLMo-core."""
+    scale = 1.0 if unit == "s" else 1e-9
+    cells = []
+    for side in rounds[0]:
+        values = [r[side][key] * scale for r in rounds]
+        cells.append(_spread(values, "{:.2f}") + f" {unit}")
+    # A ratio to almost nothing (< 50 MB of memory, 10 ms of time) would be noise: "-".
+    floor = 50e6 if unit == "GB" else 0.01
+    for side in rounds[0]:
+        if side == "olmo_core":
+            continue
+        ratios = [r[side][key] / r["olmo_core"][key] for r in rounds if r["olmo_core"][key] > floor]
+        cells.append(_spread(ratios, "{:.2f}") if len(ratios) == len(rounds) else "-")
+    return cells
+
+
+def report(ranks: int, threads: int, rounds: list[dict[str, dict[str, float]]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     first = rounds[0]["olmolike"]
     title = (
         f"Checkpoints, {ranks} rank{'s' if ranks > 1 else ''}"
-        f"{' (FSDP2, gloo)' if ranks > 1 else ''}: {first['params'] / 1e6:.1f} M parameters, "
-        f"{first['checkpoint_bytes'] / 1e6:.0f} MB, {len(rounds)} round(s)"
+        f"{' (FSDP2, gloo)' if ranks > 1 else ''}, {threads} torch thread"
+        f"{'s' if threads > 1 else ''}: {first['params'] / 1e6:.1f} M parameters, "
+        f"{first['checkpoint_bytes'] / 1e6:.0f} MB, {len(rounds)} round(s); "
+        f"load average {os.getloadavg()[0]:.1f} at the end"
     )
     table = Table(title=title)
-    for column in ("measure", "olmolike", "OLMo-core", "olmolike / OLMo-core"):
+    sides = [NAMES[side] for side in rounds[0]]
+    ratios = [f"{side} / OLMo-core" for side in sides if side != "OLMo-core"]
+    for column in ("measure", *sides, *ratios):
         table.add_column(column, justify="left" if column == "measure" else "right", no_wrap=True)
     for key, label, unit in ROWS:
-        scale = 1.0 if unit == "s" else 1e-9
-        cells = []
-        for framework in FRAMEWORKS:
-            values = [r[framework][key] * scale for r in rounds]
-            cells.append(_spread(values, "{:.2f}") + f" {unit}")
-        # A ratio to almost nothing (< 50 MB) would be noise: shown as "-".
-        ratios = [
-            r["olmolike"][key] / r["olmo_core"][key]
-            for r in rounds
-            if key in TIMES or r["olmo_core"][key] > 50e6
-        ]
-        cells.append(_spread(ratios, "{:.2f}") if len(ratios) == len(rounds) else "-")
-        table.add_row(label, *cells)
-    Console(width=max(Console().width, 120)).print(table)  # the rows unwrapped, even in a pipe
+        table.add_row(label, *_row(rounds, key, unit))
+    for key, label, unit in ROWS:
+        if unit == "s":
+            table.add_row(f"{label}, CPU", *_row(rounds, key + CPU, unit))
+    width = 60 + 25 * (2 * len(sides) - 1)  # the rows unwrapped, even in a pipe
+    Console(width=max(Console().width, width)).print(table)
 
 
 def main() -> None:
@@ -347,13 +413,21 @@ def main() -> None:
     parser.add_argument(
         "--ranks", type=int, nargs="+", default=[1, 2], help="cases to run: 1 and/or 2 ranks"
     )
+    parser.add_argument(
+        "--threads", type=int, nargs="+", default=[1, 2], help="cases to run: torch threads"
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="SRC",
+        help="also measure the olmolike in this src folder (an older checkout), interleaved",
+    )
     parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.rounds < 1 or min(args.ranks) < 1:
-        parser.error("--rounds and --ranks take numbers >= 1")
+    if min(args.rounds, *args.ranks, *args.threads) < 1:
+        parser.error("--rounds, --ranks and --threads take numbers >= 1")
     if args.worker:
-        worker(args.worker, args.size, args.ranks[0], args.out)
+        worker(args.worker, args.size, args.ranks[0], args.threads[0], args.out)
         return
     if importlib.util.find_spec("olmo_core") is None:
         print(INSTALL_HINT)
@@ -362,12 +436,15 @@ def main() -> None:
         print("vs_olmo_core.py measures peak memory through /proc (Linux only): nothing to do")
         return
     size, rounds = ("small", 1) if args.quick else (args.size, args.rounds)
+    sides = ["olmolike", *([BASELINE] if args.baseline else []), "olmo_core"]
     for ranks in args.ranks:
-        results: list[dict[str, dict[str, float]]] = []
-        for index in range(rounds):
-            order = FRAMEWORKS if index % 2 == 0 else FRAMEWORKS[::-1]
-            results.append({framework: run_one(framework, size, ranks) for framework in order})
-        report(ranks, results)
+        for threads in args.threads:
+            results: list[dict[str, dict[str, float]]] = []
+            for index in range(rounds):
+                order = sides if index % 2 == 0 else sides[::-1]
+                figures = {s: run_one(s, size, ranks, threads, args.baseline) for s in order}
+                results.append({side: figures[side] for side in sides})  # columns in order
+            report(ranks, threads, results)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,67 @@ def check_checkpoint_backend(backend: str) -> None:
     )
 
 
+@dataclass(frozen=True)
+class _Save:
+    """One save of a state dict into ``dir``: the arguments of :func:`save_state_dict`, and
+    the one way both a synchronous and an asynchronous save write the files."""
+
+    dir: str | Path
+    process_group: dist.ProcessGroup | None = None
+    save_overwrite: bool = False
+    thread_count: int | None = None
+    throttle_uploads: bool = False
+    on_shard_written: Callable[[Path], None] | None = None
+
+    def write(self, state_dict: dict[str, Any], failed: BaseException | None) -> None:
+        """Write ``state_dict``'s shards (every rank), agreeing on ``failed`` first."""
+        agree_on_failures(f"saving {self.dir}", failed, self.process_group)
+        threads = self.thread_count or default_thread_count()
+        target = save_target(
+            self.dir,
+            self.process_group,
+            self.save_overwrite,
+            self.throttle_uploads,
+            threads,
+            self.on_shard_written,
+        )
+        try:
+            with target as (local, shard_written):
+                dcp.save(
+                    state_dict,
+                    storage_writer=dcp_writer(local, threads, shard_written),
+                    process_group=self.process_group,
+                    no_dist=not is_distributed(),
+                )
+        except CheckpointException as e:  # DCP's, on every rank; a BaseException: an error
+            raise SaveFailedError(f"saving {self.dir}", failures_of(e, self.process_group)) from e
+
+    def start(
+        self,
+        state_dict: dict[str, Any],
+        stager: AsyncStager | None,
+        failed: BaseException | None,
+    ) -> Future[None]:
+        """Copy ``state_dict`` to CPU memory (with ``stager``, else a stager of its own that
+        is closed after the save), then :meth:`write` the copy on a thread of its own."""
+        if is_distributed():
+            check_checkpoint_backend(str(dist.get_backend(self.process_group)))
+        own = stager is None
+        stager = stager or DefaultStager(StagingOptions(False, False, False, False))  # DCP's
+        staged: dict[str, Any] = {}
+        if failed is None:
+            try:
+                staged = _stage(state_dict, stager)
+            except Exception as e:  # MemoryError, say: one rank's only, so not raised here
+                failed = e
+        pool = DaemonThreadPool(1, "checkpoint-save")
+        future = pool.submit(self.write, staged, failed)
+        pool.shutdown(wait=False)
+        if own:
+            future.add_done_callback(lambda _: stager.close())
+        return future
+
+
 def save_state_dict(
     dir: str | Path,
     state_dict: dict[str, Any],
@@ -169,21 +231,10 @@ def save_state_dict(
     before the save (building its state, say): the rank still calls this, so that every rank
     learns it at the save's first agreement instead of waiting for it in a collective.
     """
-    agree_on_failures(f"saving {dir}", failed, process_group)
-    threads = thread_count or default_thread_count()
-    target = save_target(
-        dir, process_group, save_overwrite, throttle_uploads, threads, on_shard_written
+    save = _Save(
+        dir, process_group, save_overwrite, thread_count, throttle_uploads, on_shard_written
     )
-    try:
-        with target as (local, shard_written):
-            dcp.save(
-                state_dict,
-                storage_writer=dcp_writer(local, threads, shard_written),
-                process_group=process_group,
-                no_dist=not is_distributed(),
-            )
-    except CheckpointException as e:  # DCP's, on every rank; a BaseException: make it an error
-        raise SaveFailedError(f"saving {dir}", failures_of(e, process_group)) from e
+    save.write(state_dict, failed)
 
 
 def async_save_state_dict(
@@ -208,32 +259,10 @@ def async_save_state_dict(
     background thread runs: a rank whose copy fails passes its error on as ``failed``, so
     every rank's future raises it.
     """
-    if is_distributed():
-        check_checkpoint_backend(str(dist.get_backend(process_group)))
-    own_stager = stager is None
-    stager = stager or DefaultStager(StagingOptions(False, False, False, False))  # DCP's default
-    staged: dict[str, Any] = {}
-    if failed is None:
-        try:
-            staged = _stage(state_dict, stager)
-        except Exception as e:  # MemoryError, say: one rank's only, so not raised here
-            failed = e
-    pool = DaemonThreadPool(1, "checkpoint-save")
-    future = pool.submit(
-        save_state_dict,
-        dir,
-        staged,
-        process_group=process_group,
-        save_overwrite=save_overwrite,
-        thread_count=thread_count,
-        throttle_uploads=throttle_uploads,
-        on_shard_written=on_shard_written,
-        failed=failed,
+    save = _Save(
+        dir, process_group, save_overwrite, thread_count, throttle_uploads, on_shard_written
     )
-    pool.shutdown(wait=False)
-    if own_stager:
-        future.add_done_callback(lambda _: stager.close())
-    return future
+    return save.start(state_dict, stager, failed)
 
 
 def _stage(state_dict: dict[str, Any], stager: AsyncStager) -> dict[str, Any]:
@@ -325,14 +354,10 @@ def save_model_and_optim_state(
 
     :raises FileExistsError: if ``dir`` is not empty and ``save_overwrite`` is false.
     """
-    save_state_dict(
-        dir,
-        model_and_optim_state_dict(model, optim, flatten_optimizer_state=flatten_optimizer_state),
-        process_group=process_group,
-        save_overwrite=save_overwrite,
-        thread_count=thread_count,
-        throttle_uploads=throttle_uploads,
+    state = model_and_optim_state_dict(
+        model, optim, flatten_optimizer_state=flatten_optimizer_state
     )
+    _Save(dir, process_group, save_overwrite, thread_count, throttle_uploads).write(state, None)
 
 
 def async_save_model_and_optim_state(
@@ -345,18 +370,15 @@ def async_save_model_and_optim_state(
     flatten_optimizer_state: bool = False,
     thread_count: int | None = None,
     throttle_uploads: bool = False,
-) -> Future[Any]:
+) -> Future[None]:
     """:func:`save_model_and_optim_state` that returns once the state is copied to CPU
     memory; the future completes when the files are written. ``process_group`` must support
     CPU collectives (gloo), and must not be used by another thread until it completes."""
-    return async_save_state_dict(
-        dir,
-        model_and_optim_state_dict(model, optim, flatten_optimizer_state=flatten_optimizer_state),
-        process_group=process_group,
-        save_overwrite=save_overwrite,
-        thread_count=thread_count,
-        throttle_uploads=throttle_uploads,
+    state = model_and_optim_state_dict(
+        model, optim, flatten_optimizer_state=flatten_optimizer_state
     )
+    save = _Save(dir, process_group, save_overwrite, thread_count, throttle_uploads)
+    return save.start(state, None, None)
 
 
 def load_model_and_optim_state(
