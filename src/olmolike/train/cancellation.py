@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..distributed.checkpoint_format import latest_checkpoint
 from ..distributed.utils import broadcast_object, get_rank
-from .bookkeeping import BookkeepingRunner
+from .background_ops import BookkeepingRunner
 
 __all__ = ["CancelCoordinator", "describe_interrupt", "exit_if_signaled", "log_failure"]
 

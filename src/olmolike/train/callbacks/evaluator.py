@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ __all__ = [
     "LMEvaluator",
     "LMEvaluatorCallbackConfig",
     "SFTEvaluatorCallbackConfig",
+    "evaluator_callbacks",
 ]
 
 log = logging.getLogger(__name__)
@@ -347,3 +349,20 @@ class SFTEvaluatorCallbackConfig(_PeriodicEvaluation, name="sft_evaluator"):
 
     def state_dict(self) -> dict[str, Any]:
         return {}
+
+
+def evaluator_callbacks(paths: list[str], callbacks: Iterable[Callback]) -> list[Any]:
+    """The callbacks that evaluate ``paths`` (``Trainer.eval_checkpoints``); raises if there
+    is nothing to do."""
+    if not paths:
+        raise ConfigurationError(
+            "lists no checkpoint; set it, or pass the checkpoints to eval_checkpoints()",
+            path="checkpoints_to_eval",
+        )
+    evaluators = [cb for cb in callbacks if hasattr(cb, "perform_eval")]
+    if not evaluators:
+        raise ConfigurationError(
+            "has no evaluator callback (e.g. LMEvaluatorCallbackConfig) to run on the checkpoints",
+            path="callbacks",
+        )
+    return evaluators
