@@ -105,6 +105,13 @@ class CancelCoordinator:
         self.canceled = True
         self.canceling_rank, self.reason = verdict
 
+    def log_outcome(self, step: int) -> None:
+        """Say who canceled the run and why, if it was canceled (at the end of training)."""
+        if self.canceled:
+            log.warning(
+                "Run canceled at step %d by rank %s: %s", step, self.canceling_rank, self.reason
+            )
+
     @contextlib.contextmanager
     def signals_cancel(self) -> Iterator[None]:
         """While active, SIGTERM and SIGINT cancel the run gracefully; a second SIGINT aborts."""

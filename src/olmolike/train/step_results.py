@@ -4,7 +4,8 @@
 :class:`~olmolike.train.background_ops.BookkeepingRunner` every ``metrics_collect_interval``
 steps, runs the periodic cancel check, and at the end of every step delivers the results due
 then: reduced metrics to the ``log_metrics`` hooks and finished saves to
-``post_checkpoint_saved`` (through ``deliver_saves``), both at steps every rank agrees on (see
+``post_checkpoint_saved`` (:meth:`StepResults.deliver_saves`, the one path by which a save's
+completion reaches the callbacks), both at steps every rank agrees on (see
 ``docs/callbacks.md``). After the first step it shortens every process group's timeout.
 It never touches the trainer: the trainer passes in the step, and the functions it calls.
 """
@@ -12,13 +13,14 @@ It never touches the trainer: the trainer passes in the step, and the functions 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..distributed.utils import is_distributed, set_group_timeouts
+from ..exceptions import ConfigurationError
 from .background_ops import BookkeepingRunner
 from .cancellation import CancelCoordinator
 from .metrics import MetricBuffer, MetricReducer, StepMetrics
@@ -34,8 +36,9 @@ class StepResults:
     cancel: CancelCoordinator
     saves_done: Callable[[], int]
     """How many saves of this run have finished on this rank (for the cancel check)."""
-    deliver_saves: Callable[[int | None], None]
-    """Delivers finished saves, up to a count every rank has seen finish (``None``: all)."""
+    finished_saves: Callable[..., Iterator[str]]
+    """``finished_saves(upto, wait=...)``: the paths of finished saves, in order (see
+    :meth:`~olmolike.train.checkpoint.run.RunCheckpoints.finished`)."""
     hooks: Callable[..., Any]
     """Calls a hook on every callback: ``hooks(name, *args)``."""
     device: torch.device
@@ -48,6 +51,11 @@ class StepResults:
     """The metrics recorded since the last collection."""
     reducer: MetricReducer = field(default_factory=MetricReducer)
     timeouts_shortened: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("metrics_collect_interval", "cancel_check_interval"):
+            if getattr(self, name) < 1:
+                raise ConfigurationError(f"must be >= 1, got {getattr(self, name)}", path=name)
 
     def begin_step(self, step: int) -> None:
         self.runner.step = step
@@ -66,6 +74,15 @@ class StepResults:
             # The first step (compiling, allocating, loading) may legitimately take long.
             self.timeouts_shortened = True
             set_group_timeouts(datetime.timedelta(seconds=self.train_timeout_seconds))
+
+    def deliver_saves(self, upto: int | None = None, *, wait: bool = False) -> None:
+        """The one path by which a save's completion reaches the callbacks:
+        ``post_checkpoint_saved(path)`` for each finished save, in save order, or the failed
+        save's error. Called at steps every rank agrees on: at the end of a step (``upto``: the
+        finished saves every rank has counted), after a blocking save, and at the end of a run
+        (``wait``: after the saves still running)."""
+        for path in self.finished_saves(upto, wait=wait):
+            self.hooks("post_checkpoint_saved", path)
 
     def check_if_canceled(self, step: int) -> None:
         saves_done = self.saves_done()

@@ -3,11 +3,9 @@ checkpoints live in components of their own; this file wires them into the loop.
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,9 +16,8 @@ import torch.distributed as dist
 from .. import io
 from ..config import check_choice_fields
 from ..data.data_loader import DataLoaderBase
-from ..distributed.failure import report_rank_failure
-from ..distributed.utils import destroy_group, get_rank, get_world_size, is_distributed
-from ..exceptions import ConfigurationError, DataError, OLMoLikeError
+from ..distributed.utils import get_rank, get_world_size, is_distributed
+from ..exceptions import ConfigurationError, DataError
 from ..utils import get_rng_state, move_to_device, set_rng_state
 from . import durations
 from .background_ops import BookkeepingRunner, build_bookkeeping
@@ -28,7 +25,7 @@ from .callbacks.callback import CALLBACK_HOOKS, Callback
 from .callbacks.evaluator import evaluator_callbacks
 from .callbacks.hooks import EXTRA_HOOKS, HookCaller
 from .callbacks.speed_monitor import speed_of
-from .cancellation import CancelCoordinator, exit_if_signaled, log_failure
+from .cancellation import CancelCoordinator, exit_if_signaled
 from .checkpoint import Checkpointer
 from .checkpoint.run import RunCheckpoints, checkpoint_step
 from .common import (
@@ -40,7 +37,8 @@ from .common import (
     StepSkipRange,
     TrainingProgress,
 )
-from .metrics import metric_name
+from .metrics import FlopCounter, metric_name
+from .run_scope import RunScope
 from .step_results import StepResults
 from .train_module import TrainModule
 
@@ -105,17 +103,17 @@ class Trainer:
     _step_results: StepResults = field(init=False, repr=False)
     _cancel: CancelCoordinator = field(init=False, repr=False)
     _hooks: HookCaller = field(init=False, repr=False)
-    _flops_per_token: dict[int, int | None] = field(default_factory=dict, init=False, repr=False)
-    _error: BaseException | None = field(default=None, init=False, repr=False)
+    _flops: FlopCounter = field(init=False, repr=False)
     _blocking_ephemeral_checkpoints: set[str] = field(default_factory=set, init=False, repr=False)
     _checkpoints: RunCheckpoints = field(init=False, repr=False)
-    _released: bool = field(default=False, init=False, repr=False)
+    _scope: RunScope = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_choice_fields(self)
         self.work_dir = Path(self.work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self._check_settings()
+        group = self.dp_process_group
+        self.data_loader.check_data_parallel(get_rank(group), get_world_size(group))
         self._bookkeeping, self.async_bookkeeping = build_bookkeeping(
             self.async_bookkeeping, self.device, self.bookkeeping_soft_timeout
         )
@@ -127,6 +125,8 @@ class Trainer:
 
     def _wire(self) -> None:
         """Build the components and attach the train module and the callbacks."""
+        # Asked when a step needs it: a callback may replace the train module's method.
+        self._flops = FlopCounter(lambda n: self.train_module.num_flops_per_token(n))
         self._cancel = CancelCoordinator(rank=get_rank(), world_size=get_world_size())
         self._hooks = HookCaller(self.callbacks.values(), ALL_HOOKS, Callback)
         self._checkpoints = RunCheckpoints(
@@ -138,45 +138,38 @@ class Trainer:
             load_strategy=self.load_strategy,
             load_trainer_state=self.load_trainer_state,
             load_optim_state=self.load_optim_state,
-            on_saved=functools.partial(self._hooks, "post_checkpoint_saved"),
-            on_loaded=functools.partial(self._hooks, "post_checkpoint_loaded"),
         )
         self._step_results = StepResults(
             runner=self._bookkeeping,
             cancel=self._cancel,
             saves_done=self._checkpoints.saves_done,
-            deliver_saves=self._checkpoints.deliver_finished,
+            finished_saves=self._checkpoints.finished,
             hooks=self._hooks,
             device=self.device if is_distributed() and not self.async_bookkeeping else CPU,
             metrics_collect_interval=self.metrics_collect_interval,
             cancel_check_interval=self.cancel_check_interval,
             train_timeout_seconds=self.train_timeout_seconds,
         )
+        self._scope = RunScope(
+            checkpoints=self._checkpoints,
+            step_results=self._step_results,
+            bookkeeping=self._bookkeeping,
+            call_each=self._hooks.call_each,
+            owned_groups=self.owned_process_groups,
+            step=lambda: self.global_step,
+            save_folder=self.save_folder,
+        )
         self.train_module._attach_trainer(self)
-        self._attach_callbacks(self.callbacks)
+        self._hooks.attach(self, self.callbacks.values(), self.callbacks.values())
 
     # -- construction ------------------------------------------------------------------------
-
-    def _check_settings(self) -> None:
-        for name in ("metrics_collect_interval", "cancel_check_interval"):
-            if getattr(self, name) < 1:
-                raise ConfigurationError(f"must be >= 1, got {getattr(self, name)}", path=name)
-        group = self.dp_process_group
-        self.data_loader.check_data_parallel(get_rank(group), get_world_size(group))
-
-    def _attach_callbacks(self, callbacks: dict[str, Callback]) -> None:
-        for callback in callbacks.values():
-            callback.trainer = self
-        self._hooks.rebuild(self.callbacks.values())
-        for callback in callbacks.values():
-            callback.post_attach()
 
     def add_callback(self, name: str, callback: Callback) -> None:
         """Add a callback; ``name`` must be unique."""
         if name in self.callbacks:
             raise ConfigurationError(f"a callback named {name!r} already exists", path="callbacks")
         self.callbacks[name] = callback
-        self._attach_callbacks({name: callback})
+        self._hooks.attach(self, self.callbacks.values(), [callback])
 
     def has_callback(self, cb_class: type[Callback]) -> bool:
         """Whether an instance of ``cb_class`` (or of a subclass) is attached."""
@@ -424,6 +417,7 @@ class Trainer:
         path, _ = self._checkpoints.save(
             self.global_step, self.state_dict(), ephemeral, background=False
         )
+        self._step_results.deliver_saves()  # every rank saved it just now: an agreed step
         return path
 
     def save_checkpoint_async(self, ephemeral: bool = False) -> tuple[str, Future[None]]:
@@ -431,6 +425,11 @@ class Trainer:
         return self._checkpoints.save(
             self.global_step, self.state_dict(), ephemeral, background=True
         )
+
+    def wait_for_checkpoints(self) -> None:
+        """Wait for the background saves, then deliver their ``post_checkpoint_saved`` (or raise
+        a failed save's error). Every rank calls it at the same point, e.g. in ``post_train``."""
+        self._step_results.deliver_saves(wait=True)
 
     def load_checkpoint(
         self,
@@ -453,7 +452,7 @@ class Trainer:
             load_optim_state=load_optim_state,
             reset_optimizer_states_on_load=reset_optimizer_states_on_load,
         )
-        log.info("Loaded checkpoint %s (resuming at step %d)", path, self.global_step)
+        self._hooks("post_checkpoint_loaded", path)
 
     def maybe_load_checkpoint(
         self,
@@ -499,7 +498,7 @@ class Trainer:
 
     def fit(self) -> None:
         """Train until ``max_duration`` or ``hard_stop`` is reached or the run is canceled."""
-        with self._cancel.signals_cancel(), self._running():
+        with self._cancel.signals_cancel(), self._scope.running():
             self._load_on_start()
             self._stop_step()  # an unknown step count is a clear error now, not mid-run
             self._fit()
@@ -518,7 +517,7 @@ class Trainer:
         """
         paths = list(self.checkpoints_to_eval or ()) if checkpoints is None else list(checkpoints)
         evaluators = evaluator_callbacks(paths, self.callbacks.values())
-        with self._running():
+        with self._scope.running():
             self._hooks.call_except("pre_train", evaluators)
             for path in paths:
                 self.load_checkpoint(path, load_trainer_state=False, load_optim_state=False)
@@ -529,20 +528,6 @@ class Trainer:
                     evaluator.perform_eval()
                 self._step_results.flush()
             self._hooks.call_except("post_train", evaluators)
-
-    @contextmanager
-    def _running(self) -> Iterator[None]:
-        """Around ``fit()`` or ``eval_checkpoints()``: errors are reported, callbacks closed."""
-        self._check_not_released()
-        self._error = None
-        try:
-            yield
-        except BaseException as exc:
-            self._error = exc
-            self._handle_error(exc)
-            raise
-        finally:
-            self._close()
 
     def _fit(self) -> None:
         log.info(
@@ -560,16 +545,8 @@ class Trainer:
         while not self.training_complete:
             self._fit_epoch()
         self._step_results.flush()
-        if self.is_canceled:
-            log.warning(
-                "Run canceled at step %d by rank %s: %s",
-                self.global_step,
-                self._cancel.canceling_rank,
-                self._cancel.reason,
-            )
+        self._cancel.log_outcome(self.global_step)
         self._hooks("post_train")
-        # The last saves complete here, where every rank is: post_checkpoint_saved, or their error.
-        self._checkpoints.deliver_finished(wait=True)
         self._step_results.flush()  # what post_train recorded or submitted, errors included
         done = "stopped (canceled)" if self.is_canceled else "done"
         log.info("Training %s at step %d", done, self.global_step)
@@ -605,7 +582,7 @@ class Trainer:
         self._step_results.begin_step(self.global_step)
         batch = move_to_device(batch, self.device)
         self._hooks("pre_step", batch)
-        if self._skipping(self.global_step):
+        if any(self.global_step in skip for skip in self.steps_to_skip or ()):
             log.info(
                 "Skipping step %d (steps_to_skip): its batch is consumed, not trained on",
                 self.global_step,
@@ -615,62 +592,8 @@ class Trainer:
             self._hooks("pre_optim_step")
             self.train_module.optim_step()
             self.train_module.zero_grads()
-            self._count_flops(batch)
+            seq_len = int(batch["input_ids"].shape[-1])
+            self.global_train_petaflops += self._flops.petaflops(seq_len, self.global_batch_size)
         self._hooks("post_train_batch")
         self._hooks("post_step")
         self._step_results.end_step(self.global_step)
-
-    def _skipping(self, step: int) -> bool:
-        return bool(self.steps_to_skip) and any(step in r for r in self.steps_to_skip or ())
-
-    def _count_flops(self, batch: dict[str, Any]) -> None:
-        seq_len = int(batch["input_ids"].shape[-1])
-        if seq_len not in self._flops_per_token:
-            self._flops_per_token[seq_len] = self.train_module.num_flops_per_token(seq_len)
-        per_token = self._flops_per_token[seq_len]
-        if per_token is not None:
-            self.global_train_petaflops += per_token * self.global_batch_size / 1e15
-
-    def _handle_error(self, exc: BaseException) -> None:
-        first = report_rank_failure(exc)  # a later rank's failure follows from the first's
-        log_failure(exc, self.global_step, self.save_folder, first=first)
-        self._hooks.call_each("on_error", exc, raise_errors=False)
-        # A collective stuck on a dead peer must not keep this process alive.
-        self._bookkeeping.shutdown(wait=False)
-
-    def _close(self) -> None:
-        """Close hooks, then let go of everything the trainer holds, whatever they raised."""
-        clean = self._error is None
-        try:
-            if clean:
-                self._checkpoints.deliver_finished(
-                    wait=True
-                )  # every rank is here: nothing to agree
-            self._hooks.call_each("close", raise_errors=clean)
-            if clean:
-                self._step_results.flush()  # what close hooks submitted; their errors are raised
-        except BaseException:
-            clean = False
-            raise
-        finally:
-            self._release(clean=clean)
-
-    def _release(self, *, clean: bool) -> None:
-        """Free the staging buffers and threads, release the lease (after the last save: the
-        next run may start), and destroy the process groups made for this trainer, in the
-        same order on every rank. ``clean``: no error on this rank, so nothing is stuck and
-        the peers' last ops can be waited for; else nothing is waited for."""
-        self._released = True
-        try:
-            self._checkpoints.release(wait=clean)
-        finally:
-            self._bookkeeping.close(clean=clean)
-            for group in self.owned_process_groups:
-                destroy_group(group, barrier=clean)
-
-    def _check_not_released(self) -> None:
-        if self._released and is_distributed():
-            raise OLMoLikeError(
-                "this trainer has finished (fit() or eval_checkpoints() returned) and destroyed "
-                "the process groups it made; build a new trainer to train or evaluate again"
-            )

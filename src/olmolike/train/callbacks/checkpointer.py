@@ -233,7 +233,9 @@ class CheckpointerCallback(Callback, name="checkpointer"):
         )
         if not already_saved:  # a restarted, finished run must not save (or fail) again
             self._save(ephemeral=False)
-        self._discard_prepared()  # the trainer waits for the last saves after post_train
+        self._discard_prepared()
+        # Callbacks after this one (lower priority) find every checkpoint complete and retained.
+        self.trainer.wait_for_checkpoints()
 
     def _discard_prepared(self) -> None:
         """Free the staging buffers this callback had prepared for a save that will not come

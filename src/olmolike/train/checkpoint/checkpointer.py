@@ -68,9 +68,9 @@ from ...distributed.checkpoint_format import (
 from ...distributed.checkpoint_storage import default_thread_count
 from ...distributed.utils import is_distributed, using_group
 from ...threads import DaemonThreadPool
-from . import retention
 from .lease import DEFAULT_TIMEOUT, SaveFolderLease, acquire_lease
 from .load import CheckpointLoad
+from .retention import purge, remove_abandoned, wait_for_purges
 from .save import CheckpointSave, check_extra_file_name, encode_extra_files
 
 if TYPE_CHECKING:
@@ -189,7 +189,7 @@ class Checkpointer:
     def release_lease(self) -> None:
         """Release the lease: the next run on the folder may start at once."""
         lease, self.lease = self.lease, None
-        retention.wait_for_purges()  # the next run must not find half-removed folders
+        wait_for_purges()  # the next run must not find half-removed folders
         if lease is not None:
             lease.release()
 
@@ -261,16 +261,8 @@ class Checkpointer:
         self._pending = self._writer_thread().submit(finish, written.result)
         return self._pending
 
-    def save_async(
-        self,
-        dir: str,
-        train_module: Checkpointable,
-        train_state: dict[str, Any],
-        ephemeral: bool = False,
-        extra_files: Mapping[str, str | bytes] | None = None,
-    ) -> Future[None]:
-        """:meth:`save` in the background (OLMo-core's name)."""
-        return self.save(dir, train_module, train_state, ephemeral, extra_files, background=True)
+    save_async = functools.partialmethod(save, background=True)
+    """:meth:`save` in the background (OLMo-core's name); returns once the state is copied."""
 
     def prepare_async_staging(self, train_module: Checkpointable) -> None:
         """Allocate the CPU buffers of the next async save now, in the background (otherwise
@@ -450,12 +442,12 @@ class Checkpointer:
     latest_checkpoint = staticmethod(latest_checkpoint)
     checkpoint_metadata = staticmethod(read_marker)
     remove_checkpoint = staticmethod(remove_checkpoint)
-    purge_checkpoint = staticmethod(retention.purge)
+    purge_checkpoint = staticmethod(purge)
     """Like :meth:`remove_checkpoint`, but only the marker is removed before it returns: the
     files go in the background (retention that never holds up training)."""
-    wait_for_purges = staticmethod(retention.wait_for_purges)
+    wait_for_purges = staticmethod(wait_for_purges)
 
-    remove_abandoned = staticmethod(retention.remove_abandoned)
+    remove_abandoned = staticmethod(remove_abandoned)
     """Delete step folders without a marker, except those in ``keep`` and those being purged."""
 
 

@@ -2,23 +2,22 @@
 
 :class:`RunCheckpoints` saves the run's checkpoints into its save folder (through the
 :class:`~olmolike.train.checkpoint.Checkpointer`), loads them, resumes at the start of
-``fit()`` (with fallback past damaged checkpoints), and delivers each save's completion.
+``fit()`` (with fallback past damaged checkpoints), and keeps each save until its completion
+is taken.
 
-Completion reaches the trainer by one path, :meth:`RunCheckpoints.deliver_finished`: every
-save (blocking or in the background) is a future on :attr:`RunCheckpoints.pending`; the
-trainer calls ``deliver_finished`` at the end of each step (with the count of finished saves
-every rank agreed on), after ``post_train`` and before the callbacks close, and it calls
-``on_saved(path)`` (the ``post_checkpoint_saved`` hooks) in save order, or raises a failed
-save's error, at a step every rank agrees on. A blocking save is delivered before it returns.
+Every save (blocking or in the background) is a future on :attr:`RunCheckpoints.pending`;
+:meth:`RunCheckpoints.finished` takes the finished ones off, in save order, for the trainer's
+one delivery path (:meth:`~olmolike.train.step_results.StepResults.deliver_saves`, see
+``docs/contributing-layers.md``).
 
-It imports nothing of the trainer: the trainer passes in the step, its state, and the two
-functions that fire the hooks.
+It imports nothing of the trainer: the trainer passes in the step and its state, and fires
+the hooks itself.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
@@ -51,10 +50,6 @@ class RunCheckpoints:
     load_trainer_state: bool | None
     """Default of :meth:`load`'s flag; ``None``: load it if the checkpoint has it."""
     load_optim_state: bool | None
-    on_saved: Callable[[str], None]
-    """Called with a checkpoint's path once it is complete (``post_checkpoint_saved``)."""
-    on_loaded: Callable[[str], None]
-    """Called with a checkpoint's path once it is loaded (``post_checkpoint_loaded``)."""
     extra_files: dict[str, str | bytes] = field(default_factory=dict)
     """Files written into every checkpoint saved from now on (name to contents)."""
     loaded: bool = False
@@ -77,7 +72,7 @@ class RunCheckpoints:
         self, step: int, state: dict[str, Any], ephemeral: bool, *, background: bool
     ) -> tuple[str, Future[None]]:
         """Save the checkpoint of ``step``; returns its path and a future that completes with
-        it. A blocking save (not ``background``) is complete, and delivered, on return."""
+        it (a blocking save's is done on return). Its completion is taken by :meth:`finished`."""
         path = self.step_dir(step)
         future = self.checkpointer.save(
             path,
@@ -88,8 +83,6 @@ class RunCheckpoints:
             background=background,
         )
         self.pending.append((path, future))
-        if not background:  # every rank saved it just now: this step is agreed
-            self.deliver_finished()
         return path, future
 
     def saves_done(self) -> int:
@@ -101,14 +94,15 @@ class RunCheckpoints:
             done += 1
         return done
 
-    def deliver_finished(self, upto: int | None = None, *, wait: bool = False) -> None:
-        """``on_saved`` for finished saves, in order; a failed one raises its error.
+    def finished(self, upto: int | None = None, *, wait: bool = False) -> Iterator[str]:
+        """The paths of finished saves, in save order, each taken off :attr:`pending` as it is
+        yielded; a failed save raises its error instead.
 
         ``upto`` is how many saves every rank has seen finish (agreed by the periodic cancel
-        check), so a hook that issues collectives runs at the same step on every rank, and a
-        failed save (whose error every rank's save holds) stops every rank at the same step;
-        ``None`` (one process, or the end of training) takes every finished one. ``wait``
-        first waits for the saves still running.
+        check), so the caller's hooks run at the same step on every rank, and a failed save
+        (whose error every rank's save holds) stops every rank at the same step; ``None`` (one
+        process, after a blocking save, or the end of training) takes every finished one.
+        ``wait`` first waits for the saves still running.
         """
         if wait:
             futures_wait([future for _, future in self.pending])
@@ -122,7 +116,7 @@ class RunCheckpoints:
             error = future.exception()
             if error is not None:
                 raise error
-            self.on_saved(path)
+            yield path
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -156,10 +150,14 @@ class RunCheckpoints:
         )
         if trainer_state is not None:
             restore(trainer_state)
+            log.info(
+                "Loaded checkpoint %s (resuming at step %d)", path, trainer_state["global_step"]
+            )
+        else:
+            log.info("Loaded checkpoint %s (model and optimizer state only)", path)
         self.loaded = True
         if reset_optimizer_states_on_load:
             reset_optimizer_states(self.train_module)
-        self.on_loaded(path)
         return path
 
     def resume(self, load: Callable[[str], None]) -> None:

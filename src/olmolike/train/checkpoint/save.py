@@ -38,8 +38,8 @@ from ...distributed.checkpoint_format import (
 from ...distributed.save_failures import agree_on_failures
 from ...distributed.utils import barrier, get_rank, get_world_size, using_group
 from ...exceptions import CheckpointError
-from . import retention
 from .lease import SaveFolderLease
+from .retention import in_flight, step_of, wait_for_purges
 
 __all__ = ["CheckpointSave", "check_extra_file_name"]
 
@@ -91,8 +91,8 @@ class CheckpointSave:
     def begin(self, save_overwrite: bool) -> None:
         """Check the target, pick and clear the staging folder; raises on every rank."""
         target = self.target
-        if retention.in_flight([target]):  # saving a step again that is being removed
-            retention.wait_for_purges()
+        if in_flight([target]):  # saving a step again that is being removed
+            wait_for_purges()
         for name in self.extra_files:
             check_extra_file_name(name)
         if dir_is_checkpoint(target) and not save_overwrite:
@@ -228,7 +228,7 @@ class CheckpointSave:
         marker = json.dumps(
             {
                 "format_version": FORMAT_VERSION,
-                "step": retention.step_of(self.target),
+                "step": step_of(self.target),
                 "ephemeral": ephemeral,
                 "world_size": get_world_size(),
                 "saved_at": time.time(),
