@@ -16,7 +16,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import fsspec
@@ -216,17 +216,17 @@ def persist(
     name: PathOrStr,
     *,
     overwrite: bool = False,
-    kind: Literal["file", "directory"] | None = None,
+    directory: bool | None = None,
 ) -> str:
     """Copy the file or directory ``src_dir/name`` (local) to ``dst_dir/name`` (local or URL);
-    ``kind`` says which it must be."""
+    ``directory`` says which it must be (``None``: either)."""
     source = local_path(src_dir) / name
     target = join_path(dst_dir, name)
     if not source.exists():
         raise FileNotFoundError(f"{source} does not exist")
-    if kind == "directory" and not source.is_dir():
+    if directory is True and not source.is_dir():
         raise NotADirectoryError(f"{source} is not a directory")
-    if kind == "file" and not source.is_file():
+    if directory is False and not source.is_file():
         raise FileNotFoundError(f"{source} is not a file")
     if not is_url(target) and Path(target).resolve() == source.resolve():
         return target

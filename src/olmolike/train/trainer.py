@@ -485,13 +485,13 @@ class Trainer:
     def persist_working_file(self, name: str | Path) -> str:
         """Copy ``work_dir/name`` to ``save_folder/name`` (nothing to do if they are the same)."""
         return io.persist(
-            self.work_dir, self.save_folder, name, overwrite=self.save_overwrite, kind="file"
+            self.work_dir, self.save_folder, name, overwrite=self.save_overwrite, directory=False
         )
 
     def persist_working_subdir(self, name: str | Path) -> str:
         """Copy the directory ``work_dir/name`` to ``save_folder/name``."""
         return io.persist(
-            self.work_dir, self.save_folder, name, overwrite=self.save_overwrite, kind="directory"
+            self.work_dir, self.save_folder, name, overwrite=self.save_overwrite, directory=True
         )
 
     # -- the loop ----------------------------------------------------------------------------

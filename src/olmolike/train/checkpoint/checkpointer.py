@@ -17,11 +17,11 @@ The commit protocol never lets a reader see a partial checkpoint:
   each shard as soon as it is written; once all ranks report success, rank 0 uploads the
   marker last.
 
-Saving is :mod:`.checkpoint_save`, loading :mod:`.checkpoint_load`; the checkpointer holds
+Saving is :mod:`.save`, loading :mod:`.load`; the checkpointer holds
 what lasts across saves (threads, staging buffers, the lease).
 
 Removing a checkpoint deletes its marker first; :meth:`Checkpointer.purge_checkpoint` deletes
-the rest in the background (:mod:`.checkpoint_purge`). A save that fails, at any stage and on
+the rest in the background (:mod:`.retention`). A save that fails, at any stage and on
 any rank, raises :class:`~olmolike.exceptions.CheckpointError` on every rank, naming the
 failed ranks and their errors, and removes its staging folder: a rank that fails keeps
 joining the save's collectives and hands its error to the next agreement

@@ -7,7 +7,7 @@ state this rank will load, read and checked. Then DCP reads model and optimizer 
 the train module's tensors, in place, checking each record's CRC as it reads (see
 :mod:`~olmolike.distributed.checkpoint_storage`). Damage found there (DCP tells every rank)
 has already overwritten some tensors: the caller that falls back to another checkpoint
-(:meth:`~olmolike.train.trainer_checkpoints.TrainerCheckpoints.resume`) resets what that one
+(:meth:`~olmolike.train.checkpoint.run.RunCheckpoints.resume`) resets what that one
 may not hold.
 """
 
