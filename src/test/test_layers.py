@@ -176,6 +176,19 @@ def test_trainer_components_import_neither_the_trainer_nor_callbacks() -> None:
     assert not offending, "\n".join(offending)
 
 
+def test_save_completion_reaches_the_checkpointer_callback_only_through_its_hook() -> None:
+    # One path (docs/contributing-layers.md, "The checkpoint stack"): StepResults.deliver_saves
+    # fires post_checkpoint_saved; the callback polls no future of its own.
+    source = (PACKAGE_ROOT / "train" / "callbacks" / "checkpointer.py").read_text()
+    tree = ast.parse(source)
+    polled = [
+        f"checkpointer.py:{node.lineno} .{node.attr}()"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr in ("done", "result", "exception")
+    ]
+    assert "concurrent.futures" not in source and not polled, polled
+
+
 def test_callbacks_reach_no_private_trainer_member() -> None:
     # A callback uses the Trainer's public API, so that the Trainer's internals can change.
     offending = []
