@@ -211,13 +211,23 @@ def write_file(
 
 
 def persist(
-    src_dir: PathOrStr, dst_dir: PathOrStr, name: PathOrStr, *, overwrite: bool = False
+    src_dir: PathOrStr,
+    dst_dir: PathOrStr,
+    name: PathOrStr,
+    *,
+    overwrite: bool = False,
+    directory: bool | None = None,
 ) -> str:
-    """Copy the file or directory ``src_dir/name`` (local) to ``dst_dir/name`` (local or URL)."""
+    """Copy the file or directory ``src_dir/name`` (local) to ``dst_dir/name`` (local or URL);
+    ``directory`` says which it must be (``None``: either)."""
     source = local_path(src_dir) / name
     target = join_path(dst_dir, name)
     if not source.exists():
         raise FileNotFoundError(f"{source} does not exist")
+    if directory is True and not source.is_dir():
+        raise NotADirectoryError(f"{source} is not a directory")
+    if directory is False and not source.is_file():
+        raise FileNotFoundError(f"{source} is not a file")
     if not is_url(target) and Path(target).resolve() == source.resolve():
         return target
     if source.is_dir():

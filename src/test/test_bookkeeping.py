@@ -8,7 +8,7 @@ import time
 import pytest
 
 from olmolike.threads import DaemonThreadPool
-from olmolike.train.bookkeeping import BookkeepingRunner
+from olmolike.train.background_ops import BookkeepingRunner
 
 
 def runner(asynchronous: bool = True, distributed: bool = False) -> BookkeepingRunner:

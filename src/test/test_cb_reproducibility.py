@@ -11,7 +11,7 @@ import torch
 from testutils import SEQ_LEN, VOCAB, build_trainer, full_params, run_distributed
 
 import olmolike.train.callbacks.reproducibility_check as check_module
-import olmolike.train.checkpoint as train_checkpoint
+import olmolike.train.checkpoint.checkpointer as train_checkpoint
 from olmolike.data import TokenTensorDataLoader
 from olmolike.distributed.parallel import DataParallelConfig
 from olmolike.distributed.utils import get_rank

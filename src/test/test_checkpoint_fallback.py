@@ -58,7 +58,7 @@ def _train(save: str, marker_garbled_for_rank: int | None = None) -> dict[str, A
     loaded, warnings = LoadedCheckpoints(), _Warnings()
     callbacks = {"checkpointer": CheckpointerCallback(save_interval=DAMAGED), "loaded": loaded}
     trainer = build_trainer(save, max_duration=Duration.steps(STEPS), callbacks=callbacks)
-    logger = logging.getLogger("olmolike.train.trainer_checkpoints")
+    logger = logging.getLogger("olmolike.train.checkpoint.run")
     logger.addHandler(warnings)
     try:
         trainer.fit()

@@ -23,7 +23,8 @@ from olmolike.distributed.checkpoint_storage import MAX_DEFAULT_THREADS, default
 from olmolike.testing import TinyCausalLM
 from olmolike.train import BasicTrainModule, Duration
 from olmolike.train.callbacks import CheckpointerCallback
-from olmolike.train.checkpoint import MARKER, Checkpointer, CheckpointerConfig, stagers_are_reusable
+from olmolike.train.checkpoint import MARKER, Checkpointer, CheckpointerConfig
+from olmolike.train.checkpoint.checkpointer import stagers_are_reusable
 
 __all__ = ["gcs_bucket", "gcs_server", "s3_bucket", "s3_server"]  # fixtures, found by name
 

@@ -105,7 +105,7 @@ def test_two_async_ephemeral_saves_collected_together_keep_the_newest(tmp_path: 
     for step in (2, 4):
         trainer.global_step = step
         callback._save(ephemeral=True)
-    callback._collect_finished(wait=True)  # both finished: collected in one go
+    trainer._step_results.deliver_saves(wait=True)  # both finished: delivered in one go
     trainer.checkpointer.release_lease()
     assert [s for s, _ in Checkpointer.find_checkpoints(tmp_path)] == [4]
 

@@ -16,9 +16,9 @@ from testutils import build_trainer
 from torch.distributed.checkpoint.staging import DefaultStager
 
 from olmolike.train import Duration
-from olmolike.train import checkpoint as checkpoint_module
 from olmolike.train.callbacks import CheckpointerCallback
 from olmolike.train.checkpoint import Checkpointer, CheckpointerConfig
+from olmolike.train.checkpoint import checkpointer as checkpoint_module
 
 
 @pytest.fixture

@@ -249,7 +249,7 @@ def test_resume_refuses_a_crafted_checkpoint(tmp_path: Path, kind: str) -> None:
 def test_the_reproducibility_check_refuses_a_crafted_metadata(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import olmolike.train.checkpoint as train_checkpoint
+    import olmolike.train.checkpoint.checkpointer as train_checkpoint
     from olmolike.train.callbacks.reproducibility_check import ReproducibilityCheckCallback
 
     marker, real_save = tmp_path / "ran", train_checkpoint.save_state_dict

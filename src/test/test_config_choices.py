@@ -97,7 +97,6 @@ CHECKED_FIELDS = [
 
 INTERNAL = {
     "olmolike.train.metrics.CollectedMetrics": "built by MetricBuffer from checked values",
-    "olmolike.train.trainer_checkpoints.TrainerCheckpoints": "built by the trainer from its own fields",
 }
 """Dataclasses with an enum-typed field that users never build: their values were checked
 where they came in."""

@@ -40,8 +40,8 @@ import torch
 from testutils import build_trainer
 from olmolike import io
 from olmolike.train import Callback, Duration, prepare_training_environment
-from olmolike.train import checkpoint as ckpt
-from olmolike.train.checkpoint_save import CheckpointSave
+from olmolike.train.checkpoint import checkpointer as ckpt
+from olmolike.train.checkpoint.save import CheckpointSave
 from olmolike.train.callbacks import CheckpointerCallback
 
 kill_point, mode, save, out = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]

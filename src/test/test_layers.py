@@ -103,9 +103,9 @@ SOURCES = sorted(
 def test_the_scan_sees_the_imports_it_must_judge() -> None:
     # The checks below pass vacuously if the scan finds nothing; it must find known edges.
     edges = {(module_name(p), m) for p in SOURCES for _, m in imported_modules(p)}
-    assert ("olmolike.train.checkpoint", "olmolike.distributed.checkpoint") in edges
+    assert ("olmolike.train.checkpoint.checkpointer", "olmolike.distributed.checkpoint") in edges
     assert ("olmolike.distributed.checkpoint", "olmolike.distributed.unshard") in edges
-    assert ("olmolike.train.bookkeeping", "olmolike.threads") in edges  # a relative import
+    assert ("olmolike.train.background_ops", "olmolike.threads") in edges  # a relative import
 
 
 @pytest.mark.parametrize("lower", LOWER_ROOMS)
@@ -129,6 +129,64 @@ def test_no_import_circle_between_rooms() -> None:
                 graph.setdefault(room(source), set()).add(room(target))
     circles = [c for c in _strongly_connected(graph) if len(c) > 1]
     assert not circles, f"rooms importing each other: {circles}"
+
+
+CHECKPOINT_PACKAGE = "olmolike.train.checkpoint"
+
+TRAINER_COMPONENTS = (
+    "olmolike.train.step_results",
+    "olmolike.train.background_ops",
+    "olmolike.train.cancellation",
+    "olmolike.train.metrics",
+    "olmolike.train.durations",
+)
+"""Modules the trainer builds its parts from: they get values and narrow objects, never the
+trainer (nor the callbacks it drives)."""
+
+
+def _in_package(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_checkpoint_package_imports_nothing_of_train_outside_itself() -> None:
+    # It sits on distributed/ (DCP input/output, the on-disk format) and below everything
+    # else of the trainer: the callbacks and the trainer use it, never the other way round.
+    offending = [
+        f"{path.relative_to(PACKAGE_ROOT.parent)}:{line} imports {target}"
+        for path in SOURCES
+        if _in_package(module_name(path), CHECKPOINT_PACKAGE)
+        for line, target in imported_modules(path)
+        if room(target) in ABOVE_TRAIN
+        and not _in_package(target, CHECKPOINT_PACKAGE)
+        and target != "olmolike.train"  # ``from ... import io`` names the package on the way
+    ]
+    assert not offending, "\n".join(offending)
+
+
+def test_trainer_components_import_neither_the_trainer_nor_callbacks() -> None:
+    components = [*TRAINER_COMPONENTS, CHECKPOINT_PACKAGE]
+    offending = [
+        f"{path.relative_to(PACKAGE_ROOT.parent)}:{line} imports {target}"
+        for path in SOURCES
+        if any(_in_package(module_name(path), c) for c in components)
+        for line, target in imported_modules(path)
+        if _in_package(target, "olmolike.train.trainer")
+        or _in_package(target, "olmolike.train.callbacks")
+    ]
+    assert not offending, "\n".join(offending)
+
+
+def test_save_completion_reaches_the_checkpointer_callback_only_through_its_hook() -> None:
+    # One path (docs/contributing-layers.md, "The checkpoint stack"): StepResults.deliver_saves
+    # fires post_checkpoint_saved; the callback polls no future of its own.
+    source = (PACKAGE_ROOT / "train" / "callbacks" / "checkpointer.py").read_text()
+    tree = ast.parse(source)
+    polled = [
+        f"checkpointer.py:{node.lineno} .{node.attr}()"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr in ("done", "result", "exception")
+    ]
+    assert "concurrent.futures" not in source and not polled, polled
 
 
 def test_callbacks_reach_no_private_trainer_member() -> None:

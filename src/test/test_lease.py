@@ -26,7 +26,7 @@ from testutils import build_trainer, patient
 
 from olmolike.exceptions import CheckpointError
 from olmolike.train import Callback, Duration
-from olmolike.train.lease import (
+from olmolike.train.checkpoint.lease import (
     LEASE_DIR,
     SaveFolderInUseError,
     SaveFolderLease,
@@ -164,7 +164,7 @@ def test_the_heartbeat_keeps_the_lease_live_and_notices_a_takeover(tmp_path: Pat
 KILLED_HOLDER = """
 import os, signal, sys, time
 sys.path.insert(0, {src!r})
-from olmolike.train.lease import SaveFolderLease
+from olmolike.train.checkpoint.lease import SaveFolderLease
 lease = SaveFolderLease(sys.argv[1], run="killed-run", timeout=3600)
 lease.acquire()
 os.kill(os.getpid(), signal.SIGKILL)

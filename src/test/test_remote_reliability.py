@@ -24,9 +24,9 @@ from testutils import build_trainer, patient, run_distributed
 
 from olmolike.exceptions import CheckpointError
 from olmolike.train import CheckpointerConfig, Duration
-from olmolike.train import checkpoint as checkpoint_module
 from olmolike.train.callbacks import CheckpointerCallback
 from olmolike.train.checkpoint import MARKER, Checkpointer
+from olmolike.train.checkpoint import checkpointer as checkpoint_module
 
 __all__ = ["gcs_bucket", "gcs_server", "s3_bucket", "s3_server"]
 

@@ -53,7 +53,7 @@ def _injection(stage: str, save_async: bool, trainer: Any) -> Any:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.staging import DefaultStager
 
-    from olmolike.train.checkpoint_save import CheckpointSave
+    from olmolike.train.checkpoint.save import CheckpointSave
 
     text = f"injected {stage} failure"
     if stage == "staging":  # a sync save copies nothing: its state dict fails to build

@@ -565,7 +565,7 @@ def test_a_batch_with_every_label_ignored_trains_on_nothing(
         tmp_path, micro_batch_instances=micro_batch_instances, max_duration=Duration.steps(1)
     )
     trainer.global_step = 1
-    trainer._steps.metrics.begin_step(1)
+    trainer._step_results.metrics.begin_step(1)
     input_ids = torch.randint(0, 64, (8, SEQ_LEN))
     module = trainer.train_module
     module.train_batch({"input_ids": input_ids, "labels": torch.full_like(input_ids, -100)})
@@ -580,7 +580,7 @@ def test_a_diverged_model_reports_a_nan_loss(tmp_path: Any, micro_batch_instance
         tmp_path, micro_batch_instances=micro_batch_instances, max_duration=Duration.steps(1)
     )
     trainer.global_step = 1
-    trainer._steps.metrics.begin_step(1)
+    trainer._step_results.metrics.begin_step(1)
     module = trainer.train_module
     with torch.no_grad():
         next(module.model.parameters()).fill_(float("nan"))  # type: ignore[attr-defined]

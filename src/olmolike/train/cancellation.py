@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ..distributed.failure import print_uncaught
 from ..distributed.utils import broadcast_object, get_rank
 from ..exceptions import OLMoLikeError
-from .bookkeeping import BookkeepingRunner
+from .background_ops import BookkeepingRunner
 from .explain import last_checkpoint
 
 __all__ = ["CancelCoordinator", "exit_if_signaled", "log_failure"]
@@ -116,6 +116,13 @@ class CancelCoordinator:
     def _apply(self, verdict: tuple[int, str]) -> None:
         self.canceled = True
         self.canceling_rank, self.reason = verdict
+
+    def log_outcome(self, step: int) -> None:
+        """Say who canceled the run and why, if it was canceled (at the end of training)."""
+        if self.canceled:
+            log.warning(
+                "Run canceled at step %d by rank %s: %s", step, self.canceling_rank, self.reason
+            )
 
     @contextlib.contextmanager
     def signals_cancel(self) -> Iterator[None]:

@@ -26,8 +26,8 @@ from .callbacks.callback import Callback
 from .callbacks.checkpointer import CheckpointerCallback
 from .callbacks.console_logger import ConsoleLoggerCallback
 from .checkpoint import Checkpointer, CheckpointerConfig
+from .checkpoint.lease import SaveFolderInUseError, current_lease, in_use_message, run_id
 from .common import Duration, LoadStrategy, StepSkipRange
-from .lease import SaveFolderInUseError, current_lease, in_use_message, run_id
 
 if TYPE_CHECKING:
     from ..data.data_loader import DataLoaderBase

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +21,7 @@ from ..config import check_choice
 from ..exceptions import MetricError
 from .common import MetricMergeStrategy, ReduceType
 
-__all__ = ["CollectedMetrics", "MetricBuffer", "MetricReducer", "reduce_collected"]
+__all__ = ["CollectedMetrics", "FlopCounter", "MetricBuffer", "MetricReducer", "reduce_collected"]
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,22 @@ StepMetrics = dict[int, dict[str, float]]
 
 def metric_name(name: str, namespace: str | None) -> str:
     return f"{namespace.strip()}/{name.strip()}" if namespace else name.strip()
+
+
+@dataclass
+class FlopCounter:
+    """The petaflops of trained tokens (the trainer's ``global_train_petaflops``), from the
+    train module's FLOPs per token, asked once per sequence length."""
+
+    flops_per_token: Callable[[int], int | None]
+    """FLOPs per trained token at a sequence length; ``None`` if unknown."""
+    known: dict[int, int | None] = field(default_factory=dict)
+
+    def petaflops(self, seq_len: int, tokens: int) -> float:
+        if seq_len not in self.known:
+            self.known[seq_len] = self.flops_per_token(seq_len)
+        per_token = self.known[seq_len]
+        return 0.0 if per_token is None else per_token * tokens / 1e15
 
 
 @dataclass

@@ -4,10 +4,8 @@ checkpoints live in components of their own; this file wires them into the loop.
 from __future__ import annotations
 
 import logging
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -15,19 +13,21 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from .. import io
 from ..config import check_choice_fields
 from ..data.data_loader import DataLoaderBase
-from ..distributed.failure import report_rank_failure
-from ..distributed.utils import destroy_group, get_rank, get_world_size, is_distributed
-from ..exceptions import ConfigurationError, DataError, OLMoLikeError
+from ..distributed.utils import get_rank, get_world_size, is_distributed
+from ..exceptions import ConfigurationError, DataError
 from ..utils import get_rng_state, move_to_device, set_rng_state
 from . import durations
-from .bookkeeping import BookkeepingRunner, build_bookkeeping
+from .background_ops import BookkeepingRunner, build_bookkeeping
 from .callbacks.callback import CALLBACK_HOOKS, Callback
+from .callbacks.evaluator import evaluator_callbacks
 from .callbacks.hooks import EXTRA_HOOKS, HookCaller
-from .callbacks.speed_monitor import SpeedMonitorCallback
-from .cancellation import CancelCoordinator, exit_if_signaled, log_failure
+from .callbacks.speed_monitor import speed_of
+from .cancellation import CancelCoordinator, exit_if_signaled
 from .checkpoint import Checkpointer
+from .checkpoint.run import RunCheckpoints, checkpoint_step
 from .common import (
     Duration,
     DurationUnit,
@@ -37,15 +37,10 @@ from .common import (
     StepSkipRange,
     TrainingProgress,
 )
-from .explain import explain_failure
-from .metrics import metric_name
-from .step_bookkeeping import StepBookkeeping
+from .metrics import FlopCounter, metric_name
+from .run_scope import RunScope
+from .step_results import StepResults
 from .train_module import TrainModule
-from .trainer_checkpoints import (
-    TrainerCheckpoints,
-    checkpoint_step,
-    evaluator_callbacks,
-)
 
 __all__ = ["Trainer", "TrainerStateDict"]
 
@@ -105,20 +100,20 @@ class Trainer:
     ``eval_checkpoints()`` ends; groups passed in by the caller stay the caller's."""
 
     _bookkeeping: BookkeepingRunner = field(init=False, repr=False)
-    _steps: StepBookkeeping = field(init=False, repr=False)
+    _step_results: StepResults = field(init=False, repr=False)
     _cancel: CancelCoordinator = field(init=False, repr=False)
     _hooks: HookCaller = field(init=False, repr=False)
-    _flops_per_token: dict[int, int | None] = field(default_factory=dict, init=False, repr=False)
-    _error: BaseException | None = field(default=None, init=False, repr=False)
+    _flops: FlopCounter = field(init=False, repr=False)
     _blocking_ephemeral_checkpoints: set[str] = field(default_factory=set, init=False, repr=False)
-    _files: TrainerCheckpoints = field(init=False, repr=False)
-    _released: bool = field(default=False, init=False, repr=False)
+    _checkpoints: RunCheckpoints = field(init=False, repr=False)
+    _scope: RunScope = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_choice_fields(self)
         self.work_dir = Path(self.work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self._check_settings()
+        group = self.dp_process_group
+        self.data_loader.check_data_parallel(get_rank(group), get_world_size(group))
         self._bookkeeping, self.async_bookkeeping = build_bookkeeping(
             self.async_bookkeeping, self.device, self.bookkeeping_soft_timeout
         )
@@ -130,55 +125,52 @@ class Trainer:
 
     def _wire(self) -> None:
         """Build the components and attach the train module and the callbacks."""
+        # Asked when a step needs it: a callback may replace the train module's method.
+        self._flops = FlopCounter(lambda n: self.train_module.num_flops_per_token(n))
         self._cancel = CancelCoordinator(rank=get_rank(), world_size=get_world_size())
         self._hooks = HookCaller(self.callbacks.values(), ALL_HOOKS, Callback)
-        self._files = TrainerCheckpoints(
+        self._checkpoints = RunCheckpoints(
             checkpointer=self.checkpointer,
             train_module=self.train_module,
             save_folder=self.save_folder,
             work_dir=self.work_dir,
-            save_overwrite=self.save_overwrite,
             load_path=self.load_path,
             load_strategy=self.load_strategy,
             load_trainer_state=self.load_trainer_state,
             load_optim_state=self.load_optim_state,
-            hooks=self._hooks,
         )
-        self._steps = StepBookkeeping(
+        self._step_results = StepResults(
             runner=self._bookkeeping,
             cancel=self._cancel,
-            files=self._files,
+            saves_done=self._checkpoints.saves_done,
+            finished_saves=self._checkpoints.finished,
             hooks=self._hooks,
             device=self.device if is_distributed() and not self.async_bookkeeping else CPU,
             metrics_collect_interval=self.metrics_collect_interval,
             cancel_check_interval=self.cancel_check_interval,
             train_timeout_seconds=self.train_timeout_seconds,
         )
+        self._scope = RunScope(
+            checkpoints=self._checkpoints,
+            step_results=self._step_results,
+            bookkeeping=self._bookkeeping,
+            call_each=self._hooks.call_each,
+            owned_groups=self.owned_process_groups,
+            step=lambda: self.global_step,
+            save_folder=self.save_folder,
+            cancel=self._cancel,
+        )
         self.train_module._attach_trainer(self)
-        self._attach_callbacks(self.callbacks)
+        self._hooks.attach(self, self.callbacks.values(), self.callbacks.values())
 
     # -- construction ------------------------------------------------------------------------
-
-    def _check_settings(self) -> None:
-        for name in ("metrics_collect_interval", "cancel_check_interval"):
-            if getattr(self, name) < 1:
-                raise ConfigurationError(f"must be >= 1, got {getattr(self, name)}", path=name)
-        group = self.dp_process_group
-        self.data_loader.check_data_parallel(get_rank(group), get_world_size(group))
-
-    def _attach_callbacks(self, callbacks: dict[str, Callback]) -> None:
-        for callback in callbacks.values():
-            callback.trainer = self
-        self._hooks.rebuild(self.callbacks.values())
-        for callback in callbacks.values():
-            callback.post_attach()
 
     def add_callback(self, name: str, callback: Callback) -> None:
         """Add a callback; ``name`` must be unique."""
         if name in self.callbacks:
             raise ConfigurationError(f"a callback named {name!r} already exists", path="callbacks")
         self.callbacks[name] = callback
-        self._attach_callbacks({name: callback})
+        self._hooks.attach(self, self.callbacks.values(), [callback])
 
     def has_callback(self, cb_class: type[Callback]) -> bool:
         """Whether an instance of ``cb_class`` (or of a subclass) is attached."""
@@ -267,16 +259,8 @@ class Trainer:
     @property
     def training_progress(self) -> TrainingProgress:
         """Where the run stands, with speed figures from the speed monitor if there is one."""
-        monitor = next(
-            (cb for cb in self.callbacks.values() if isinstance(cb, SpeedMonitorCallback)), None
-        )
-        speed = (
-            durations.Speed(monitor.bps_avg, monitor.tps_avg, monitor.mfu_avg)
-            if monitor is not None
-            else durations.Speed()
-        )
         return durations.training_progress(
-            self.max_duration, self.hard_stop, self._progress(), speed
+            self.max_duration, self.hard_stop, self._progress(), speed_of(self.callbacks.values())
         )
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -284,7 +268,7 @@ class Trainer:
     @property
     def bookkeeping_device(self) -> torch.device:
         """Where bookkeeping collectives run: the CPU with gloo, else the training device."""
-        return self._steps.device
+        return self._step_results.device
 
     @property
     def bookkeeping_pg(self) -> dist.ProcessGroup | None:
@@ -315,24 +299,16 @@ class Trainer:
     ) -> Future[T]:
         """Run a bookkeeping op, in the background when bookkeeping is asynchronous; when
         ``cb(result)`` runs (a step every rank agrees on, for a distributed op) is the
-        :class:`~olmolike.train.bookkeeping.BookkeepingRunner`'s rule.
+        :class:`~olmolike.train.background_ops.BookkeepingRunner`'s rule.
 
         :param op_name: names the op in logs and for ``allow_multiple`` (default: the op's
             qualified name, as in OLMo-core).
         :param allow_multiple: ``False`` runs one invocation of ``op_name`` at a time; an
             invocation that is skipped returns a cancelled future. For a distributed op, "at a
             time" means until its result is delivered, the same step on every rank (see
-            :class:`~olmolike.train.bookkeeping.BookkeepingRunner`).
+            :class:`~olmolike.train.background_ops.BookkeepingRunner`).
         :param cancel_in_progress: OLMo-core's former name for ``not allow_multiple``.
         """
-        if cancel_in_progress is not None:
-            warnings.warn(
-                "run_bookkeeping_op(cancel_in_progress=...) is deprecated (as in OLMo-core): "
-                "use allow_multiple=not cancel_in_progress",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            allow_multiple = not cancel_in_progress
         return self._bookkeeping.submit(
             op,
             *args,
@@ -341,6 +317,7 @@ class Trainer:
             soft_timeout=soft_timeout,
             distributed=distributed,
             allow_multiple=allow_multiple,
+            cancel_in_progress=cancel_in_progress,
             **kwargs,
         )
 
@@ -361,7 +338,7 @@ class Trainer:
 
     def check_if_canceled(self) -> None:
         """Start a check whether any rank canceled; all ranks must call it at the same step."""
-        self._steps.check_if_canceled(self.global_step)
+        self._step_results.check_if_canceled(self.global_step)
 
     # -- metrics -----------------------------------------------------------------------------
 
@@ -374,7 +351,7 @@ class Trainer:
         merge_strategy: MetricMergeStrategy = MetricMergeStrategy.warn,
     ) -> None:
         """Record a metric for the current step. Tensors stay on the device (no sync)."""
-        self._steps.metrics.record(
+        self._step_results.metrics.record(
             self.global_step, metric_name(name, namespace), value, reduce_type, merge_strategy
         )
 
@@ -385,7 +362,7 @@ class Trainer:
 
     def get_metric(self, name: str, namespace: str | None = None) -> torch.Tensor | None:
         """A metric recorded in the current step. Reading its value syncs with the device."""
-        return self._steps.metrics.get(self.global_step, metric_name(name, namespace))
+        return self._step_results.metrics.get(self.global_step, metric_name(name, namespace))
 
     # -- state -------------------------------------------------------------------------------
 
@@ -422,11 +399,11 @@ class Trainer:
     @property
     def checkpoint_loaded(self) -> bool:
         """Whether a checkpoint has been loaded."""
-        return self._files.loaded
+        return self._checkpoints.loaded
 
     def checkpoint_dir(self, step: int | None = None) -> str:
         """The folder the checkpoint of ``step`` (default: the current step) is saved to."""
-        return self._files.step_dir(self.global_step if step is None else step)
+        return self._checkpoints.step_dir(self.global_step if step is None else step)
 
     def add_checkpoint_file(self, name: str, contents: str | bytes) -> None:
         """Include a file named ``name`` in every checkpoint saved from now on.
@@ -434,15 +411,26 @@ class Trainer:
         Rank 0 writes it into the checkpoint folder before the completion marker, so a copied
         checkpoint folder carries it. Adding a name again replaces its contents.
         """
-        self._files.add_file(name, contents)
+        self._checkpoints.add_file(name, contents)
 
     def save_checkpoint(self, ephemeral: bool = False) -> str:
         """Save a checkpoint of the current step to the save folder; returns its path."""
-        return self._files.save(self.global_step, self.state_dict(), ephemeral)
+        path, _ = self._checkpoints.save(
+            self.global_step, self.state_dict(), ephemeral, background=False
+        )
+        self._step_results.deliver_saves()  # every rank saved it just now: an agreed step
+        return path
 
     def save_checkpoint_async(self, ephemeral: bool = False) -> tuple[str, Future[None]]:
         """Start saving a checkpoint of the current step; the future completes when it is whole."""
-        return self._files.save_async(self.global_step, self.state_dict(), ephemeral)
+        return self._checkpoints.save(
+            self.global_step, self.state_dict(), ephemeral, background=True
+        )
+
+    def wait_for_checkpoints(self) -> None:
+        """Wait for the background saves, then deliver their ``post_checkpoint_saved`` (or raise
+        a failed save's error). Every rank calls it at the same point, e.g. in ``post_train``."""
+        self._step_results.deliver_saves(wait=True)
 
     def load_checkpoint(
         self,
@@ -458,14 +446,14 @@ class Trainer:
             per-parameter state (moments, step counts) afresh while keeping its settings and
             the model's weights: e.g. to continue a run on new data without its old momentum.
         """
-        path = self._files.load(
+        path = self._checkpoints.load(
             dir,
             self.load_state_dict,
             load_trainer_state=load_trainer_state,
             load_optim_state=load_optim_state,
             reset_optimizer_states_on_load=reset_optimizer_states_on_load,
         )
-        log.info("Loaded checkpoint %s (resuming at step %d)", path, self.global_step)
+        self._hooks("post_checkpoint_loaded", path)
 
     def maybe_load_checkpoint(
         self,
@@ -489,25 +477,29 @@ class Trainer:
         return True
 
     def _load_on_start(self) -> None:
-        self._files.resume(self.load_checkpoint)
+        self._checkpoints.resume(self.load_checkpoint)
 
     def write_file(self, name: str, contents: str | bytes, dir: str | Path | None = None) -> str:
         """Write ``contents`` to ``name`` under ``dir`` (default: the save folder)."""
-        return self._files.write_file(name, contents, dir)
+        return io.write_file(dir or self.save_folder, name, contents, overwrite=self.save_overwrite)
 
     def persist_working_file(self, name: str | Path) -> str:
         """Copy ``work_dir/name`` to ``save_folder/name`` (nothing to do if they are the same)."""
-        return self._files.persist(name, directory=False)
+        return io.persist(
+            self.work_dir, self.save_folder, name, overwrite=self.save_overwrite, directory=False
+        )
 
     def persist_working_subdir(self, name: str | Path) -> str:
         """Copy the directory ``work_dir/name`` to ``save_folder/name``."""
-        return self._files.persist(name, directory=True)
+        return io.persist(
+            self.work_dir, self.save_folder, name, overwrite=self.save_overwrite, directory=True
+        )
 
     # -- the loop ----------------------------------------------------------------------------
 
     def fit(self) -> None:
         """Train until ``max_duration`` or ``hard_stop`` is reached or the run is canceled."""
-        with self._cancel.signals_cancel(), self._running():
+        with self._cancel.signals_cancel(), self._scope.running():
             self._load_on_start()
             self._stop_step()  # an unknown step count is a clear error now, not mid-run
             self._fit()
@@ -526,37 +518,17 @@ class Trainer:
         """
         paths = list(self.checkpoints_to_eval or ()) if checkpoints is None else list(checkpoints)
         evaluators = evaluator_callbacks(paths, self.callbacks.values())
-        with self._running():
+        with self._scope.running():
             self._hooks.call_except("pre_train", evaluators)
             for path in paths:
                 self.load_checkpoint(path, load_trainer_state=False, load_optim_state=False)
                 self.global_step = checkpoint_step(path)
                 log.info("Evaluating the checkpoint of step %d (%s)", self.global_step, path)
-                self._steps.metrics.begin_step(self.global_step)
+                self._step_results.metrics.begin_step(self.global_step)
                 for evaluator in evaluators:
                     evaluator.perform_eval()
-                self._steps.flush()
+                self._step_results.flush()
             self._hooks.call_except("post_train", evaluators)
-
-    @contextmanager
-    def _running(self) -> Iterator[None]:
-        """Around ``fit()`` or ``eval_checkpoints()``: errors are reported, callbacks closed."""
-        self._check_not_released()
-        self._error = None
-        try:
-            yield
-        except BaseException as exc:
-            self._cancel.error = exc
-            self._error = explain_failure(
-                exc, self.global_step, self.save_folder, interrupted=self._cancel.aborted
-            )
-            self._cancel.error = self._error
-            self._handle_error(self._error)
-            if self._error is not exc:  # e.g. a rank died: say which, not gloo's lost connection
-                raise self._error from exc
-            raise
-        finally:
-            self._close()
 
     def _fit(self) -> None:
         log.info(
@@ -573,16 +545,10 @@ class Trainer:
         self._hooks("pre_train")
         while not self.training_complete:
             self._fit_epoch()
-        self._steps.flush()
-        if self.is_canceled:
-            log.warning(
-                "Run canceled at step %d by rank %s: %s",
-                self.global_step,
-                self._cancel.canceling_rank,
-                self._cancel.reason,
-            )
+        self._step_results.flush()
+        self._cancel.log_outcome(self.global_step)
         self._hooks("post_train")
-        self._steps.flush()  # what post_train recorded or submitted, errors included
+        self._step_results.flush()  # what post_train recorded or submitted, errors included
         done = "stopped (canceled)" if self.is_canceled else "done"
         log.info("Training %s at step %d", done, self.global_step)
 
@@ -614,10 +580,10 @@ class Trainer:
     def _train_step(self, batch: dict[str, Any]) -> None:
         self.global_step += 1
         self.global_train_tokens_seen += self.global_batch_size
-        self._steps.begin_step(self.global_step)
+        self._step_results.begin_step(self.global_step)
         batch = move_to_device(batch, self.device)
         self._hooks("pre_step", batch)
-        if self._skipping(self.global_step):
+        if any(self.global_step in skip for skip in self.steps_to_skip or ()):
             log.info(
                 "Skipping step %d (steps_to_skip): its batch is consumed, not trained on",
                 self.global_step,
@@ -627,60 +593,8 @@ class Trainer:
             self._hooks("pre_optim_step")
             self.train_module.optim_step()
             self.train_module.zero_grads()
-            self._count_flops(batch)
+            seq_len = int(batch["input_ids"].shape[-1])
+            self.global_train_petaflops += self._flops.petaflops(seq_len, self.global_batch_size)
         self._hooks("post_train_batch")
         self._hooks("post_step")
-        self._steps.end_step(self.global_step)
-
-    def _skipping(self, step: int) -> bool:
-        return bool(self.steps_to_skip) and any(step in r for r in self.steps_to_skip or ())
-
-    def _count_flops(self, batch: dict[str, Any]) -> None:
-        seq_len = int(batch["input_ids"].shape[-1])
-        if seq_len not in self._flops_per_token:
-            self._flops_per_token[seq_len] = self.train_module.num_flops_per_token(seq_len)
-        per_token = self._flops_per_token[seq_len]
-        if per_token is not None:
-            self.global_train_petaflops += per_token * self.global_batch_size / 1e15
-
-    def _handle_error(self, exc: BaseException) -> None:
-        first = report_rank_failure(exc)  # a later rank's failure follows from the first's
-        log_failure(exc, self.global_step, first=first)
-        self._hooks.call_each("on_error", exc, raise_errors=False)
-        # A collective stuck on a dead peer must not keep this process alive.
-        self._bookkeeping.shutdown(wait=False)
-
-    def _close(self) -> None:
-        """Close hooks, then let go of everything the trainer holds, whatever they raised."""
-        clean = self._error is None
-        try:
-            if clean:
-                self._files.deliver_finished(wait=True)  # every rank is here: nothing to agree
-            self._hooks.call_each("close", raise_errors=clean)
-            if clean:
-                self._steps.flush()  # what close hooks submitted; their errors are raised
-        except BaseException:
-            clean = False
-            raise
-        finally:
-            self._release(clean=clean)
-
-    def _release(self, *, clean: bool) -> None:
-        """Free the staging buffers and threads, release the lease (after the last save: the
-        next run may start), and destroy the process groups made for this trainer, in the
-        same order on every rank. ``clean``: no error on this rank, so nothing is stuck and
-        the peers' last ops can be waited for; else nothing is waited for."""
-        self._released = True
-        try:
-            self._files.release(wait=clean)
-        finally:
-            self._bookkeeping.close(clean=clean)
-            for group in self.owned_process_groups:
-                destroy_group(group, barrier=clean)
-
-    def _check_not_released(self) -> None:
-        if self._released and is_distributed():
-            raise OLMoLikeError(
-                "this trainer has finished (fit() or eval_checkpoints() returned) and destroyed "
-                "the process groups it made; build a new trainer to train or evaluate again"
-            )
+        self._step_results.end_step(self.global_step)

@@ -29,13 +29,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
+
 from ...config import CheckedChoices, register_config_class, require_class_name
+from ...exceptions import ConfigurationError
 from .hooks import CallbackHooks
 
 if TYPE_CHECKING:
     from ..trainer import Trainer
 
-__all__ = ["CALLBACK_HOOKS", "Callback", "callback_registry"]
+__all__ = ["CALLBACK_HOOKS", "Callback", "callback_registry", "model_of"]
 
 CALLBACK_HOOKS = (
     "post_attach",
@@ -167,3 +170,15 @@ class Callback(CallbackHooks, CheckedChoices):
 
 register_config_class(Callback)
 require_class_name(Callback)
+
+
+def model_of(train_module: Any) -> torch.nn.Module:
+    """The model of ``train_module`` (its ``model``), for a callback that reads or changes it;
+    a train module without one is a configuration error of the callbacks."""
+    model = getattr(train_module, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigurationError(
+            f"needs a train module with a 'model'; {type(train_module).__name__} has none",
+            path="callbacks",
+        )
+    return model

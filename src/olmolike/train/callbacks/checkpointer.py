@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from ...config import StrEnum, check_choice
 from ...distributed.utils import backend_supports_cpu, get_rank, is_distributed
 from ...exceptions import CheckpointError, ConfigurationError
 from ..checkpoint import Checkpointer
+from ..checkpoint.retention import retain
 from .callback import Callback
 
 __all__ = ["CheckpointRemovalStrategy", "CheckpointerCallback", "checkpoints_to_remove"]
@@ -102,11 +102,9 @@ class CheckpointerCallback(Callback, name="checkpointer"):
     enabled: bool = True
     """``False`` saves no checkpoint at all (nor does the trainer's ``no_checkpoints=True``)."""
 
-    _pending: list[tuple[str, Future[None], bool]] = field(
-        default_factory=list, init=False, repr=False
-    )
+    _saving: dict[str, bool] = field(default_factory=dict, init=False, repr=False)
+    """This callback's saves whose completion has not reached it yet (path: ephemeral)."""
     _last_saved_step: int | None = field(default=None, init=False, repr=False)
-    _failed: bool = field(default=False, init=False, repr=False)
     _own_ephemeral: list[str] = field(default_factory=list, init=False, repr=False)
     _old_to_remove: list[str] = field(default_factory=list, init=False, repr=False)
     _prepared_for: int | None = field(default=None, init=False, repr=False)
@@ -159,8 +157,8 @@ class CheckpointerCallback(Callback, name="checkpointer"):
 
     @property
     def checkpoint_pending(self) -> bool:
-        """Whether a background save has not been collected yet."""
-        return bool(self._pending)
+        """Whether a save of this callback is not complete yet (as far as it was told)."""
+        return bool(self._saving)
 
     def pre_train(self) -> None:
         if not self.active:
@@ -194,7 +192,6 @@ class CheckpointerCallback(Callback, name="checkpointer"):
         if not self.active:
             self._discard_prepared()  # saves were switched off (e.g. the stability monitor)
             return
-        self._collect_finished(wait=False)
         step = self.trainer.global_step
         if self.save_async and self.saves_at(step + 1) and self._prepared_for is None:
             # Buffers of the next save, allocated while this step's successor runs.
@@ -237,15 +234,8 @@ class CheckpointerCallback(Callback, name="checkpointer"):
         if not already_saved:  # a restarted, finished run must not save (or fail) again
             self._save(ephemeral=False)
         self._discard_prepared()
-        self._collect_finished(wait=True)
-
-    def on_error(self, exc: BaseException) -> None:
-        self._failed = True
-
-    def close(self) -> None:
-        # After an error a background save may wait on a dead peer: do not wait for it then.
-        if not self._failed and self._pending:
-            self._collect_finished(wait=True)
+        # Callbacks after this one (lower priority) find every checkpoint complete and retained.
+        self.trainer.wait_for_checkpoints()
 
     def _discard_prepared(self) -> None:
         """Free the staging buffers this callback had prepared for a save that will not come
@@ -257,62 +247,36 @@ class CheckpointerCallback(Callback, name="checkpointer"):
     def _save(self, *, ephemeral: bool) -> None:
         trainer = self.trainer
         self._prepared_for = None  # a save uses the buffers prepared for it
-        if self.save_async:
-            path, future = trainer.save_checkpoint_async(ephemeral=ephemeral)
-            self._pending.append((path, future, ephemeral))
-        else:
-            path = trainer.save_checkpoint(ephemeral=ephemeral)
-            self._after_save(path, ephemeral)
+        path = trainer.checkpoint_dir()
+        self._saving[path] = ephemeral  # a blocking save is delivered before it returns
         if ephemeral:
             self._own_ephemeral.append(path)
+        if self.save_async:
+            trainer.save_checkpoint_async(ephemeral=ephemeral)
+        else:
+            trainer.save_checkpoint(ephemeral=ephemeral)
         self._last_saved_step = trainer.global_step
 
-    def _collect_finished(self, *, wait: bool) -> None:
-        while self._pending and (wait or self._pending[0][1].done()):
-            path, future, ephemeral = self._pending[0]
-            if not wait and future.exception() is not None:
-                # Each rank sees it fail at a step of its own: the trainer raises it at a step
-                # every rank agrees on (a rank raising alone would leave the others waiting).
-                return
-            self._pending.pop(0)
-            future.result()  # a failed save raises here when waited for (every rank waits)
-            self._after_save(path, ephemeral)
+    def post_checkpoint_saved(self, path: str) -> None:
+        """Retention, once a checkpoint this callback saved is complete (the trainer delivers
+        completion, at a step every rank agrees on: see :mod:`olmolike.train.checkpoint.run`).
 
-    def _after_save(self, path: str, ephemeral: bool) -> None:
-        """Retention, by rank 0, once the checkpoint at ``path`` is complete.
-
-        Ephemeral checkpoints of earlier steps than ``path`` are removed (with ``remove=never``
-        only this run's own), so a newer one is never removed in favour of an older one (two
-        async saves may be collected at once); so are the checkpoints of earlier runs that
-        ``remove`` names. Step folders without a marker (a removal or save killed half-way)
-        are removed too, except those of saves still in progress. Removal deletes a marker at
-        once and the files in the background (:meth:`Checkpointer.purge_checkpoint`), so a
-        large checkpoint never holds up the training thread.
+        Only rank 0 removes anything; see :func:`olmolike.train.checkpoint.retention.retain`.
         """
-        if get_rank() != 0:
-            return
-        folder = self.trainer.save_folder
-        saved_step = _step_of(path)
-        for step, old in Checkpointer.find_checkpoints(folder, ephemeral=True):
-            own = old in self._own_ephemeral
-            if step < saved_step and (own or self.remove != CheckpointRemovalStrategy.never):
-                log.info("Removing ephemeral checkpoint %s", old)
-                Checkpointer.purge_checkpoint(old)
-                if own:
-                    self._own_ephemeral.remove(old)
-        old_runs, self._old_to_remove = self._old_to_remove, []
-        for old in old_runs:
-            if Checkpointer.dir_is_checkpoint(old):
-                log.info("Removing checkpoint %s (remove=%s)", old, self.remove)
-                Checkpointer.purge_checkpoint(old)
-        in_progress = [pending for pending, _, _ in self._pending]
-        Checkpointer.remove_abandoned(folder, keep=[path, *in_progress])
-        if ephemeral or self.max_checkpoints is None:
-            return
-        permanent = list(Checkpointer.find_checkpoints(folder, ephemeral=False))
-        for _, old in permanent[: max(0, len(permanent) - self.max_checkpoints)]:
-            log.info("Removing checkpoint %s (max_checkpoints=%d)", old, self.max_checkpoints)
-            Checkpointer.purge_checkpoint(old)
+        ephemeral = self._saving.pop(path, None)
+        if ephemeral is None or get_rank() != 0:
+            return  # another's save (a user's, another checkpointer's)
+        retain(
+            self.trainer.save_folder,
+            path,
+            ephemeral=ephemeral,
+            own_ephemeral=self._own_ephemeral,
+            old_runs=self._old_to_remove,
+            in_progress=list(self._saving),
+            remove_others=self.remove != CheckpointRemovalStrategy.never,
+            max_checkpoints=self.max_checkpoints,
+        )
+        self._old_to_remove = []
 
 
 def _is_ephemeral(path: str) -> bool:
@@ -320,8 +284,3 @@ def _is_ephemeral(path: str) -> bool:
         return bool(Checkpointer.checkpoint_metadata(path)["ephemeral"])
     except CheckpointError:  # a malformed marker: of neither kind, as find_checkpoints treats it
         return False
-
-
-def _step_of(path: str) -> int:
-    name = path.rstrip("/").rsplit("/", 1)[-1]
-    return int(name[len("step") :]) if name.startswith("step") and name[4:].isdigit() else -1

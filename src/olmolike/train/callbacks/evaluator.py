@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ __all__ = [
     "LMEvaluator",
     "LMEvaluatorCallbackConfig",
     "SFTEvaluatorCallbackConfig",
+    "evaluator_callbacks",
 ]
 
 log = logging.getLogger(__name__)
@@ -244,7 +246,24 @@ class EvaluatorCallback(_PeriodicEvaluation, name="evaluator"):
 
 
 @dataclass
-class LMEvaluatorCallbackConfig(_PeriodicEvaluation, name="lm_evaluator"):
+class _HeldOutLoss(_PeriodicEvaluation):
+    """The loss of one :class:`LMEvaluator` on a held-out dataset built from config values
+    (its subclasses name the dataset and the batch sizes)."""
+
+    _built: list[Evaluator] = field(default_factory=list, init=False, repr=False)
+
+    def post_attach(self) -> None:
+        self._built = [_lm_evaluator(self)]
+
+    def _evaluators(self) -> list[Evaluator]:
+        return self._built
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass
+class LMEvaluatorCallbackConfig(_HeldOutLoss, name="lm_evaluator"):
     """Validation loss and perplexity on held-out token data, from config values alone."""
 
     eval_dataset: NumpyDatasetConfig | None = None
@@ -257,7 +276,6 @@ class LMEvaluatorCallbackConfig(_PeriodicEvaluation, name="lm_evaluator"):
     instances, and means the same, at any world size."""
     label: str = "lm"
     """The metrics are named ``eval/{label}/CE loss`` and ``eval/{label}/PPL``."""
-    _built: list[Evaluator] = field(default_factory=list, init=False, repr=False)
 
     def validate(self) -> None:
         super().validate()
@@ -278,34 +296,9 @@ class LMEvaluatorCallbackConfig(_PeriodicEvaluation, name="lm_evaluator"):
                 "must not be empty: it names the metrics (eval/{label}/CE loss)", path="label"
             )
 
-    def post_attach(self) -> None:
-        assert self.eval_dataset is not None
-        try:
-            dataset = self.eval_dataset.build()
-        except DataError as e:
-            # Named here: the training data is another dataset with the same kinds of error.
-            raise ConfigurationError(f"is unusable: {e}", path="eval_dataset") from e
-        ignore = getattr(self.trainer.train_module, "label_ignore_index", -100)
-        self._built = [
-            LMEvaluator(
-                self.label,
-                dataset,
-                rank_batch_instances=self.eval_batch_size,
-                max_batches=self.max_batches,
-                device=self.trainer.device,
-                label_ignore_index=ignore,
-            )
-        ]
-
-    def _evaluators(self) -> list[Evaluator]:
-        return self._built
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
 
 @dataclass
-class SFTEvaluatorCallbackConfig(_PeriodicEvaluation, name="sft_evaluator"):
+class SFTEvaluatorCallbackConfig(_HeldOutLoss, name="sft_evaluator"):
     """Loss on held-out SFT examples (``prepare-data --sft --val-fraction``): the mean
     cross-entropy over their completions' tokens only, logged as ``eval/{label}/CE loss``."""
 
@@ -315,7 +308,6 @@ class SFTEvaluatorCallbackConfig(_PeriodicEvaluation, name="sft_evaluator"):
     max_batches: int | None = None
     """Evaluate on at most this many batches per rank (``None``: every held-out sequence)."""
     label: str = "sft"
-    _built: list[Evaluator] = field(default_factory=list, init=False, repr=False)
 
     def validate(self) -> None:
         super().validate()
@@ -329,25 +321,38 @@ class SFTEvaluatorCallbackConfig(_PeriodicEvaluation, name="sft_evaluator"):
                 path="eval_batch_size",
             )
 
-    def post_attach(self) -> None:
-        assert self.eval_dataset is not None
-        try:
-            dataset = self.eval_dataset.build()
-        except DataError as e:
-            raise ConfigurationError(f"is unusable: {e}", path="eval_dataset") from e
-        self._built = [
-            LMEvaluator(
-                self.label,
-                dataset,
-                rank_batch_instances=self.eval_batch_size,
-                max_batches=self.max_batches,
-                device=self.trainer.device,
-                label_ignore_index=getattr(self.trainer.train_module, "label_ignore_index", -100),
-            )
-        ]
 
-    def _evaluators(self) -> list[Evaluator]:
-        return self._built
+def evaluator_callbacks(paths: list[str], callbacks: Iterable[Callback]) -> list[Any]:
+    """The callbacks that evaluate ``paths`` (``Trainer.eval_checkpoints``); raises if there
+    is nothing to do."""
+    if not paths:
+        raise ConfigurationError(
+            "lists no checkpoint; set it, or pass the checkpoints to eval_checkpoints()",
+            path="checkpoints_to_eval",
+        )
+    evaluators = [cb for cb in callbacks if hasattr(cb, "perform_eval")]
+    if not evaluators:
+        raise ConfigurationError(
+            "has no evaluator callback (e.g. LMEvaluatorCallbackConfig) to run on the checkpoints",
+            path="callbacks",
+        )
+    return evaluators
 
-    def state_dict(self) -> dict[str, Any]:
-        return {}
+
+def _lm_evaluator(callback: Any) -> LMEvaluator:
+    """The evaluator of an LM or SFT evaluator callback: its ``eval_dataset``, batch size and
+    batch limit, on the trainer's device."""
+    assert callback.eval_dataset is not None
+    try:
+        dataset = callback.eval_dataset.build()
+    except DataError as e:
+        # Named here: the training data is another dataset with the same kinds of error.
+        raise ConfigurationError(f"is unusable: {e}", path="eval_dataset") from e
+    return LMEvaluator(
+        callback.label,
+        dataset,
+        rank_batch_instances=callback.eval_batch_size,
+        max_batches=callback.max_batches,
+        device=callback.trainer.device,
+        label_ignore_index=getattr(callback.trainer.train_module, "label_ignore_index", -100),
+    )

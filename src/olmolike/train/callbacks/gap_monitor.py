@@ -14,7 +14,7 @@ from ...distributed.checkpoint import save_state_dict
 from ...distributed.utils import get_rank
 from ...exceptions import ConfigurationError
 from ..common import MetricMergeStrategy, ReduceType
-from .callback import Callback
+from .callback import Callback, model_of
 
 __all__ = ["GAPMonitorCallback"]
 
@@ -89,14 +89,7 @@ class GAPMonitorCallback(Callback, name="gap_monitor"):
         return self.enabled and self.monitor is not False
 
     def _model(self) -> torch.nn.Module:
-        model = getattr(self.trainer.train_module, "model", None)
-        if not isinstance(model, torch.nn.Module):
-            raise ConfigurationError(
-                f"needs a train module with a 'model'; {type(self.trainer.train_module).__name__} "
-                "has none",
-                path="callbacks",
-            )
-        return model
+        return model_of(self.trainer.train_module)
 
     def pre_train(self) -> None:
         if not self._monitoring:

@@ -131,6 +131,16 @@ class HookCaller:
         check_hook_names(callbacks, self.hooks)
         self.table = hook_table(callbacks, self.hooks, self.base)
 
+    def attach(self, trainer: Any, callbacks: Iterable[Any], new: Iterable[Any]) -> None:
+        """Give the ``new`` ones among all ``callbacks`` their ``trainer``, follow the change,
+        then call their ``post_attach``."""
+        new = list(new)
+        for callback in new:
+            callback.trainer = trainer
+        self.rebuild(callbacks)
+        for callback in new:
+            callback.post_attach()
+
     def __call__(self, hook: str, *args: Any) -> None:
         for method in self.table[hook]:
             method(*args)

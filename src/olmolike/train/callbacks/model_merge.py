@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ...exceptions import ConfigurationError
-from .callback import Callback
+from .callback import Callback, model_of
 from .evaluator import _PeriodicEvaluation
 
 __all__ = [
@@ -161,14 +161,7 @@ class ModelMergeCallback(Callback, name="model_merger"):
             self.unblock_ephemeral_checkpoints()
 
     def _params(self) -> list[torch.nn.Parameter]:
-        model = getattr(self.trainer.train_module, "model", None)
-        if not isinstance(model, torch.nn.Module):
-            raise ConfigurationError(
-                f"needs a train module with a 'model'; {type(self.trainer.train_module).__name__} "
-                "has none",
-                path="callbacks",
-            )
-        return list(model.parameters())
+        return list(model_of(self.trainer.train_module).parameters())
 
     def _local_weights(self) -> list[torch.Tensor]:
         return [_local(p).detach().to("cpu", torch.float32) for p in self._params()]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,9 +13,10 @@ import torch
 from ...exceptions import ConfigurationError
 from ...hardware import peak_flops
 from ..common import ReduceType
+from ..durations import Speed
 from .callback import Callback
 
-__all__ = ["SpeedMonitorCallback"]
+__all__ = ["SpeedMonitorCallback", "speed_of"]
 
 log = logging.getLogger(__name__)
 
@@ -170,3 +172,12 @@ class SpeedMonitorCallback(Callback, name="speed_monitor"):
         if seq_len not in self._flops_per_token:
             self._flops_per_token[seq_len] = self.trainer.train_module.num_flops_per_token(seq_len)
         return self._flops_per_token[seq_len]
+
+
+def speed_of(callbacks: Iterable[Any]) -> Speed:
+    """The speed the first :class:`SpeedMonitorCallback` among ``callbacks`` measured (all
+    unknown without one), for :attr:`~olmolike.train.Trainer.training_progress`."""
+    monitor = next((cb for cb in callbacks if isinstance(cb, SpeedMonitorCallback)), None)
+    if monitor is None:
+        return Speed()
+    return Speed(monitor.bps_avg, monitor.tps_avg, monitor.mfu_avg)

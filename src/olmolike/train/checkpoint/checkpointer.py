@@ -17,11 +17,11 @@ The commit protocol never lets a reader see a partial checkpoint:
   each shard as soon as it is written; once all ranks report success, rank 0 uploads the
   marker last.
 
-Saving is :mod:`.checkpoint_save`, loading :mod:`.checkpoint_load`; the checkpointer holds
+Saving is :mod:`.save`, loading :mod:`.load`; the checkpointer holds
 what lasts across saves (threads, staging buffers, the lease).
 
 Removing a checkpoint deletes its marker first; :meth:`Checkpointer.purge_checkpoint` deletes
-the rest in the background (:mod:`.checkpoint_purge`). A save that fails, at any stage and on
+the rest in the background (:mod:`.retention`). A save that fails, at any stage and on
 any rank, raises :class:`~olmolike.exceptions.CheckpointError` on every rank, naming the
 failed ranks and their errors, and removes its staging folder: a rank that fails keeps
 joining the save's collectives and hands its error to the next agreement
@@ -37,7 +37,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
@@ -48,14 +48,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from .. import io
-from ..config import Config
-from ..distributed.checkpoint import (
+from ... import io
+from ...config import Config
+from ...distributed.checkpoint import (
     async_save_state_dict,
     check_checkpoint_backend,
     save_state_dict,
 )
-from ..distributed.checkpoint_format import (
+from ...distributed.checkpoint_format import (
     MARKER,
     CheckpointMetadata,
     contains_checkpoint,
@@ -63,19 +63,18 @@ from ..distributed.checkpoint_format import (
     find_checkpoints,
     latest_checkpoint,
     read_marker,
-    remove_abandoned,
     remove_checkpoint,
 )
-from ..distributed.checkpoint_storage import default_thread_count
-from ..distributed.utils import is_distributed, using_group
-from ..threads import DaemonThreadPool
-from . import checkpoint_purge
-from .checkpoint_load import CheckpointLoad
-from .checkpoint_save import CheckpointSave, check_extra_file_name, encode_extra_files
+from ...distributed.checkpoint_storage import default_thread_count
+from ...distributed.utils import is_distributed, using_group
+from ...threads import DaemonThreadPool
 from .lease import DEFAULT_TIMEOUT, SaveFolderLease, acquire_lease
+from .load import CheckpointLoad
+from .retention import purge, remove_abandoned, wait_for_purges
+from .save import CheckpointSave, check_extra_file_name, encode_extra_files
 
 if TYPE_CHECKING:
-    from .train_module import TrainModule
+    from .checkpointable import Checkpointable
 
 __all__ = ["CheckpointMetadata", "Checkpointer", "CheckpointerConfig", "check_extra_file_name"]
 
@@ -190,7 +189,7 @@ class Checkpointer:
     def release_lease(self) -> None:
         """Release the lease: the next run on the folder may start at once."""
         lease, self.lease = self.lease, None
-        checkpoint_purge.wait_for_purges()  # the next run must not find half-removed folders
+        wait_for_purges()  # the next run must not find half-removed folders
         if lease is not None:
             lease.release()
 
@@ -199,56 +198,24 @@ class Checkpointer:
     def save(
         self,
         dir: str,
-        train_module: TrainModule,
+        train_module: Checkpointable,
         train_state: dict[str, Any],
         ephemeral: bool = False,
         extra_files: Mapping[str, str | bytes] | None = None,
-    ) -> None:
-        """Save model, optimizer and trainer state to ``dir``; returns once it is complete.
-
-        ``extra_files`` (name to contents, from rank 0) are written into the checkpoint folder
-        before its marker, so they are part of the checkpoint: present exactly when it is.
-        A save that fails on any rank raises :class:`~olmolike.exceptions.CheckpointError` on
-        every rank, naming the ranks that failed and their errors.
-        """
-        self.wait_for_pending_save()
-        plan = self._begin(dir, extra_files)
-        state: dict[str, Any] = {}
-        state_bytes = b""
-        failed: Exception | None = None
-        try:  # one rank's failure is told to all at the save's first agreement
-            state = train_module.state_dict_to_save()  # first: every rank gets here
-            state_bytes = plan.prepare(train_state)
-        except Exception as e:
-            failed = e
-        cause: BaseException | None = None
-        try:
-            save_state_dict(
-                plan.dcp_dir,
-                state,
-                process_group=self.process_group,
-                thread_count=self.save_thread_count,
-                on_shard_written=plan.shard_written,
-                failed=failed,
-            )
-        except Exception as e:
-            cause = e
-        plan.finish(state_bytes, ephemeral, cause)
-
-    def save_async(
-        self,
-        dir: str,
-        train_module: TrainModule,
-        train_state: dict[str, Any],
-        ephemeral: bool = False,
-        extra_files: Mapping[str, str | bytes] | None = None,
+        *,
+        background: bool = False,
     ) -> Future[None]:
-        """Like :meth:`save`, but returns once the state is copied to CPU memory.
+        """Save model, optimizer and trainer state to ``dir``; the returned future completes
+        once the checkpoint is complete (or failed).
 
-        The files are written by a background thread on this checkpointer's process group;
-        the returned future completes when the checkpoint is complete (or failed). A rank
-        that fails before the files are written (copying its state, say) raises nothing
-        here: its error reaches every rank's future, as the save's failure.
+        A blocking save returns once it is complete (raising its error); a ``background`` one
+        returns once the state is copied to CPU memory, and a thread of its own writes the
+        files on this checkpointer's process group. ``extra_files`` (name to contents, from
+        rank 0) are written into the checkpoint folder before its marker, so they are part of
+        the checkpoint: present exactly when it is. A save that fails on any rank fails on
+        every rank with :class:`~olmolike.exceptions.CheckpointError`, naming the ranks that
+        failed and their errors; a rank that fails before the files are written (copying its
+        state, say) still joins the save, so that its error reaches every rank.
         """
         self.wait_for_pending_save()
         plan = self._begin(dir, extra_files)
@@ -259,25 +226,22 @@ class Checkpointer:
         try:  # one rank's failure is told to all at the save's first agreement
             state = train_module.state_dict_to_save()  # first: every rank gets here
             state_bytes = plan.prepare(train_state)
-            stager = self._prepared_stager()
+            stager = self._prepared_stager() if background else None
         except Exception as e:
             failed = e
-        dcp_future = async_save_state_dict(
-            plan.dcp_dir,
-            state,
-            process_group=self.process_group,
-            thread_count=self.save_thread_count,
-            stager=stager,
-            on_shard_written=plan.shard_written,
-            failed=failed,
-        )
+        how: dict[str, Any] = {
+            "process_group": self.process_group,
+            "thread_count": self.save_thread_count,
+            "on_shard_written": plan.shard_written,
+            "failed": failed,
+        }
 
-        def finish() -> None:
+        def finish(written: Callable[[], object]) -> None:
             # The group belongs to this save (the save's thread, then this one) until it is done.
             with using_group(self.process_group, "checkpointer"):
                 cause: BaseException | None = None
                 try:
-                    dcp_future.result()
+                    written()
                 except Exception as e:
                     cause = e
                 if stager is not None:
@@ -285,13 +249,22 @@ class Checkpointer:
                 try:
                     plan.finish(state_bytes, ephemeral, cause)
                 finally:
-                    if stager is not self._stager:  # the save's threads have let go of the copy
-                        return_freed_memory()
+                    if stager is not None and stager is not self._stager:
+                        return_freed_memory()  # the save's threads have let go of the copy
 
-        self._pending = self._writer_thread().submit(finish)
+        if not background:
+            finish(lambda: save_state_dict(plan.dcp_dir, state, **how))
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        written = async_save_state_dict(plan.dcp_dir, state, stager=stager, **how)
+        self._pending = self._writer_thread().submit(finish, written.result)
         return self._pending
 
-    def prepare_async_staging(self, train_module: TrainModule) -> None:
+    save_async = functools.partialmethod(save, background=True)
+    """:meth:`save` in the background (OLMo-core's name); returns once the state is copied."""
+
+    def prepare_async_staging(self, train_module: Checkpointable) -> None:
         """Allocate the CPU buffers of the next async save now, in the background (otherwise
         that save allocates them while training waits: fresh memory costs more than the copy).
 
@@ -420,7 +393,7 @@ class Checkpointer:
     def load(
         self,
         dir: str,
-        train_module: TrainModule,
+        train_module: Checkpointable,
         *,
         load_trainer_state: bool | None = None,
         load_optim_state: bool | None = None,
@@ -469,16 +442,13 @@ class Checkpointer:
     latest_checkpoint = staticmethod(latest_checkpoint)
     checkpoint_metadata = staticmethod(read_marker)
     remove_checkpoint = staticmethod(remove_checkpoint)
-    purge_checkpoint = staticmethod(checkpoint_purge.purge)
+    purge_checkpoint = staticmethod(purge)
     """Like :meth:`remove_checkpoint`, but only the marker is removed before it returns: the
     files go in the background (retention that never holds up training)."""
-    wait_for_purges = staticmethod(checkpoint_purge.wait_for_purges)
+    wait_for_purges = staticmethod(wait_for_purges)
 
-    @staticmethod
-    def remove_abandoned(folder: str, keep: Collection[str] = ()) -> list[str]:
-        """Delete step folders without a marker, except those in ``keep`` and those being
-        purged (see :func:`~olmolike.distributed.checkpoint_format.remove_abandoned`)."""
-        return remove_abandoned(folder, keep=[*keep, *checkpoint_purge.in_flight()])
+    remove_abandoned = staticmethod(remove_abandoned)
+    """Delete step folders without a marker, except those in ``keep`` and those being purged."""
 
 
 @functools.cache

@@ -1,39 +1,46 @@
 """What the trainer does around each step besides training: a component the trainer owns.
 
-:class:`StepBookkeeping` keeps the metrics recorded during the steps, hands their reduction to
-the :class:`~olmolike.train.bookkeeping.BookkeepingRunner` every ``metrics_collect_interval``
-steps, runs the periodic cancel check, and at the end of every step delivers what is due then:
-reduced metrics to the ``log_metrics`` hooks and finished background saves to
-``post_checkpoint_saved``, both at steps every rank agrees on (see ``docs/callbacks.md``). After
-the first step it shortens every process group's timeout. It never touches the trainer: the
-trainer passes in the step.
+:class:`StepResults` keeps the metrics recorded during the steps, hands their reduction to the
+:class:`~olmolike.train.background_ops.BookkeepingRunner` every ``metrics_collect_interval``
+steps, runs the periodic cancel check, and at the end of every step delivers the results due
+then: reduced metrics to the ``log_metrics`` hooks and finished saves to
+``post_checkpoint_saved`` (:meth:`StepResults.deliver_saves`, the one path by which a save's
+completion reaches the callbacks), both at steps every rank agrees on (see
+``docs/callbacks.md``). After the first step it shortens every process group's timeout.
+It never touches the trainer: the trainer passes in the step, and the functions it calls.
 """
 
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ..distributed.utils import is_distributed, set_group_timeouts
-from .bookkeeping import BookkeepingRunner
-from .callbacks.hooks import HookCaller
+from ..exceptions import ConfigurationError
+from .background_ops import BookkeepingRunner
 from .cancellation import CancelCoordinator
 from .metrics import MetricBuffer, MetricReducer, StepMetrics
-from .trainer_checkpoints import TrainerCheckpoints
 
-__all__ = ["StepBookkeeping"]
+__all__ = ["StepResults"]
 
 
 @dataclass
-class StepBookkeeping:
+class StepResults:
     """Per-step metric collection, cancel checks and result delivery (see the module doc)."""
 
     runner: BookkeepingRunner
     cancel: CancelCoordinator
-    files: TrainerCheckpoints
-    hooks: HookCaller
+    saves_done: Callable[[], int]
+    """How many saves of this run have finished on this rank (for the cancel check)."""
+    finished_saves: Callable[..., Iterator[str]]
+    """``finished_saves(upto, wait=...)``: the paths of finished saves, in order (see
+    :meth:`~olmolike.train.checkpoint.run.RunCheckpoints.finished`)."""
+    hooks: Callable[..., Any]
+    """Calls a hook on every callback: ``hooks(name, *args)``."""
     device: torch.device
     """Where bookkeeping collectives run: the CPU with gloo, else the training device."""
     metrics_collect_interval: int
@@ -44,6 +51,11 @@ class StepBookkeeping:
     """The metrics recorded since the last collection."""
     reducer: MetricReducer = field(default_factory=MetricReducer)
     timeouts_shortened: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("metrics_collect_interval", "cancel_check_interval"):
+            if getattr(self, name) < 1:
+                raise ConfigurationError(f"must be >= 1, got {getattr(self, name)}", path=name)
 
     def begin_step(self, step: int) -> None:
         self.runner.step = step
@@ -57,14 +69,23 @@ class StepBookkeeping:
             self.check_if_canceled(step)
         self.runner.poll(step)
         if saves_done_everywhere is not None or not is_distributed():
-            self.files.deliver_finished(saves_done_everywhere)
+            self.deliver_saves(saves_done_everywhere)
         if not self.timeouts_shortened and self.train_timeout_seconds is not None:
             # The first step (compiling, allocating, loading) may legitimately take long.
             self.timeouts_shortened = True
             set_group_timeouts(datetime.timedelta(seconds=self.train_timeout_seconds))
 
+    def deliver_saves(self, upto: int | None = None, *, wait: bool = False) -> None:
+        """The one path by which a save's completion reaches the callbacks:
+        ``post_checkpoint_saved(path)`` for each finished save, in save order, or the failed
+        save's error. Called at steps every rank agrees on: at the end of a step (``upto``: the
+        finished saves every rank has counted), after a blocking save, and at the end of a run
+        (``wait``: after the saves still running)."""
+        for path in self.finished_saves(upto, wait=wait):
+            self.hooks("post_checkpoint_saved", path)
+
     def check_if_canceled(self, step: int) -> None:
-        saves_done = self.files.saves_done()
+        saves_done = self.saves_done()
         self.cancel.submit_check(
             step, self.runner, self.runner.group, self.device, saves_done=saves_done
         )

@@ -7,7 +7,7 @@ state this rank will load, read and checked. Then DCP reads model and optimizer 
 the train module's tensors, in place, checking each record's CRC as it reads (see
 :mod:`~olmolike.distributed.checkpoint_storage`). Damage found there (DCP tells every rank)
 has already overwritten some tensors: the caller that falls back to another checkpoint
-(:meth:`~olmolike.train.trainer_checkpoints.TrainerCheckpoints.resume`) resets what that one
+(:meth:`~olmolike.train.checkpoint.run.RunCheckpoints.resume`) resets what that one
 may not hold.
 """
 
@@ -21,10 +21,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .. import io
-from ..distributed.checkpoint import load_state_dict
-from ..distributed.checkpoint_download import local_copy
-from ..distributed.checkpoint_format import (
+from ... import io
+from ...distributed.checkpoint import load_state_dict
+from ...distributed.checkpoint_download import local_copy
+from ...distributed.checkpoint_format import (
     MODEL_AND_OPTIM,
     CheckedCheckpoint,
     DamagedCheckpointError,
@@ -33,11 +33,11 @@ from ..distributed.checkpoint_format import (
     load_train_state,
     verify_checkpoint,
 )
-from ..distributed.utils import gather_objects, get_rank, using_group
-from ..exceptions import CheckpointError
+from ...distributed.utils import gather_objects, get_rank, using_group
+from ...exceptions import CheckpointError
 
 if TYPE_CHECKING:
-    from .train_module import TrainModule
+    from .checkpointable import Checkpointable
 
 __all__ = ["CheckpointLoad"]
 
@@ -47,7 +47,7 @@ class CheckpointLoad:
     """One load of the checkpoint ``dir`` into ``train_module``, on every rank of ``group``."""
 
     dir: str
-    train_module: TrainModule
+    train_module: Checkpointable
     group: dist.ProcessGroup | None
     load_trainer_state: bool | None
     load_optim_state: bool | None

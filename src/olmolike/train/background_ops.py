@@ -19,6 +19,7 @@ import itertools
 import logging
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -124,11 +125,21 @@ class BookkeepingRunner:
         soft_timeout: float | None = None,
         distributed: bool = True,
         allow_multiple: bool = True,
+        cancel_in_progress: bool | None = None,
         **kwargs: Any,
     ) -> Future[T]:
         """Run ``op(*args, **kwargs)``; ``cb(result)`` later runs on the training thread (see
         the class docstring for the step), and an exception in ``op`` is raised there. An
-        invocation ignored under ``allow_multiple=False`` returns a cancelled future."""
+        invocation ignored under ``allow_multiple=False`` returns a cancelled future.
+        ``cancel_in_progress`` is OLMo-core's former name for ``not allow_multiple``."""
+        if cancel_in_progress is not None:
+            warnings.warn(
+                "run_bookkeeping_op(cancel_in_progress=...) is deprecated (as in OLMo-core): "
+                "use allow_multiple=not cancel_in_progress",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            allow_multiple = not cancel_in_progress
         name = op_name or str(getattr(op, "__qualname__", "bookkeeping op"))
         if not allow_multiple and self._another_in_the_way(name, distributed):
             log.warning(

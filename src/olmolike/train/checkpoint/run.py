@@ -1,63 +1,63 @@
-"""What the trainer does with files: a component the trainer builds from its settings and owns.
+"""A training run's checkpoints: a component the trainer builds from its settings and owns.
 
-:class:`TrainerCheckpoints` saves and loads the trainer's checkpoints (through the
-:class:`~olmolike.train.checkpoint.Checkpointer`), resumes at the start of ``fit()``, keeps the
-background saves whose ``post_checkpoint_saved`` is not delivered yet, fires the checkpoint
-hooks, and copies working files to the save folder. It never touches the trainer: the trainer
-passes in the step and its state, and the :class:`HookCaller` it keeps up to date.
+:class:`RunCheckpoints` saves the run's checkpoints into its save folder (through the
+:class:`~olmolike.train.checkpoint.Checkpointer`), loads them, resumes at the start of
+``fit()`` (with fallback past damaged checkpoints), and keeps each save until its completion
+is taken.
+
+Every save (blocking or in the background) is a future on :attr:`RunCheckpoints.pending`;
+:meth:`RunCheckpoints.finished` takes the finished ones off, in save order, for the trainer's
+one delivery path (:meth:`~olmolike.train.step_results.StepResults.deliver_saves`, see
+``docs/contributing-layers.md``).
+
+It imports nothing of the trainer: the trainer passes in the step and its state, and fires
+the hooks itself.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .. import io
-from ..distributed.checkpoint_format import DamagedCheckpointError, mark_damaged
-from ..distributed.utils import broadcast_object, get_rank
-from ..exceptions import CheckpointError, ConfigurationError
-from .checkpoint import Checkpointer, CheckpointMetadata, check_extra_file_name
-from .common import LoadStrategy
+from ... import io
+from ...distributed.checkpoint_format import DamagedCheckpointError, mark_damaged
+from ...distributed.utils import broadcast_object, get_rank
+from ...exceptions import CheckpointError
+from .checkpointable import Checkpointable
+from .checkpointer import Checkpointer, CheckpointMetadata, check_extra_file_name
 
-if TYPE_CHECKING:
-    from .callbacks.callback import Callback
-    from .callbacks.hooks import HookCaller
-    from .train_module import TrainModule
-
-__all__ = ["TrainerCheckpoints"]
+__all__ = ["RunCheckpoints", "checkpoint_step"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class TrainerCheckpoints:
-    """The trainer's checkpoints and run files (see the module docstring)."""
+class RunCheckpoints:
+    """A run's checkpoints in its save folder (see the module docstring)."""
 
     checkpointer: Checkpointer
-    train_module: TrainModule
+    train_module: Checkpointable
     save_folder: str
     work_dir: Path
-    save_overwrite: bool
     load_path: str | None
-    load_strategy: LoadStrategy
+    load_strategy: str
+    """A :class:`~olmolike.train.LoadStrategy` value: ``if_available``, ``always``, ``never``."""
     load_trainer_state: bool | None
     """Default of :meth:`load`'s flag; ``None``: load it if the checkpoint has it."""
     load_optim_state: bool | None
-    hooks: HookCaller
-    """Fires ``post_checkpoint_saved`` and ``post_checkpoint_loaded`` on the callbacks."""
     extra_files: dict[str, str | bytes] = field(default_factory=dict)
     """Files written into every checkpoint saved from now on (name to contents)."""
     loaded: bool = False
     """Whether a checkpoint has been loaded."""
     pending: list[tuple[str, Future[None]]] = field(default_factory=list)
-    """Background saves whose ``post_checkpoint_saved`` has not been delivered, in order."""
+    """Saves whose completion has not been delivered, in order."""
     delivered: int = 0
-    """How many background saves were taken off ``pending`` (delivered, or failed)."""
+    """How many saves were taken off ``pending`` (delivered, or failed)."""
 
     def step_dir(self, step: int) -> str:
         return io.join_path(self.save_folder, Checkpointer.checkpoint_dirname(step))
@@ -68,20 +68,19 @@ class TrainerCheckpoints:
 
     # -- saving ------------------------------------------------------------------------------
 
-    def save(self, step: int, state: dict[str, Any], ephemeral: bool) -> str:
-        path = self.step_dir(step)
-        self.checkpointer.save(
-            path, self.train_module, state, ephemeral=ephemeral, extra_files=self.extra_files
-        )
-        self.hooks("post_checkpoint_saved", path)
-        return path
-
-    def save_async(
-        self, step: int, state: dict[str, Any], ephemeral: bool
+    def save(
+        self, step: int, state: dict[str, Any], ephemeral: bool, *, background: bool
     ) -> tuple[str, Future[None]]:
+        """Save the checkpoint of ``step``; returns its path and a future that completes with
+        it (a blocking save's is done on return). Its completion is taken by :meth:`finished`."""
         path = self.step_dir(step)
-        future = self.checkpointer.save_async(
-            path, self.train_module, state, ephemeral=ephemeral, extra_files=self.extra_files
+        future = self.checkpointer.save(
+            path,
+            self.train_module,
+            state,
+            ephemeral=ephemeral,
+            extra_files=self.extra_files,
+            background=background,
         )
         self.pending.append((path, future))
         return path, future
@@ -95,15 +94,15 @@ class TrainerCheckpoints:
             done += 1
         return done
 
-    def deliver_finished(self, upto: int | None = None, *, wait: bool = False) -> None:
-        """``post_checkpoint_saved`` for finished background saves, in order; a failed one
-        raises its error.
+    def finished(self, upto: int | None = None, *, wait: bool = False) -> Iterator[str]:
+        """The paths of finished saves, in save order, each taken off :attr:`pending` as it is
+        yielded; a failed save raises its error instead.
 
         ``upto`` is how many saves every rank has seen finish (agreed by the periodic cancel
-        check), so a hook that issues collectives runs at the same step on every rank, and a
-        failed save (whose error every rank's save holds) stops every rank at the same step;
-        ``None`` (one process, or the end of training) takes every finished one. ``wait``
-        first waits for the saves still running.
+        check), so the caller's hooks run at the same step on every rank, and a failed save
+        (whose error every rank's save holds) stops every rank at the same step; ``None`` (one
+        process, after a blocking save, or the end of training) takes every finished one.
+        ``wait`` first waits for the saves still running.
         """
         if wait:
             futures_wait([future for _, future in self.pending])
@@ -117,7 +116,7 @@ class TrainerCheckpoints:
             error = future.exception()
             if error is not None:
                 raise error
-            self.hooks("post_checkpoint_saved", path)
+            yield path
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -151,10 +150,14 @@ class TrainerCheckpoints:
         )
         if trainer_state is not None:
             restore(trainer_state)
+            log.info(
+                "Loaded checkpoint %s (resuming at step %d)", path, trainer_state["global_step"]
+            )
+        else:
+            log.info("Loaded checkpoint %s (model and optimizer state only)", path)
         self.loaded = True
         if reset_optimizer_states_on_load:
             reset_optimizer_states(self.train_module)
-        self.hooks("post_checkpoint_loaded", path)
         return path
 
     def resume(self, load: Callable[[str], None]) -> None:
@@ -169,7 +172,7 @@ class TrainerCheckpoints:
         Other load errors (a model of another shape, say) are raised as they are.
         """
         self.checkpointer.acquire_lease(self.save_folder)
-        if self.load_strategy == LoadStrategy.never:
+        if self.load_strategy == "never":
             return
         # Rank 0 looks, everyone loads the same paths: listings can differ between nodes.
         paths = broadcast_object(self._checkpoints_to_load() if get_rank() == 0 else None)
@@ -189,7 +192,7 @@ class TrainerCheckpoints:
                 # optimizers start afresh, as in a new process, in case it holds no optimizer
                 # state (a failed load never gets to apply param groups).
                 clear_optimizer_states(self.train_module)
-        if self.load_strategy == LoadStrategy.always:
+        if self.load_strategy == "always":
             raise CheckpointError(
                 f"load_strategy is 'always' but there is no checkpoint in the save folder "
                 f"({self.save_folder}) or at load_path ({self.load_path})"
@@ -221,22 +224,8 @@ class TrainerCheckpoints:
         finally:
             self.checkpointer.release_lease()
 
-    # -- run files ---------------------------------------------------------------------------
 
-    def write_file(self, name: str, contents: str | bytes, dir: str | Path | None = None) -> str:
-        return io.write_file(dir or self.save_folder, name, contents, overwrite=self.save_overwrite)
-
-    def persist(self, name: str | Path, *, directory: bool) -> str:
-        """Copy ``work_dir/name`` (a file, or a directory) to ``save_folder/name``."""
-        source = self.work_dir / name
-        if directory and not source.is_dir():
-            raise NotADirectoryError(f"{source} is not a directory")
-        if not directory and not source.is_file():
-            raise FileNotFoundError(f"{source} is not a file")
-        return io.persist(self.work_dir, self.save_folder, name, overwrite=self.save_overwrite)
-
-
-def reset_optimizer_states(train_module: TrainModule) -> None:
+def reset_optimizer_states(train_module: Checkpointable) -> None:
     """Start the optimizers' per-parameter state afresh, keeping their settings."""
     if not clear_optimizer_states(train_module):
         raise CheckpointError(
@@ -246,7 +235,7 @@ def reset_optimizer_states(train_module: TrainModule) -> None:
     log.info("Optimizer states reset after loading (reset_optimizer_states_on_load)")
 
 
-def clear_optimizer_states(train_module: TrainModule) -> bool:
+def clear_optimizer_states(train_module: Checkpointable) -> bool:
     """Drop the optimizers' per-parameter state (moments, step counts), keeping their
     settings: a new optimizer has none, and builds it at its first step. Returns whether the
     train module has torch optimizers to do it to."""
@@ -258,22 +247,6 @@ def clear_optimizer_states(train_module: TrainModule) -> bool:
     for optim in optims:
         optim.state.clear()
     return True
-
-
-def evaluator_callbacks(paths: list[str], callbacks: Iterable[Callback]) -> list[Any]:
-    """The callbacks that evaluate ``paths``; raises if there is nothing to do."""
-    if not paths:
-        raise ConfigurationError(
-            "lists no checkpoint; set it, or pass the checkpoints to eval_checkpoints()",
-            path="checkpoints_to_eval",
-        )
-    evaluators = [cb for cb in callbacks if hasattr(cb, "perform_eval")]
-    if not evaluators:
-        raise ConfigurationError(
-            "has no evaluator callback (e.g. LMEvaluatorCallbackConfig) to run on the checkpoints",
-            path="callbacks",
-        )
-    return evaluators
 
 
 def checkpoint_step(dir: str) -> int:

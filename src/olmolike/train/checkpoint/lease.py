@@ -47,9 +47,9 @@ from datetime import datetime, timezone
 
 import torch.distributed as dist
 
-from .. import io
-from ..distributed.utils import broadcast_object, get_rank
-from ..exceptions import CheckpointError
+from ... import io
+from ...distributed.utils import broadcast_object, get_rank
+from ...exceptions import CheckpointError
 
 __all__ = [
     "LeaseRecord",

@@ -25,22 +25,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import io
-from ..distributed.checkpoint_format import (
+from ... import io
+from ...distributed.checkpoint_format import (
     FORMAT_VERSION,
     MARKER,
     MODEL_AND_OPTIM,
-    STEP_DIR,
     TRAIN_STATE,
     dir_is_checkpoint,
     remove_checkpoint,
     write_synced,
 )
-from ..distributed.save_failures import agree_on_failures
-from ..distributed.utils import barrier, get_rank, get_world_size, using_group
-from ..exceptions import CheckpointError
-from . import checkpoint_purge
+from ...distributed.save_failures import agree_on_failures
+from ...distributed.utils import barrier, get_rank, get_world_size, using_group
+from ...exceptions import CheckpointError
 from .lease import SaveFolderLease
+from .retention import in_flight, step_of, wait_for_purges
 
 __all__ = ["CheckpointSave", "check_extra_file_name"]
 
@@ -92,8 +91,8 @@ class CheckpointSave:
     def begin(self, save_overwrite: bool) -> None:
         """Check the target, pick and clear the staging folder; raises on every rank."""
         target = self.target
-        if checkpoint_purge.in_flight([target]):  # saving a step again that is being removed
-            checkpoint_purge.wait_for_purges()
+        if in_flight([target]):  # saving a step again that is being removed
+            wait_for_purges()
         for name in self.extra_files:
             check_extra_file_name(name)
         if dir_is_checkpoint(target) and not save_overwrite:
@@ -230,7 +229,7 @@ class CheckpointSave:
         marker = json.dumps(
             {
                 "format_version": FORMAT_VERSION,
-                "step": _step_of(self.target),
+                "step": step_of(self.target),
                 "ephemeral": ephemeral,
                 "world_size": get_world_size(),
                 "saved_at": time.time(),
@@ -278,8 +277,3 @@ def serialize(state: dict[str, Any]) -> bytes:
     buffer = std_io.BytesIO()
     torch.save(state, buffer)
     return buffer.getvalue()
-
-
-def _step_of(path: str) -> int | None:
-    match = STEP_DIR.match(path.rsplit("/", 1)[-1])
-    return int(match.group(1)) if match else None

@@ -1,0 +1,34 @@
+"""Train checkpoints: saving, loading, retention and the save folder's lease, in one package.
+
+What each module holds (see ``docs/contributing-layers.md``, "The checkpoint stack"):
+
+* :mod:`.checkpointer`: the :class:`Checkpointer` (and its config): what lasts across saves
+  (threads, staging buffers, the lease) and the one save function, sync or in the background;
+* :mod:`.save`: one save's commit protocol (staging folder, uploads, marker last);
+* :mod:`.load`: one load (checks, DCP read, trainer state);
+* :mod:`.retention`: removing checkpoints, marker first, files in the background;
+* :mod:`.lease`: one writer per save folder;
+* :mod:`.run`: a training run's checkpoints: saves at steps, delivery of their completion,
+  resuming with fallback.
+
+The package sits on :mod:`olmolike.distributed` (DCP input/output, the on-disk format) and
+imports nothing else of :mod:`olmolike.train`.
+"""
+
+from ...config import register_config_class
+from ...distributed.checkpoint_format import MARKER, CheckpointMetadata
+from .checkpointer import Checkpointer, CheckpointerConfig
+from .save import check_extra_file_name
+
+# Config files name the class by its public path, as they did before this was a package: it
+# stays the name written, and an older file's name still loads.
+CheckpointerConfig.__module__ = __name__
+register_config_class(CheckpointerConfig)
+
+__all__ = [
+    "MARKER",
+    "CheckpointMetadata",
+    "Checkpointer",
+    "CheckpointerConfig",
+    "check_extra_file_name",
+]
