@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..distributed.mesh import MESH_DIMS, ParallelDegrees
 from ..distributed.parallel import DataParallelConfig
 from ..exceptions import ConfigurationError
 from ..nn import TransformerConfig
@@ -47,9 +48,6 @@ __all__ = [
     "state_bytes",
 ]
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-"""The device mesh's dimensions, outermost first (ranks count fastest along ``tp``)."""
-
 _COLWISE = frozenset({"w_q", "w_k", "w_v", "w_gate", "w_up", "lm_head", "embeddings"})
 _ROWWISE = frozenset({"w_out", "w_down"})
 _FIRST_STAGE = frozenset({"embeddings"})
@@ -57,18 +55,10 @@ _LAST_STAGE = frozenset({"norm", "lm_head"})
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Degrees of the parallelisms, one per mesh dimension (:data:`MESH_DIMS`)."""
-
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+class Layout(ParallelDegrees):
+    """The run's degrees (:class:`~olmolike.distributed.mesh.ParallelDegrees`, one per mesh
+    dimension) with what the planner asks of them: how the data ranks hold the model, a rank's
+    place in the mesh, and a short name."""
 
     @property
     def data_parallel(self) -> str:
