@@ -256,7 +256,10 @@ def _plan(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"--gpus must be at least 1, got {args.gpus}")
     config = load_experiment(args.config, overrides)
     module = config.train_module
-    layout = config_layout(module, args.gpus, args.gpus_per_node, args.tp, args.pp)
+    # The config's own tp_config/pp_config unless the flags say otherwise.
+    tp = args.tp if args.tp is not None else (module.tp_config.degree if module.tp_config else 1)
+    pp = args.pp if args.pp is not None else (module.pp_config.degree if module.pp_config else 1)
+    layout = config_layout(module, args.gpus, args.gpus_per_node, tp, pp)
     print(plan_report(config.model, module, layout, args.gpu_memory, args.reserve), end="")
     return 0
 
@@ -287,14 +290,16 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tp",
         type=int,
-        default=1,
-        help="tensor-parallel degree of the config's layout (default: %(default)s)",
+        default=None,
+        help="tensor-parallel degree of the layout (default: the config's "
+        "train_module.tp_config.degree, else 1)",
     )
     parser.add_argument(
         "--pp",
         type=int,
-        default=1,
-        help="pipeline stages of the config's layout, scheduled 1F1B (default: %(default)s)",
+        default=None,
+        help="pipeline stages of the layout, scheduled 1F1B (default: the config's "
+        "train_module.pp_config.degree, else 1)",
     )
 
 

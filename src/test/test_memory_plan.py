@@ -226,3 +226,15 @@ def test_plan_help_explains_the_command(capsys: pytest.CaptureFixture[str]) -> N
     out = capsys.readouterr().out
     for words in ("--gpus", "--gpu-memory", "cheapest", "activation checkpointing", "GiB"):
         assert words in out
+
+
+def test_plan_takes_the_layout_from_the_config_unless_a_flag_says_otherwise(
+    config_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = ["plan", str(config_file), "--gpus", "8", "--gpu-memory", "80"]
+    assert main([*plan, "--train_module.tp_config.degree=2"]) == 0
+    assert "pp 1 x dp_replicate 1 x dp_shard 4 x tp 2 (fsdp" in capsys.readouterr().out
+    assert main([*plan, "--train_module.pp_config.degree=2"]) == 0
+    assert "pp 2 x dp_replicate 1 x dp_shard 4 x tp 1 (fsdp" in capsys.readouterr().out
+    assert main([*plan, "--tp", "1", "--train_module.tp_config.degree=2"]) == 0
+    assert "pp 1 x dp_replicate 1 x dp_shard 8 x tp 1 (fsdp" in capsys.readouterr().out
