@@ -35,7 +35,11 @@ from torch.distributed.tensor.parallel import (
 from ..exceptions import ConfigurationError
 from .transformer import Transformer, TransformerBlock, TransformerConfig
 
-__all__ = ["apply_tensor_parallel", "check_tensor_parallel_degree"]
+__all__ = [
+    "apply_tensor_parallel",
+    "check_tensor_parallel_degree",
+    "keep_embedding_gradient_sharded",
+]
 
 
 def check_tensor_parallel_degree(config: TransformerConfig, degree: int) -> None:
@@ -111,6 +115,17 @@ def _block_plan(qk_norm: bool) -> dict[str, ParallelStyle]:
         plan["attention.q_norm"] = FeatureShardedNorm()
         plan["attention.k_norm"] = FeatureShardedNorm()
     return plan
+
+
+def keep_embedding_gradient_sharded(model: Transformer) -> None:
+    """DTensor's embedding backward returns the vocabulary-sharded table's gradient replicated
+    (the whole table on every rank, held until the next step); keep this rank's rows only, as
+    the weight itself: a local slice, no communication. Call it on the final parameters (after
+    materialising a meta model); under FSDP the reduce-scatter shards the gradient anyway."""
+    weight = model.embeddings.weight
+    if isinstance(weight, DTensor):
+        placements = weight.placements
+        weight.register_hook(lambda grad: grad.redistribute(placements=placements))
 
 
 class FeatureShardedNorm(ParallelStyle):

@@ -11,7 +11,8 @@ parallelism shards them:
 * **TP** (``tp``) splits the matrices it parallelises: column-wise (dim 0) the attention's
   ``w_q``/``w_k``/``w_v``, the MLP's ``w_gate``/``w_up`` and the vocabulary-parallel
   ``lm_head``; row-wise (dim 1) ``w_out`` and ``w_down``; the embedding by vocabulary (dim 0).
-  Norms stay whole. FSDP then chunks the TP-local tensor.
+  QK-norm weights are split with their heads; the other norms stay whole. FSDP then chunks
+  the TP-local tensor.
 * **PP** (``pp``) puts each stage's blocks on its ranks (:func:`stage_layers`), the embedding
   on the first stage, the final norm and head on the last (a tied embedding on both).
 
@@ -50,6 +51,7 @@ __all__ = [
 
 _COLWISE = frozenset({"w_q", "w_k", "w_v", "w_gate", "w_up", "lm_head", "embeddings"})
 _ROWWISE = frozenset({"w_out", "w_down"})
+_FEATURE_SHARDED = frozenset({"q_norm", "k_norm"})  # QK-norm weights follow their heads
 _FIRST_STAGE = frozenset({"embeddings"})
 _LAST_STAGE = frozenset({"norm", "lm_head"})
 
@@ -131,6 +133,8 @@ def _local_numel(name: str, shape: tuple[int, ...], layout: Layout, coords: dict
         dim = 0 if module in _COLWISE else 1 if module in _ROWWISE else None
         if dim is not None:
             local[dim] = chunk_size(local[dim], layout.tp, coords["tp"])
+    elif layout.tp > 1 and module in _FEATURE_SHARDED:
+        local[0] = chunk_size(local[0], layout.tp, coords["tp"])
     if layout.dp_shard > 1 and local:
         local[0] = chunk_size(local[0], layout.dp_shard, coords["dp_shard"])
     return math.prod(local)

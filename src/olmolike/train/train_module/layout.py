@@ -22,7 +22,7 @@ from ...distributed.mesh import DATA_DIMS, ParallelDegrees, build_device_mesh
 from ...distributed.parallel import DataParallelConfig, DataParallelType, apply_fsdp
 from ...distributed.utils import adopt_group, get_world_size, is_distributed
 from ...exceptions import ConfigurationError
-from ...nn.parallel_plan import apply_tensor_parallel
+from ...nn.parallel_plan import apply_tensor_parallel, keep_embedding_gradient_sharded
 from ...nn.transformer import Transformer
 
 __all__ = ["ParallelLayout"]
@@ -90,6 +90,11 @@ class ParallelLayout:
     @property
     def ddp(self) -> bool:
         return self.dp_config is not None and self.dp_config.name == DataParallelType.ddp
+
+    def finish(self, model: nn.Module) -> None:
+        """What needs the model's final parameters (after a meta model is materialised)."""
+        if self.degrees.tp > 1 and not self.sharded and isinstance(model, Transformer):
+            keep_embedding_gradient_sharded(model)
 
     def shard(self, model: nn.Module) -> None:
         """Tensor parallelism, then FSDP/HSDP: the model's parameters become DTensors on the

@@ -245,6 +245,7 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         layout.shard(model)
         if on_meta:
             self._materialize(model)
+        layout.finish(model)
         if layout.ddp:
             self._ddp = apply_ddp(model, self.dp_process_group)
 
