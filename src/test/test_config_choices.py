@@ -304,6 +304,7 @@ DELEGATING = {
     "olmolike.train.trainer.Trainer.record_ce_loss": "MetricBuffer.record",
     "olmolike.train.train_module.train_module.TrainModule.record_metric": "Trainer.record_metric",
     "olmolike.train.train_module.train_module.TrainModule.record_ce_loss": "Trainer.record_metric",
+    "olmolike.train.train_module.train_module.TrainModule.record_loss": "Trainer.record_metric",
     "olmolike.train.utils.check_metrics_consistent": "compares the names only",
 }
 """Public functions that hand their enum-typed arguments to a checked function unread."""

@@ -105,7 +105,9 @@ def test_a_killed_rank_is_one_line_on_the_rank_left(tmp_path: Path, killed: int)
             rank.communicate()
     assert ranks[killed].returncode == -signal.SIGKILL
     assert left.returncode == 1
-    (line,) = failure_lines(output)
+    lines = failure_lines(output)
+    assert len(lines) == 1, output
+    (line,) = lines
     found = LOST_RANK_LINE.fullmatch(line)
     assert found and found["lost"] == str(killed) and found["left"] == str(1 - killed), line
     latest = list(Checkpointer.find_checkpoints(tmp_path / "run"))[-1][1]
@@ -335,7 +337,8 @@ def test_a_full_disk_during_a_save_is_one_line(tmp_path: Path, mode: str) -> Non
     assert result.returncode == 1, result.stdout[-3000:]
     (line,) = failure_lines(result.stdout)
     assert line.startswith(
-        f"error: no space left on the disk of {run_dir}: saving {run_dir}/step4 failed, left "
+        f"error: no space left on the disk of {run_dir}: saving {run_dir}/step4 failed on rank 0: "
+        "OSError: [Errno 28] No space left on device, left "
         f"incomplete (no marker); a checkpoint needs about "
     ), line
     assert re.search(

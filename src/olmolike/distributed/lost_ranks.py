@@ -12,6 +12,7 @@ its launcher), on other hosts by heartbeats that stopped.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import signal
 import socket
@@ -129,6 +130,13 @@ class Roster:
         """Enter this rank's process (once, at the monitor's start)."""
         self.processes[self.rank] = RankProcess.this()
         self._store.set(self._key("process", self.rank), self.processes[self.rank].encode())
+        # The ranks enter together (the process group has just joined them): learn them all
+        # now, so that a rank killed early is known, and its store with it, before anyone
+        # asks that store again.
+        keys = [self._key("process", r) for r in range(self.world_size)]
+        with contextlib.suppress(Exception):  # a slow rank is learned by a later heartbeat
+            self._store.wait(keys, datetime.timedelta(seconds=10))
+            self.learn()
 
     def beat(self) -> None:
         """One heartbeat; and read the other ranks' processes until all are known (once they

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import traceback
 from pathlib import Path
@@ -88,8 +89,10 @@ def _disk_full_error(exc: SaveFailedError, save_folder: str) -> DiskFullError:
         free = f"{_size(shutil.disk_usage(save_folder).free)} are free"
     except OSError:  # a remote save folder: the full disk is the local staging one
         free = "the disk is full"
+    where = re.search(r"on rank \d+: [^;]*", str(exc))  # the rank that hit it, and the OS's words
+    failed = f"failed {where.group(0)}," if where else "failed,"
     return DiskFullError(
-        f"no space left on the disk of {save_folder}: {exc.what} failed, left incomplete "
+        f"no space left on the disk of {save_folder}: {exc.what} {failed} left incomplete "
         f"(no marker);{need} {free}; {last_checkpoint(save_folder)}: free space (or point "
         f"--trainer.save_folder elsewhere) and {_RESUME}"
     )
