@@ -307,7 +307,7 @@ class GRPOTrainModule(TransformerTrainModule):
             [out.completion_mask[rows] for rows in minibatches],
             self.config.loss,
             max_completion_length=self.config.sampling.max_new_tokens,
-            process_group=self.dp_process_group if self.dp_world_size > 1 else None,
+            process_group=self._data_group(),
         )
         stats = torch.zeros(len(_STATS) + 2, device=out.input_ids.device)
         extremes = torch.full((2,), torch.inf, device=out.input_ids.device)
@@ -359,10 +359,17 @@ class GRPOTrainModule(TransformerTrainModule):
             # The std of every rank's rewards, now that every rank is known to have them.
             advantages, _ = group_advantages(
                 out.rewards, loss.group_size, scale=loss.scale_rewards, eps=loss.advantage_eps,
-                process_group=self.dp_process_group,
+                process_group=self._data_group(),
             )  # fmt: skip
             out = dataclasses.replace(out, advantages=advantages)
         return out, dataclasses.replace(plan, full=agreed[1], minibatch=agreed[2])
+
+    def _data_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel group for the loss functions, which take ``None`` as one process:
+        with several data-parallel ranks and no group of its own, that is the default group."""
+        if self.dp_world_size == 1:
+            return None
+        return self.dp_process_group if self.dp_process_group is not None else dist.group.WORLD
 
     def optim_step(self) -> None:
         self._update(self.updates_per_step - 1)
