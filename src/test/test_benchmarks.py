@@ -72,9 +72,9 @@ def _run_vs_olmo_core(tmp_path: Path, *prelude: str) -> subprocess.CompletedProc
 def test_vs_olmo_core_smoke(tmp_path: Path) -> None:
     result = _run_vs_olmo_core(tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    for title in ("Checkpoints, 1 rank:", "Checkpoints, 2 ranks (FSDP2, gloo):"):
-        assert title in result.stdout
-    assert result.stdout.count("async save: until complete") == 2
+    for title in ("Checkpoints, 1 rank, 1 torch thread:", "Checkpoints, 2 ranks (FSDP2, gloo)"):
+        assert title in result.stdout, result.stdout[-3000:]
+    assert result.stdout.count("async save: until complete") >= 2, result.stdout[-3000:]
 
 
 @pytest.mark.slow

@@ -84,7 +84,8 @@ def test_sft_and_dpo_train_under_tensor_parallel_with_fsdp(tmp_path: Path) -> No
         want, got = metrics(tmp_path / "one" / name), metrics(tmp_path / "tp" / name)
         assert [m["step"] for m in got] == [1, 2]
         for expected, actual in zip(want, got, strict=True):
-            want_loss, got_loss = (m["metrics"]["train/CE loss"] for m in (expected, actual))
+            loss = "train/DPO loss" if name == "dpo" else "train/CE loss"
+            want_loss, got_loss = (m["metrics"][loss] for m in (expected, actual))
             assert got_loss == pytest.approx(want_loss, abs=1e-5), (name, actual)
     # The TP x FSDP checkpoint unshards and exports to the one-process checkpoint's weights.
     one = _unsharded_and_exported(tmp_path / "one" / "sft" / "step2", tmp_path / "one_out")
