@@ -231,6 +231,11 @@ def report_rank_failure(exc: BaseException) -> bool:
     return monitor.report(exc) if monitor is not None else True
 
 
+_PRINTED: set[int] = set()
+"""The exceptions whose line is printed: torchrun's SIGTERM can arrive while the exception
+hook prints one, and its handler prints the same error first (whichever runs first wins)."""
+
+
 def print_uncaught(
     exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
 ) -> bool:
@@ -244,6 +249,8 @@ def print_uncaught(
     go to a file, whose path the line ends with. Any other error of the first failing rank is
     a bug: not handled here.
     """
+    if id(exc) in _PRINTED:  # the exception hook and a SIGTERM handler both got here
+        return True
     first = report_rank_failure(exc)
     line = _short_line(exc, first)
     if line is None:
@@ -256,6 +263,7 @@ def print_uncaught(
     if line:
         line = f"{line} (full traceback: {where})"
         sys.stderr.write(f"{line}\n")
+        _PRINTED.add(id(exc))
         tell_torchrun(line)
     sys.stderr.flush()
     return True
