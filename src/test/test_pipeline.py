@@ -254,16 +254,6 @@ def test_tied_weights_are_refused_with_the_fix() -> None:
         config.build(model_config(tie_weights=True).build(init_device="meta"))
 
 
-def test_init_weights_is_refused_with_the_way_round() -> None:
-    config = TransformerTrainModuleConfig(
-        rank_microbatch_size=SEQ_LEN,
-        pp_config=PipelineParallelConfig(degree=2),
-        init_weights="/some/hf/folder",
-    )
-    with pytest.raises(ConfigurationError, match=r"trainer\.load_optim_state=false"):
-        config.build(model_config().build(init_device="meta"))
-
-
 def test_too_few_layers_is_refused_with_the_fix() -> None:
     config = TransformerTrainModuleConfig(
         rank_microbatch_size=SEQ_LEN,

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
-    set_model_state_dict,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import io
@@ -38,6 +38,7 @@ from ..nn.hf_import import (
 )
 from ..nn.rope import RopeScalingConfig
 from ..nn.transformer import TransformerConfig
+from ..nn.transformer_stage import TransformerParts
 from .checkpoint import Checkpointer
 
 __all__ = ["load_pretrained_weights"]
@@ -64,10 +65,13 @@ def load_pretrained_weights(
     ``source`` is a Hugging Face model folder (``config.json`` + ``*.safetensors``, sharded or
     not) or an olmolike checkpoint (a ``step{N}`` folder, or a save folder: its newest
     complete checkpoint), local or remote (``gs://``, ``s3://``). ``model`` is a plain module,
-    a DDP wrapper or an FSDP2-sharded model, already on its device; every rank must call this
-    (it runs collectives when distributed). Rank 0 reads a Hugging Face folder and broadcasts
-    it; a checkpoint is read by every rank, each its own shards. ``work_dir`` is where remote
-    Hugging Face weights are downloaded to before reading (default: into memory).
+    a DDP wrapper, a model sharded with FSDP2 and/or split by tensor parallelism, or what one
+    pipeline rank holds (:class:`~olmolike.nn.transformer_stage.TransformerParts`: only its
+    stages' tensors are loaded), already on its device; every rank must call this (it runs
+    collectives when distributed). Rank 0 reads a Hugging Face folder and broadcasts it one
+    tensor at a time, each rank keeping its part of each; a checkpoint is read by every rank,
+    each its own shards. ``work_dir`` is where remote Hugging Face weights are downloaded to
+    before reading (default: into memory).
 
     :raises ConfigurationError: if ``source`` is neither, or its weights do not fit ``model``
         (the message names the fields or tensors that differ).
@@ -168,12 +172,18 @@ def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: t for name, t in state.items() if isinstance(t, torch.Tensor)}
 
 
+def _holds_part(model: nn.Module) -> bool:
+    """Whether ``model`` is one pipeline rank's share of a model: weights it lacks are the
+    other ranks', not unexpected."""
+    return isinstance(_unwrapped(model), TransformerParts)
+
+
 def _shape_mismatches(model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
     """Differences between the model's tensor names/shapes and ``shapes`` (no communication:
-    an FSDP2 parameter's shape is that of the full tensor)."""
+    a sharded parameter's shape is that of the full tensor)."""
     ours = {name: tuple(t.shape) for name, t in _model_tensors(model).items()}
     missing = sorted(set(ours) - set(shapes))
-    unexpected = sorted(set(shapes) - set(ours))
+    unexpected = [] if _holds_part(model) else sorted(set(shapes) - set(ours))
     wrong = [f"{n} {shapes[n]} != {ours[n]}" for n in ours if n in shapes and shapes[n] != ours[n]]
     problems = []
     for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
@@ -191,33 +201,59 @@ def _load_hf(model: nn.Module, path: str, work_dir: str | Path | None) -> None:
     # Every rank checks (config.json is small): a mismatch is then the same error everywhere.
     _check_config(model, _config_fields(config), path)
     download = None if work_dir is None else Path(work_dir) / "hf-download" / path.rsplit("/")[-1]
-    state: dict[str, Any] | None = _on_rank0(
-        lambda: _read_hf_state(model, path, config, download), share=False
+    state: dict[str, torch.Tensor] | None = _on_rank0(
+        lambda: convert_from_hf(read_hf_tensors(path, download_dir=download), config), share=False
     )
+    # Every rank checks its own tensors against the names and shapes rank 0 read, and all
+    # raise the same error if any rank found one (a rank alone would leave the others waiting).
+    shapes = broadcast_object({n: tuple(t.shape) for n, t in (state or {}).items()})
+    problems = _agreed_problems(_shape_mismatches(model, shapes))
+    if problems:
+        raise ConfigurationError(f"the weights in {path} do not fit the model ({problems})")
+    _copy_in(model, state, shapes)
+
+
+def _agreed_problems(mine: list[str]) -> str:
+    """Every rank's problems, on every rank (one line; empty if none)."""
     if not is_distributed():
-        set_model_state_dict(model, state or {}, options=StateDictOptions(strict=True))
-        return
-    # Rank 0 holds the full tensors; each is broadcast and every rank keeps its shard of it.
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
-    set_model_state_dict(model, state or {}, options=options)
+        return "; ".join(mine)
+    everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, mine)
+    seen = dict.fromkeys(p for problems in everyone for p in problems)  # ordered, no repeats
+    return "; ".join(seen)
+
+
+@torch.no_grad()
+def _copy_in(
+    model: nn.Module, state: dict[str, torch.Tensor] | None, shapes: Mapping[str, tuple[int, ...]]
+) -> None:
+    """Copy rank 0's full tensors (``state``, ``None`` elsewhere) into the model, cast to its
+    dtypes. When distributed they are broadcast one at a time in rank 0's order and every
+    rank keeps its part of each, so no rank holds more than one full tensor beside its model."""
+    ours = _model_tensors(model)
+    device = next(iter(ours.values())).device
+    dtypes = broadcast_object({n: t.dtype for n, t in (state or {}).items()})
+    for name, shape in shapes.items():
+        if state is not None:
+            full = state.pop(name).to(device)
+        else:
+            full = torch.empty(shape, dtype=dtypes[name], device=device)
+        if is_distributed():
+            dist.broadcast(full, src=0)
+        target = ours.get(name)
+        if target is None:  # another pipeline rank's
+            continue
+        if isinstance(target, DTensor):
+            mine = distribute_tensor(
+                full, target.device_mesh, target.placements, src_data_rank=None
+            )
+            target.to_local().copy_(mine.to_local())
+        else:
+            target.copy_(full)
 
 
 def _config_fields(config: TransformerConfig) -> dict[str, Any]:
     return {name: getattr(config, name) for name in (*_SHAPE_FIELDS, *_ARCHITECTURE_FIELDS)}
-
-
-def _read_hf_state(
-    model: nn.Module, path: str, config: TransformerConfig, download: Path | None
-) -> dict[str, torch.Tensor]:
-    """Rank 0: the full state dict, renamed and cast to the model's dtypes, checked."""
-    state = convert_from_hf(read_hf_tensors(path, download_dir=download), config)
-    problems = _shape_mismatches(model, {n: tuple(t.shape) for n, t in state.items()})
-    if problems:
-        raise ConfigurationError(
-            f"the weights in {path} do not fit the model ({'; '.join(problems)})"
-        )
-    dtypes = {name: t.dtype for name, t in _model_tensors(model).items()}
-    return {name: t.to(dtypes[name]) for name, t in state.items()}
 
 
 # -- olmolike checkpoints -----------------------------------------------------------------
@@ -226,10 +262,10 @@ def _read_hf_state(
 def _load_checkpoint(model: nn.Module, checkpoint: str) -> None:
     _check_config(model, _checkpoint_model_config(checkpoint), checkpoint)
     dcp_dir = io.join_path(checkpoint, MODEL_AND_OPTIM)
-    problems = _shape_mismatches(model, _checkpoint_shapes(dcp_dir))
+    problems = _agreed_problems(_shape_mismatches(model, _checkpoint_shapes(dcp_dir)))
     if problems:
         raise ConfigurationError(
-            f"the weights in {checkpoint} do not fit the model ({'; '.join(problems)}); build "
+            f"the weights in {checkpoint} do not fit the model ({problems}); build "
             "the model with the config that run used (its config.json)"
         )
     load_model_and_optim_state(dcp_dir, model)  # the model only: the optimizer is left fresh

@@ -109,15 +109,6 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
 
     @staticmethod
     def _check_model(config: TransformerTrainModuleConfig, model: nn.Module) -> None:
-        if config.init_weights is not None:
-            raise ConfigurationError(
-                "init_weights is not supported under pipeline parallelism yet (the weights are "
-                "read for the whole model on each rank); load them in one process once and "
-                "save a checkpoint, then start this run from it with trainer.load_path=<that "
-                "checkpoint>, trainer.load_trainer_state=false and "
-                "trainer.load_optim_state=false (checkpoints move between layouts)",
-                path="train_module.init_weights",
-            )
         if not isinstance(model, Transformer):
             raise ConfigurationError(
                 f"pipeline parallelism splits an olmolike Transformer by layers; got "
