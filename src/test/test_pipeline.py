@@ -25,6 +25,7 @@ from testutils import run_distributed_test
 from olmolike.data import NumpyDatasetConfig, TokenTensorDataLoader
 from olmolike.distributed.parallel import DataParallelConfig
 from olmolike.distributed.pipeline import PipelineParallelConfig, split_layers
+from olmolike.distributed.tensor_parallel import TensorParallelConfig
 from olmolike.distributed.utils import broadcast_object, get_rank
 from olmolike.exceptions import ConfigurationError
 from olmolike.nn import TransformerConfig
@@ -105,6 +106,8 @@ def train(
     steps: int = STEPS,
     pp: dict[str, Any] | None = None,
     dp: dict[str, Any] | None = None,
+    tp: int = 1,
+    lr: float = 1e-2,
     save_interval: int | None = None,
     load_path: str | None = None,
     evaluate: bool = False,
@@ -116,11 +119,12 @@ def train(
     """Train the model from the same seed on the same data, on however many ranks run it."""
     module_config = TransformerTrainModuleConfig(
         rank_microbatch_size=MICROBATCH_INSTANCES * SEQ_LEN,
-        optim=AdamWConfig(lr=1e-2, weight_decay=0.1),
+        optim=AdamWConfig(lr=lr, weight_decay=0.1),
         max_grad_norm=1.0,
         z_loss_multiplier=1e-4,
         pp_config=PipelineParallelConfig.from_dict(pp) if pp else None,
         dp_config=DataParallelConfig.from_dict(dp) if dp else None,
+        tp_config=TensorParallelConfig(degree=tp) if tp > 1 else None,
         **module,
     )
     model = model_config().build(init_device=init_device, seed=module_config.init_seed)
@@ -162,11 +166,11 @@ def train(
     trainer.fit()
     params = {n: _full(p) for n, p in train_module.model.state_dict().items()}
     run = Run(record.metrics, record.grads, params)
-    if evaluate:
-        ids = random_token_instances(4, SEQ_LEN, VOCAB, seed=7)
+    if evaluate:  # one token short of the training shape (a new micro-batch shape)
+        ids = random_token_instances(4, SEQ_LEN - 1, VOCAB, seed=7)
         labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
         run.eval_loss = float(train_module.eval_batch({"input_ids": ids}, labels))
-        run.eval_logits = train_module.eval_batch({"input_ids": ids})
+        run.eval_logits = _full(train_module.eval_batch({"input_ids": ids}))
     return run
 
 
