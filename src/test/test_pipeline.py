@@ -175,10 +175,11 @@ def train(
 
 
 def _without_eval(run: Run) -> Run:
+    """``run`` without its evaluator's metrics (for a run that had no evaluator)."""
     metrics = {
         s: {k: v for k, v in m.items() if not k.startswith("eval/")} for s, m in run.metrics.items()
     }
-    return Run(metrics, run.grads, run.params)
+    return Run(metrics, run.grads, run.params, run.eval_loss, run.eval_logits)
 
 
 def assert_same_run(got: Run, want: Run, steps: range | None = None) -> None:

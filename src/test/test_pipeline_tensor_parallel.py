@@ -1,12 +1,13 @@
-"""Tensor x pipeline parallelism: TP=2 x PP=2 on 4 gloo ranks trains as one process.
+"""Tensor x pipeline parallelism: TP=2 x PP=2 on 4 gloo ranks, and TP=2 x PP=2 x FSDP=2 on 8,
+train as one process.
 
 The set-up is the pipeline tests' (:mod:`test_pipeline`: packed SFT-shaped batches, z-loss,
 clipping, an evaluator), with a learning rate of 1e-3: tensor parallelism sums in another
 order, and Adam turns the float noise of a gradient near its ``eps`` into up to ~1% of a
 step, which this learning rate keeps under the 1e-5 the weights are compared at (the
-gradients of every step are compared too). One group of 4 ranks runs every case: 1F1B and
-interleaved 1F1B against one process, an exact stop/resume, and checkpoints moving between
-TPxPP, one process, PPxFSDP and TPxFSDP.
+gradients of every step are compared too). One group of 4 ranks runs 1F1B against one
+process, an exact stop/resume, and checkpoints moving between TPxPP, one process (GPipe),
+PPxFSDP and TPxFSDP; one group of 8 runs interleaved 1F1B with FSDP over the data ranks.
 """
 
 from __future__ import annotations
@@ -23,17 +24,19 @@ from test_pipeline import (
     SEQ_LEN,
     STEPS,
     VOCAB,
+    Run,
     _without_eval,
     assert_same_run,
     model_config,
     train,
 )
+from test_train_command import config_file  # noqa: F401 (a fixture)
 from testutils import run_distributed_test
 
 from olmolike.data.tokenizer import TokenizerConfig
 from olmolike.distributed.utils import broadcast_object
+from olmolike.experiment import load_experiment
 from olmolike.testing import random_token_instances
-from olmolike.train.train_module import TransformerTrainModuleConfig
 
 LR = 1e-3
 TPxPP = {"tp": 2, "lr": LR}
@@ -51,19 +54,18 @@ def single() -> dict[str, Any]:
     return {"run": reference, "checkpoint": f"{folder}/step2", "eval_data": eval_data}
 
 
-def test_tensor_and_pipeline_degrees_share_one_mesh() -> None:
-    config = TransformerTrainModuleConfig.from_dict(
-        {
-            "rank_microbatch_size": SEQ_LEN,
-            "tp_config": {"degree": 2},
-            "pp_config": {"degree": 2},
-            "dp_config": {"name": "fsdp"},
-        }
+def test_command_line_overrides_reach_tp_x_pp(config_file: Path) -> None:  # noqa: F811
+    """``olmolike train CONFIG.yaml`` with both degrees as overrides: one mesh, pipeline
+    outermost, tensor innermost, FSDP over what is left."""
+    overrides = ["--train_module.tp_config.degree=2", "--train_module.pp_config.degree=2"]
+    module = load_experiment(str(config_file), overrides).train_module
+    assert module.parallel_degrees(4).as_dict() == dict(
+        pp=2, dp_replicate=1, dp_shard=1, cp=1, tp=2
     )
-    assert config.parallel_degrees(8).as_dict() == dict(
-        pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=2
-    )
-    assert [config.parallel_degrees(8).dp_rank(r) for r in range(8)] == [0, 0, 1, 1] * 2
+    fsdp = load_experiment(str(config_file), [*overrides, "--train_module.dp_config.name=fsdp"])
+    degrees = fsdp.train_module.parallel_degrees(8)
+    assert degrees.as_dict() == dict(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=2)
+    assert [degrees.dp_rank(rank) for rank in range(8)] == [0, 0, 1, 1] * 2
 
 
 def _four_rank_cases(single_checkpoint: str, eval_data: str) -> dict[str, Any]:
@@ -80,8 +82,6 @@ def _four_rank_cases(single_checkpoint: str, eval_data: str) -> dict[str, Any]:
 
     # Stop at step 2, resume from its checkpoint (trainer state included) in a new trainer.
     out["resumed"] = train(fresh(), pp=one_f_one_b, load_path=checkpoint, **TPxPP)
-    interleaved = {"degree": 2, "schedule": "interleaved_1f1b"}
-    out["interleaved"] = train(fresh(), pp=interleaved, evaluate=True, **TPxPP)
     gpipe = {"degree": 2, "schedule": "gpipe"}
     out["from_single"] = train(fresh(), pp=gpipe, load_path=single_checkpoint, **TPxPP)
     fsdp = {"name": "fsdp"}
@@ -96,21 +96,36 @@ def four_ranks(single: dict[str, Any]) -> list[dict[str, Any]]:
     return run_distributed_test(_four_rank_cases, 4, args=args, timeout=400)
 
 
+def _assert_trains_and_evaluates_as(got: Run, want: Run) -> None:
+    """Every step's metrics (loss, z-loss, grad norm, tokens; the evaluator's loss if both
+    ran one), every gradient, the final weights, and ``eval_batch``'s loss and logits (of
+    sequences one token short of a multiple of the TP degree)."""
+    assert_same_run(got, want)
+    assert got.eval_loss == pytest.approx(want.eval_loss, rel=1e-5)
+    torch.testing.assert_close(got.eval_logits, want.eval_logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_tp_x_pp_trains_and_evaluates_as_one_process(
     four_ranks: list[dict[str, Any]], single: dict[str, Any]
 ) -> None:
-    """1F1B and interleaved 1F1B: every step's metrics (loss, z-loss, grad norm, tokens),
-    every gradient, the final weights, the evaluator's loss, and ``eval_batch``'s loss and
-    logits (of sequences one token short of a multiple of the TP degree)."""
-    want = single["run"]
     for rank in four_ranks:
-        assert_same_run(rank["1f1b"], want)
-        assert_same_run(rank["interleaved"], _without_eval(want))
-        for run in (rank["1f1b"], rank["interleaved"]):
-            assert run.eval_loss == pytest.approx(want.eval_loss, rel=1e-5)
-            torch.testing.assert_close(run.eval_logits, want.eval_logits, rtol=1e-5, atol=1e-5)
+        _assert_trains_and_evaluates_as(rank["1f1b"], single["run"])
+
+
+def _tp_pp_fsdp() -> Run:
+    interleaved = {"degree": 2, "schedule": "interleaved_1f1b"}
+    folder = broadcast_object(tempfile.mkdtemp())
+    return train(folder, pp=interleaved, dp={"name": "fsdp"}, evaluate=True, **TPxPP)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tp_x_pp_x_fsdp_trains_and_evaluates_as_one_process(single: dict[str, Any]) -> None:
+    """8 ranks: ``pp (2) x dp_shard (2) x tp (2)``, two stages per pipeline rank."""
+    for run in run_distributed_test(_tp_pp_fsdp, 8, timeout=400):
+        _assert_trains_and_evaluates_as(run, _without_eval(single["run"]))
 
 
 @pytest.mark.slow
