@@ -6,8 +6,9 @@ clipping, an evaluator), with a learning rate of 1e-3: tensor parallelism sums i
 order, and Adam turns the float noise of a gradient near its ``eps`` into up to ~1% of a
 step, which this learning rate keeps under the 1e-5 the weights are compared at (the
 gradients of every step are compared too). One group of 4 ranks runs 1F1B against one
-process, an exact stop/resume, and checkpoints moving between TPxPP, one process (GPipe),
-PPxFSDP and TPxFSDP; one group of 8 runs interleaved 1F1B with FSDP over the data ranks.
+process, an exact stop/resume, and checkpoints moving between TPxPP, one process (into GPipe
+with activation checkpointing), PPxFSDP and TPxFSDP; one group of 8 runs interleaved 1F1B
+with FSDP over the data ranks, on a model built on the CPU.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ from olmolike.data.tokenizer import TokenizerConfig
 from olmolike.distributed.utils import broadcast_object
 from olmolike.experiment import load_experiment
 from olmolike.testing import random_token_instances
+from olmolike.train.train_module import ActivationCheckpointingConfig
 
 LR = 1e-3
 TPxPP = {"tp": 2, "lr": LR}
+FULL_AC = ActivationCheckpointingConfig()
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +86,9 @@ def _four_rank_cases(single_checkpoint: str, eval_data: str) -> dict[str, Any]:
     # Stop at step 2, resume from its checkpoint (trainer state included) in a new trainer.
     out["resumed"] = train(fresh(), pp=one_f_one_b, load_path=checkpoint, **TPxPP)
     gpipe = {"degree": 2, "schedule": "gpipe"}
-    out["from_single"] = train(fresh(), pp=gpipe, load_path=single_checkpoint, **TPxPP)
+    out["from_single"] = train(
+        fresh(), pp=gpipe, load_path=single_checkpoint, ac_config=FULL_AC, **TPxPP
+    )
     fsdp = {"name": "fsdp"}
     out["pp_fsdp"] = train(fresh(), pp=one_f_one_b, dp=fsdp, lr=LR, load_path=checkpoint)
     out["tp_fsdp"] = train(fresh(), tp=2, dp=fsdp, lr=LR, load_path=checkpoint)
@@ -117,7 +122,9 @@ def test_tp_x_pp_trains_and_evaluates_as_one_process(
 def _tp_pp_fsdp() -> Run:
     interleaved = {"degree": 2, "schedule": "interleaved_1f1b"}
     folder = broadcast_object(tempfile.mkdtemp())
-    return train(folder, pp=interleaved, dp={"name": "fsdp"}, evaluate=True, **TPxPP)
+    fsdp = {"name": "fsdp"}
+    # A model built on the CPU (split and sharded as it is) instead of the meta device.
+    return train(folder, pp=interleaved, dp=fsdp, evaluate=True, init_device="cpu", **TPxPP)
 
 
 @pytest.mark.slow
