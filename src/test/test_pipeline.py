@@ -196,16 +196,26 @@ def assert_same_run(got: Run, want: Run, steps: range | None = None) -> None:
         torch.testing.assert_close(param, want.params[name], rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def single() -> dict[str, Any]:
+def assert_same_evaluation(got: Run, want: Run) -> None:
+    """``eval_batch``'s loss and logits, within 1e-5."""
+    assert got.eval_loss == pytest.approx(want.eval_loss, rel=1e-5)
+    torch.testing.assert_close(got.eval_logits, want.eval_logits, rtol=1e-5, atol=1e-5)
+
+
+def one_process_reference(lr: float = 1e-2) -> dict[str, Any]:
     """One process: the reference run, and a checkpoint of it at step 2 to load elsewhere."""
     folder = tempfile.mkdtemp()
     eval_data = f"{tempfile.mkdtemp()}/eval.npy"
     # 7 instances: the evaluator's last batch is short (a new micro-batch shape).
     tokens = random_token_instances(7, SEQ_LEN, VOCAB, seed=5).numpy().astype(numpy.uint16)
     numpy.save(eval_data, tokens.reshape(-1))
-    reference = train(folder, save_interval=2, evaluate=True, eval_data=eval_data)
+    reference = train(folder, lr=lr, save_interval=2, evaluate=True, eval_data=eval_data)
     return {"run": reference, "checkpoint": f"{folder}/step2", "eval_data": eval_data}
+
+
+@pytest.fixture(scope="module")
+def single() -> dict[str, Any]:
+    return one_process_reference()
 
 
 # -- one process ------------------------------------------------------------------------------
@@ -348,9 +358,7 @@ def test_evaluation_runs_through_the_pipeline(
     want = single["run"]
     for rank in two_ranks:
         for schedule in SCHEDULES:
-            run = rank[schedule]
-            assert run.eval_loss == pytest.approx(want.eval_loss, rel=1e-5)
-            torch.testing.assert_close(run.eval_logits, want.eval_logits, rtol=1e-5, atol=1e-5)
+            assert_same_evaluation(rank[schedule], want)
 
 
 @pytest.mark.slow

@@ -18,17 +18,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy
 import pytest
 import torch
 from test_pipeline import (
-    SEQ_LEN,
     STEPS,
-    VOCAB,
     Run,
     _without_eval,
+    assert_same_evaluation,
     assert_same_run,
     model_config,
+    one_process_reference,
     train,
 )
 from test_train_command import config_file  # noqa: F401 (a fixture)
@@ -37,7 +36,6 @@ from testutils import run_distributed_test
 from olmolike.data.tokenizer import TokenizerConfig
 from olmolike.distributed.utils import broadcast_object
 from olmolike.experiment import load_experiment
-from olmolike.testing import random_token_instances
 from olmolike.train.train_module import ActivationCheckpointingConfig
 
 LR = 1e-3
@@ -47,14 +45,7 @@ FULL_AC = ActivationCheckpointingConfig()
 
 @pytest.fixture(scope="module")
 def single() -> dict[str, Any]:
-    """One process: the reference run, and a checkpoint of it at step 2 to load elsewhere."""
-    folder = tempfile.mkdtemp()
-    eval_data = f"{tempfile.mkdtemp()}/eval.npy"
-    # 7 instances: the evaluator's last batch is short (a new micro-batch shape).
-    tokens = random_token_instances(7, SEQ_LEN, VOCAB, seed=5).numpy().astype(numpy.uint16)
-    numpy.save(eval_data, tokens.reshape(-1))
-    reference = train(folder, lr=LR, save_interval=2, evaluate=True, eval_data=eval_data)
-    return {"run": reference, "checkpoint": f"{folder}/step2", "eval_data": eval_data}
+    return one_process_reference(LR)
 
 
 def test_command_line_overrides_reach_tp_x_pp(config_file: Path) -> None:  # noqa: F811
@@ -106,8 +97,7 @@ def _assert_trains_and_evaluates_as(got: Run, want: Run) -> None:
     ran one), every gradient, the final weights, and ``eval_batch``'s loss and logits (of
     sequences one token short of a multiple of the TP degree)."""
     assert_same_run(got, want)
-    assert got.eval_loss == pytest.approx(want.eval_loss, rel=1e-5)
-    torch.testing.assert_close(got.eval_logits, want.eval_logits, rtol=1e-5, atol=1e-5)
+    assert_same_evaluation(got, want)
 
 
 @pytest.mark.slow
