@@ -25,6 +25,7 @@ from testutils import run_distributed_test
 from olmolike.data import NumpyDatasetConfig, TokenTensorDataLoader
 from olmolike.distributed.parallel import DataParallelConfig
 from olmolike.distributed.pipeline import PipelineParallelConfig, split_layers
+from olmolike.distributed.tensor_parallel import TensorParallelConfig
 from olmolike.distributed.utils import broadcast_object, get_rank
 from olmolike.exceptions import ConfigurationError
 from olmolike.nn import TransformerConfig
@@ -105,6 +106,8 @@ def train(
     steps: int = STEPS,
     pp: dict[str, Any] | None = None,
     dp: dict[str, Any] | None = None,
+    tp: int = 1,
+    lr: float = 1e-2,
     save_interval: int | None = None,
     load_path: str | None = None,
     evaluate: bool = False,
@@ -116,11 +119,12 @@ def train(
     """Train the model from the same seed on the same data, on however many ranks run it."""
     module_config = TransformerTrainModuleConfig(
         rank_microbatch_size=MICROBATCH_INSTANCES * SEQ_LEN,
-        optim=AdamWConfig(lr=1e-2, weight_decay=0.1),
+        optim=AdamWConfig(lr=lr, weight_decay=0.1),
         max_grad_norm=1.0,
         z_loss_multiplier=1e-4,
         pp_config=PipelineParallelConfig.from_dict(pp) if pp else None,
         dp_config=DataParallelConfig.from_dict(dp) if dp else None,
+        tp_config=TensorParallelConfig(degree=tp) if tp > 1 else None,
         **module,
     )
     model = model_config().build(init_device=init_device, seed=module_config.init_seed)
@@ -162,19 +166,20 @@ def train(
     trainer.fit()
     params = {n: _full(p) for n, p in train_module.model.state_dict().items()}
     run = Run(record.metrics, record.grads, params)
-    if evaluate:
-        ids = random_token_instances(4, SEQ_LEN, VOCAB, seed=7)
+    if evaluate:  # one token short of the training shape (a new micro-batch shape)
+        ids = random_token_instances(4, SEQ_LEN - 1, VOCAB, seed=7)
         labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
         run.eval_loss = float(train_module.eval_batch({"input_ids": ids}, labels))
-        run.eval_logits = train_module.eval_batch({"input_ids": ids})
+        run.eval_logits = _full(train_module.eval_batch({"input_ids": ids}))
     return run
 
 
 def _without_eval(run: Run) -> Run:
+    """``run`` without its evaluator's metrics (for a run that had no evaluator)."""
     metrics = {
         s: {k: v for k, v in m.items() if not k.startswith("eval/")} for s, m in run.metrics.items()
     }
-    return Run(metrics, run.grads, run.params)
+    return Run(metrics, run.grads, run.params, run.eval_loss, run.eval_logits)
 
 
 def assert_same_run(got: Run, want: Run, steps: range | None = None) -> None:
@@ -191,16 +196,26 @@ def assert_same_run(got: Run, want: Run, steps: range | None = None) -> None:
         torch.testing.assert_close(param, want.params[name], rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def single() -> dict[str, Any]:
+def assert_same_evaluation(got: Run, want: Run) -> None:
+    """``eval_batch``'s loss and logits, within 1e-5."""
+    assert got.eval_loss == pytest.approx(want.eval_loss, rel=1e-5)
+    torch.testing.assert_close(got.eval_logits, want.eval_logits, rtol=1e-5, atol=1e-5)
+
+
+def one_process_reference(lr: float = 1e-2) -> dict[str, Any]:
     """One process: the reference run, and a checkpoint of it at step 2 to load elsewhere."""
     folder = tempfile.mkdtemp()
     eval_data = f"{tempfile.mkdtemp()}/eval.npy"
     # 7 instances: the evaluator's last batch is short (a new micro-batch shape).
     tokens = random_token_instances(7, SEQ_LEN, VOCAB, seed=5).numpy().astype(numpy.uint16)
     numpy.save(eval_data, tokens.reshape(-1))
-    reference = train(folder, save_interval=2, evaluate=True, eval_data=eval_data)
+    reference = train(folder, lr=lr, save_interval=2, evaluate=True, eval_data=eval_data)
     return {"run": reference, "checkpoint": f"{folder}/step2", "eval_data": eval_data}
+
+
+@pytest.fixture(scope="module")
+def single() -> dict[str, Any]:
+    return one_process_reference()
 
 
 # -- one process ------------------------------------------------------------------------------
@@ -333,9 +348,7 @@ def test_evaluation_runs_through_the_pipeline(
     want = single["run"]
     for rank in two_ranks:
         for schedule in SCHEDULES:
-            run = rank[schedule]
-            assert run.eval_loss == pytest.approx(want.eval_loss, rel=1e-5)
-            torch.testing.assert_close(run.eval_logits, want.eval_logits, rtol=1e-5, atol=1e-5)
+            assert_same_evaluation(rank[schedule], want)
 
 
 @pytest.mark.slow

@@ -8,6 +8,14 @@ parameter names are the unsplit model's: checkpoints do not depend on the pipeli
 The modules are the whole model's own (not copies), so building stages from a model on the
 ``meta`` device allocates nothing; :meth:`TransformerParts.materialize` then initialises each
 stage with exactly the weights the unsplit model would get from the same seed.
+
+Under tensor parallelism the model is split (:mod:`olmolike.nn.parallel_plan`) before it is cut
+into stages, so each stage's modules are already tensor-parallel. Between blocks the hidden
+states are DTensors sharded on the sequence (sequence parallelism); a pipeline sends plain
+tensors of a fixed shape, so a stage hands on its rank's sequence shard as a plain
+``(B, T / tp, d_model)`` tensor and the next stage wraps it again: each tensor-parallel rank
+talks to the same rank of the next stage, nothing is gathered. The last stage's logits stay
+sharded on the vocabulary for the vocabulary-parallel loss.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from .rope import RotaryEmbedding, document_attention
 from .transformer import Transformer, TransformerConfig, init_parameters
@@ -61,9 +71,20 @@ class TransformerStage(_Parts):
 
     ``doc_ids`` (packed documents) are given to every stage by the caller, not sent along the
     pipeline: each stage builds its own attention mask and positions from them.
+
+    ``tp_mesh``: the tensor-parallel mesh ``model`` was split over, if any; hidden states then
+    leave and enter the stage as the rank's plain sequence shard (see the module doc).
     """
 
-    def __init__(self, model: Transformer, layers: range, *, first: bool, last: bool) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        layers: range,
+        *,
+        first: bool,
+        last: bool,
+        tp_mesh: DeviceMesh | None = None,
+    ) -> None:
         super().__init__(
             model.config,
             model.embeddings if first else None,
@@ -76,9 +97,15 @@ class TransformerStage(_Parts):
             config.head_dim, config.max_sequence_length, config.rope_theta, config.rope_scaling
         )
         self.rope.to(model.rope.cos.device)
+        self.tp_mesh = tp_mesh
 
     def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
-        h = self.embeddings(x) if self.embeddings is not None else x
+        if self.embeddings is not None:
+            h = self.embeddings(x)
+        elif self.tp_mesh is not None:  # this rank's sequence shard, as the blocks expect it
+            h = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False)
+        else:
+            h = x
         if doc_ids is not None:
             positions, mask = document_attention(doc_ids)
             cos, sin = self.rope.at(positions)
@@ -88,7 +115,7 @@ class TransformerStage(_Parts):
         for block in self.blocks.values():
             h = block(h, cos, sin, mask)
         if self.lm_head is None:
-            return h
+            return h.to_local() if isinstance(h, DTensor) else h
         assert self.norm is not None
         return self.lm_head(self.norm(h))
 

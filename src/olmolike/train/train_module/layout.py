@@ -91,30 +91,45 @@ class ParallelLayout:
     def ddp(self) -> bool:
         return self.dp_config is not None and self.dp_config.name == DataParallelType.ddp
 
-    def finish(self, model: nn.Module) -> None:
-        """What needs the model's final parameters (after a meta model is materialised)."""
-        if self.degrees.tp > 1 and not self.sharded and isinstance(model, Transformer):
+    def finish(self, model: nn.Module, *, sharded: bool | None = None) -> None:
+        """What needs the model's final parameters (after a meta model is materialised).
+        ``sharded``: whether FSDP/HSDP sharded it (default :attr:`sharded`; a pipeline, which
+        runs DDP as FSDP2 replication and no FSDP on one data rank, says which it did)."""
+        sharded = self.sharded if sharded is None else sharded
+        if self.degrees.tp > 1 and not sharded and isinstance(model, Transformer):
             keep_embedding_gradient_sharded(model)
 
     def shard(self, model: nn.Module) -> None:
         """Tensor parallelism, then FSDP/HSDP: the model's parameters become DTensors on the
         mesh (on the ``meta`` device too: they are materialised shard by shard afterwards)."""
-        if self.degrees.tp > 1:
-            assert self.mesh is not None
-            if not isinstance(model, Transformer):
-                raise ConfigurationError(
-                    f"tensor parallelism splits olmolike's Transformer; {type(model).__name__} "
-                    "has no tensor-parallel plan: set tp_config.degree=1",
-                    path="train_module.tp_config",
-                )
-            apply_tensor_parallel(model, self.mesh["tp"])
+        self.tensor_parallel(model)
         if self.sharded:
-            assert self.mesh is not None and self.dp_config is not None
-            dp = self.dp_config
-            apply_fsdp(
-                model,
-                dp.data_mesh(self.mesh),
-                param_dtype=dp.param_dtype.as_pt() if dp.param_dtype else None,
-                reduce_dtype=dp.reduce_dtype.as_pt(),
-                reshard_after_forward=dp.reshard_after_forward,
+            assert self.dp_config is not None
+            self.fully_shard(model, self.dp_config)
+
+    def tensor_parallel(self, model: nn.Module) -> None:
+        """Split ``model``'s layers over the ``tp`` dimension (nothing when its size is 1). A
+        pipeline splits the whole model before it cuts it into stages: each stage then holds
+        its layers' tensor-parallel shards."""
+        if self.degrees.tp == 1:
+            return
+        assert self.mesh is not None
+        if not isinstance(model, Transformer):
+            raise ConfigurationError(
+                f"tensor parallelism splits olmolike's Transformer; {type(model).__name__} "
+                "has no tensor-parallel plan: set tp_config.degree=1",
+                path="train_module.tp_config",
             )
+        apply_tensor_parallel(model, self.mesh["tp"])
+
+    def fully_shard(self, module: nn.Module, dp: DataParallelConfig) -> None:
+        """FSDP/HSDP per ``dp`` over the data dimensions: ``module`` (the model, or one
+        pipeline stage) becomes an FSDP root, each of its blocks its own unit."""
+        assert self.mesh is not None
+        apply_fsdp(
+            module,
+            dp.data_mesh(self.mesh),
+            param_dtype=dp.param_dtype.as_pt() if dp.param_dtype else None,
+            reduce_dtype=dp.reduce_dtype.as_pt(),
+            reshard_after_forward=dp.reshard_after_forward,
+        )

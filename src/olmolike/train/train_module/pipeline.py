@@ -11,7 +11,13 @@ trainer and callbacks see is what they see without a pipeline:
 - the gradient norm is that of the whole model (squares summed over the pipeline ranks), and
   clipping uses it;
 - data parallelism (FSDP, HSDP, or replication for ``ddp``) runs over the data dimensions of
-  the device mesh; the ranks of one pipeline read the same batch.
+  the device mesh; the ranks of one pipeline read the same batch;
+- tensor parallelism (``tp_config``) splits the whole model with the same plan as without a
+  pipeline, on the mesh's ``tp`` dimension, before it is cut into stages: the stages pass
+  each rank's sequence shard of the hidden states on as plain tensors
+  (:class:`~olmolike.nn.transformer_stage.TransformerStage`), the last stage's loss is
+  vocabulary-parallel, and the sequence is padded to a multiple of the ``tp`` degree so every
+  rank's shard has the same, fixed shape.
 """
 
 from __future__ import annotations
@@ -24,10 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
-from ...distributed.mesh import data_parallel_mesh
-from ...distributed.parallel import DataParallelConfig, DataParallelType, apply_fsdp
+from ...distributed.parallel import DataParallelConfig, DataParallelType
 from ...distributed.pipeline import (
     PipelineParallelConfig,
     build_schedule,
@@ -40,7 +45,7 @@ from ...nn.functional import cross_entropy_loss
 from ...nn.transformer import Transformer
 from ...nn.transformer_stage import TransformerParts, TransformerStage
 from ..common import ReduceType
-from .train_module import agree_counts, labels_from_batch, microbatch_rows
+from .train_module import agree_counts, microbatch_rows
 from .transformer import (
     TransformerTrainModule,
     TransformerTrainModuleConfig,
@@ -82,22 +87,21 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
         layers = split_layers(model.config.n_layers, pp.num_stages)
         if self.config.compile_model or self.config.ac_config is not None:
             self._wrap_blocks(model)
+        self.layout.tensor_parallel(model)
         dp = self._dp_config_under_pipeline(self.config.dp_config)
         assert self.layout.mesh is not None  # a pipeline always splits the ranks
         self.mesh = self.layout.mesh
+        self.tp_mesh = self.mesh["tp"] if self.layout.degrees.tp > 1 else None
         self.pp_group: dist.ProcessGroup = self.mesh["pp"].get_group()
         self.pp_rank = self.mesh["pp"].get_local_rank()
-        dp_mesh = data_parallel_mesh(self.mesh)
-        self.dp_process_group = dp_mesh._flatten("dp").get_group()
-        self.dp_world_size = dp_mesh.size()
         self.stage_indices = pp.stage_indices(self.pp_rank)
         last = pp.num_stages - 1
         self.stages = [
-            TransformerStage(model, layers[s], first=s == 0, last=s == last)
+            TransformerStage(model, layers[s], first=s == 0, last=s == last, tp_mesh=self.tp_mesh)
             for s in self.stage_indices
         ]
         self.model = TransformerParts(self.stages)
-        self._place(dp, dp_mesh)
+        self._place(model, dp)
         self._schedules: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._losses: list[torch.Tensor] = []
         self._loss_scale = torch.ones(())
@@ -124,7 +128,7 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
         assert config.pp_config is not None
         split_layers(model.config.n_layers, config.pp_config.num_stages)  # too few layers?
 
-    def _place(self, dp: DataParallelConfig | None, dp_mesh: DeviceMesh) -> None:
+    def _place(self, model: Transformer, dp: DataParallelConfig | None) -> None:
         """Put the stages on the device, shard each over the data dimensions (every stage is
         an FSDP root, as the pipeline schedule expects), and materialise a meta model."""
         parts = self.model
@@ -134,17 +138,11 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
             for stage in self.stages:
                 stage.rope.to(self.device)
         if dp is not None:
-            shard_mesh = dp_mesh["dp_shard"] if dp.name == DataParallelType.fsdp else dp_mesh
             for stage in self.stages:
-                apply_fsdp(
-                    stage,
-                    shard_mesh,
-                    param_dtype=dp.param_dtype.as_pt() if dp.param_dtype else None,
-                    reduce_dtype=dp.reduce_dtype.as_pt(),
-                    reshard_after_forward=dp.reshard_after_forward,
-                )
+                self.layout.fully_shard(stage, dp)
         if on_meta:
             parts.materialize(self.device, seed=self.config.init_seed)
+        self.layout.finish(model, sharded=dp is not None)
 
     def _wrap_blocks(self, model: Transformer) -> None:
         """Activation checkpointing and compile work per block, as without a pipeline."""
@@ -155,10 +153,10 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
                 block.compile(backend=self.config.compile_backend)
 
     def _dp_config_under_pipeline(self, dp: DataParallelConfig | None) -> DataParallelConfig | None:
-        """Data parallelism over ``world / degree`` ranks. DDP is run as FSDP2 replication
-        (HSDP with shards of one rank): the pipeline schedule drives FSDP2's gradient sync."""
-        assert self.config.pp_config is not None
-        dp_ranks = get_world_size() // self.config.pp_config.degree
+        """Data parallelism over the mesh's data ranks (the world over the pipeline and
+        tensor-parallel degrees). DDP is run as FSDP2 replication (HSDP with shards of one
+        rank): the pipeline schedule drives FSDP2's gradient sync."""
+        dp_ranks = self.layout.degrees.dp
         if dp_ranks <= 1:
             return None
         if dp is None or dp.name == DataParallelType.ddp:
@@ -264,11 +262,7 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
         return schedule
 
     def train_batch(self, batch: dict[str, Any], dry_run: bool = False) -> None:
-        if not self.model.training:
-            self.model.train()
-        input_ids = batch["input_ids"]
-        labels = labels_from_batch(batch, self.config.label_ignore_index)
-        doc_ids = batch.get("doc_ids")
+        input_ids, labels, doc_ids = self._training_inputs(batch)
         # Scaled by the data-parallel world size because FSDP averages gradients across it.
         self._loss_scale = self._global_token_count(labels).reciprocal() * self.dp_world_size
         input_ids, labels, docs, n = self._pad_to_agreed_microbatches(input_ids, labels, doc_ids)
@@ -320,8 +314,10 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
         rows: int,
         seq: int,
     ) -> tuple[torch.Tensor, Any, Any]:
-        """Right-pad to ``rows x seq``: token 0, ignored labels, padding documents (-1).
+        """Right-pad to ``rows x seq``, the sequence up to a multiple of the tensor-parallel
+        degree (equal sequence shards): token 0, ignored labels, padding documents (-1).
         Causal attention keeps the real tokens' results unchanged."""
+        seq = -(-seq // self.layout.degrees.tp) * self.layout.degrees.tp
         pad = (0, seq - input_ids.shape[1], 0, rows - input_ids.shape[0])
         if not any(pad):
             return input_ids, labels, doc_ids
@@ -359,9 +355,24 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
                     logits, labels, ignore_index=self.config.label_ignore_index, reduction="mean"
                 )
             return self._from_last_stage(loss.float())
-        if not self.is_last_stage_rank:
-            logits = torch.empty((*shape, self.model.config.vocab_size), device=self.device)
-        return self._from_last_stage(logits.float())[:rows, :seq]
+        return self._logits_from_last_stage(logits, input_ids.shape, rows, seq)
+
+    def _logits_from_last_stage(
+        self, logits: Any, padded: torch.Size, rows: int, seq: int
+    ) -> torch.Tensor:
+        """The last stage's logits of the batch's ``rows x seq`` tokens, on every pipeline
+        rank. Under tensor parallelism each rank sends its vocabulary shard to the same rank
+        of the other stages, and every rank returns the vocabulary-sharded DTensor a
+        tensor-parallel model returns."""
+        if self.is_last_stage_rank:
+            local = (logits.to_local() if isinstance(logits, DTensor) else logits).float()
+        else:
+            vocab = self.model.config.vocab_size // self.layout.degrees.tp
+            local = torch.empty((*padded, vocab), device=self.device)
+        local = self._from_last_stage(local.contiguous())[:rows, :seq]
+        if self.tp_mesh is None:
+            return local
+        return DTensor.from_local(local, self.tp_mesh, [Shard(-1)], run_check=False)
 
     def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.broadcast(tensor, group=self.pp_group, group_src=self._pp.degree - 1)

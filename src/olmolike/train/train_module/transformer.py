@@ -130,12 +130,6 @@ class TransformerTrainModuleConfig(Config):
                 f"{type(self).__name__} does not run under pipeline parallelism: "
                 f"{self.pipeline_refusal}; set pp_config=null (use FSDP to fit the model)",
             )
-        if _degree(self.pp_config) > 1 and _degree(self.tp_config) > 1:
-            raise self._invalid(
-                "pp_config",
-                "tensor and pipeline parallelism in one run are not supported yet; use one of "
-                "them (each composes with FSDP over the data ranks)",
-            )
         if self.rank_microbatch_size <= 0:
             raise self._invalid("rank_microbatch_size", "must be a positive number of tokens")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
@@ -305,12 +299,18 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
                 "init_weights", InitWeightsCallback(source=self.config.init_weights)
             )
 
-    def train_batch(self, batch: dict[str, Any], dry_run: bool = False) -> None:
-        if not self.model.training:
+    def _training_inputs(
+        self, batch: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The model in train mode, and the batch's token ids, next-token labels and document
+        ids (``None``: unpacked sequences)."""
+        if not self.model.training:  # train() walks every submodule: not on every step
             self.model.train()
-        input_ids = batch["input_ids"]
         labels = labels_from_batch(batch, self.config.label_ignore_index)
-        doc_ids = batch.get("doc_ids")
+        return batch["input_ids"], labels, batch.get("doc_ids")
+
+    def train_batch(self, batch: dict[str, Any], dry_run: bool = False) -> None:
+        input_ids, labels, doc_ids = self._training_inputs(batch)
         slices = self._microbatches(input_ids)
         # The denominator is this step's non-ignored token count over all ranks; each rank's
         # gradient is scaled by the world size because DDP and FSDP average across ranks.
