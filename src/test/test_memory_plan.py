@@ -92,11 +92,10 @@ def test_fsdp_gathers_the_root_and_two_blocks(dp: DataParallelConfig, gathered: 
         vocab_size=10, d_model=8, n_layers=3, n_heads=2, mlp_hidden_size=6, max_sequence_length=16
     )
     layout = Layout(dp_shard=2)
-    state = state_bytes(model, layout, AdamWConfig())
-    assert gathered_bytes(model, layout, dp, state) == gathered
+    assert gathered_bytes(model, layout, dp) == gathered
     # DDP's buckets are a second copy of the gradients.
     ddp = state_bytes(model, Layout(dp_replicate=2), AdamWConfig())
-    assert gathered_bytes(model, Layout(dp_replicate=2), None, ddp) == ddp.grads
+    assert gathered_bytes(model, Layout(dp_replicate=2), None) == ddp.grads
 
 
 def test_activation_formula_by_hand() -> None:
@@ -110,8 +109,10 @@ def test_activation_formula_by_hand() -> None:
     full = ActivationCheckpointingConfig(mode=ActivationCheckpointingMode.full)
     assert activation_bytes(model, 10, 4, full) == 10 * (3 * 32 + 432 - 32 + 40)
     # PP 2 with 1F1B: stage 0 keeps 2 micro-batches of its 2 blocks; TP 2 halves it.
-    assert activation_bytes(model, 10, 4, pp=2) == 10 * 2 * 2 * 432
-    assert activation_bytes(model, 10, 4, pp=2, tp=2) == 10 * 2 * 2 * 432 // 2
+    pp = Layout(pp=2)
+    assert activation_bytes(model, 10, 4, layout=pp, microbatches=2) == 10 * 2 * 2 * 432
+    tp_pp = Layout(pp=2, tp=2)
+    assert activation_bytes(model, 10, 4, layout=tp_pp, microbatches=2) == 10 * 2 * 2 * 432 // 2
 
 
 class _ActivationPeak(MemTracker):
