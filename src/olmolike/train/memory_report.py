@@ -37,7 +37,7 @@ __all__ = ["RankMemory", "plan_report", "rank_memory"]
 
 GIB = 1024**3
 FULL_AC = ActivationCheckpointingConfig(mode=ActivationCheckpointingMode.full)
-MAX_ROWS = 12
+MAX_ROWS = 24
 _COMM = {
     "ddp": "DDP's gradient buckets",
     "fsdp": "FSDP's gathered root and blocks",
@@ -338,9 +338,11 @@ def plan_report(
             f"{closest.ac_name} activation checkpointing, needs {closest.total / GIB:.2f} GiB "
             "per GPU; add GPUs, use larger GPUs or lower train_module.rank_microbatch_size"
         )
+    schedule = _schedule(module, pp=2)
     lines.append(
         f"layouts that fit in {gpu_memory_gib:g} GiB less {reserve_gib:g} GiB reserve, "
-        "cheapest (least communication and recomputation) first:"
+        f"cheapest (least communication and recomputation) first; pipelines run "
+        f"{schedule['schedule']} with {schedule['stages_per_rank']} stage(s) per rank:"
     )
     lines.append("     pp  dp_replicate  dp_shard   tp  data-par  act-ckpt   GiB/GPU")
     for m in fits[:MAX_ROWS]:
