@@ -23,12 +23,13 @@ from olmolike.train.train_module import (
 )
 
 # Per block 416 parameters (norms 16, q/k/v/out 4 x 64, MLP 3 x 48); embedding and head 80,
-# final norm 8. Per token of activations (float32): a block 432, the outside 180.
+# final norm 8. Per token of activations (float32): a block 432, the outside 180, a stage's
+# output 32.
 HAND = TransformerConfig(
     vocab_size=10, d_model=8, n_layers=2, n_heads=2, mlp_hidden_size=6, max_sequence_length=16
 )
 ROPE = 2 * 16 * 4 * 4
-BLOCK, OUTSIDE = 432, 180
+BLOCK, OUTSIDE, OUTPUT = 432, 180, 32
 INTERLEAVED = PipelineScheduleType.interleaved_1f1b
 
 
@@ -79,13 +80,13 @@ def test_interleaved_stages_sit_on_ranks_in_a_loop() -> None:
     "schedule,first,last",
     [
         # GPipe runs all 4 forwards first: every micro-batch alive on both ranks.
-        (PipelineScheduleType.gpipe, 4 * 2 * BLOCK, 4 * (2 * BLOCK + OUTSIDE)),
+        (PipelineScheduleType.gpipe, 4 * (2 * BLOCK + OUTPUT), 4 * (2 * BLOCK + OUTSIDE)),
         # 1F1B: the first rank waits for 2 backwards, the last runs one at a time.
-        (PipelineScheduleType.one_f_one_b, 2 * 2 * BLOCK, 2 * BLOCK + OUTSIDE),
+        (PipelineScheduleType.one_f_one_b, 2 * (2 * BLOCK + OUTPUT), 2 * BLOCK + OUTSIDE),
         # Interleaved, 2 stages of one block per rank: torch's order keeps 5 stage-micro-
         # batches alive on rank 0 (4 warm-up forwards, then one forward before each
         # backward); on rank 1 two of stage 1 and one of the last stage (with the outside).
-        (INTERLEAVED, 5 * BLOCK, 3 * BLOCK + OUTSIDE),
+        (INTERLEAVED, 5 * (BLOCK + OUTPUT), 2 * (BLOCK + OUTPUT) + BLOCK + OUTSIDE),
     ],
 )
 def test_schedules_hold_their_micro_batches_in_flight(

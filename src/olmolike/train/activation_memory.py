@@ -26,7 +26,8 @@ parallelism divides all of it by ``tp`` (heads and hidden units split in the blo
 sequence in the norms, the vocabulary in the loss).
 
 Under pipeline parallelism a stage keeps each micro-batch's part (its blocks', plus the
-outside on the last stage) from that micro-batch's forward to its backward, so the peak of a
+outside on the last stage, or its output hidden state, ``a*d`` (``4d`` under autocast), on
+the others) from that micro-batch's forward to its backward, so the peak of a
 pipeline rank is the most micro-batches its schedule has in flight at once, weighted by the
 stages they are in: with ``n`` micro-batches per step, GPipe (all forwards, then all
 backwards) holds all ``n``; 1F1B holds ``min(n, pp - r)`` on pipeline rank ``r`` (``pp`` on
@@ -68,6 +69,9 @@ class ActivationBytes:
     """The final norm, the logits and the loss, per token."""
     logits: int
     """The logits alone, per token: alive through backward."""
+    stage_output: int
+    """A pipeline stage's output hidden state, per token: kept until its backward (except on
+    the last stage, whose output is the logits)."""
     block_weight_copies: int = 0
     """Autocast: the compute-dtype copies of one block's matmul weights."""
     head_weight_copy: int = 0
@@ -82,13 +86,14 @@ class ActivationBytes:
             block += 2 * FP32 * (d + kv) + 2 * FP32
         outside = (2 * FP32 + a) * d + FP32 + (a + FP32) * model.vocab_size
         if not autocast:
-            return cls(block, a * d, outside, a * model.vocab_size)
+            return cls(block, a * d, outside, a * model.vocab_size, a * d)
         matmul_params = 2 * d * d + 2 * d * kv + 3 * d * h
         return cls(
             block + (FP32 + a) * d,
             FP32 * d,
             outside,
             a * model.vocab_size,
+            FP32 * d,
             block_weight_copies=a * matmul_params,
             head_weight_copy=a * d * model.vocab_size,
         )
@@ -158,7 +163,9 @@ def _rank_peak(
         checkpointed = _checkpointed(layers[s], ac)
         plain = len(layers[s]) - checkpointed
         outside = tokens * terms.outside if s == last else 0
-        kept[s] = tokens * (plain * terms.block + checkpointed * terms.checkpointed) + outside
+        output = tokens * terms.stage_output if layout.pp > 1 and s != last else 0
+        kept[s] = tokens * (plain * terms.block + checkpointed * terms.checkpointed)
+        kept[s] += outside + output
         weights += plain * terms.block_weight_copies + (terms.head_weight_copy if s == last else 0)
         recompute[s] = 0
         if checkpointed:  # one block's activations and weight copies, made again in backward
