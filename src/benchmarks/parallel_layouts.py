@@ -16,9 +16,15 @@ Per layout it prints:
   (:func:`~olmolike.train.memory_plan.state_bytes`) equals what each rank holds;
 - the largest difference from a one-process run of the same model, data and steps of its
   per-step losses, its last step's gradients and its final weights, and ``pass`` when the
-  losses are within 1e-5 (relative), the gradients within 1e-5 (``rtol`` and ``atol``) and
-  the weights within ``rtol`` 1e-5, ``atol`` 1e-4 (:data:`WEIGHT_ATOL` says why), all fp32;
-  else ``FAIL``.
+  losses are within 1e-5 (relative) and the gradients and weights within 1e-5 (``rtol`` and
+  ``atol``), all fp32; else ``FAIL``.
+
+It trains with SGD with momentum, not AdamW: AdamW divides each gradient by its own running
+magnitude, so an element whose gradient is near zero moves by up to ``lr`` on a rounding
+difference of it. Tensor parallelism sums every matmul in another order, so under AdamW (lr
+1e-3) its weights differ from one process's by ~2e-4 after a single step whose gradients agree
+to 1e-7, and the difference grows from there; SGD's step is linear in the gradient, so after
+several steps a correct layout still agrees to ~1e-7 and a wrong one does not.
 
 A layout the train module refuses (its configuration error) is listed as refused. On CPU,
 gloo's collectives dominate a small model's step, so the speed ratios say how much
@@ -49,7 +55,7 @@ from olmolike.distributed.tensor_parallel import TensorParallelConfig
 from olmolike.distributed.utils import broadcast_object, gather_objects, get_rank
 from olmolike.exceptions import ConfigurationError
 from olmolike.nn import TransformerConfig
-from olmolike.optim import AdamWConfig
+from olmolike.optim import SGDConfig
 from olmolike.testing import random_token_instances, run_distributed_test
 from olmolike.train import Callback, Duration, TrainerConfig
 from olmolike.train.memory_plan import Layout, state_bytes
@@ -57,10 +63,6 @@ from olmolike.train.train_module import TransformerTrainModuleConfig
 
 SEQ, VOCAB, GLOBAL_ROWS, MICROBATCH_ROWS = 128, 512, 16, 2
 TOLERANCE = 1e-5
-WEIGHT_ATOL = 1e-4
-"""AdamW moves an element whose gradient is near its ``eps`` by up to ``lr`` (1e-3) per step
-on a rounding difference of that gradient, so a few single weights differ by ~1e-5 after
-some steps even when every gradient matches; a wrong shard moves whole rows by ~``lr``."""
 
 
 @dataclass
@@ -145,7 +147,7 @@ def _module(spec: Spec) -> TransformerTrainModuleConfig:
     schedule = PipelineScheduleType(spec.schedule)
     return TransformerTrainModuleConfig(
         rank_microbatch_size=MICROBATCH_ROWS * SEQ,
-        optim=AdamWConfig(lr=1e-3),
+        optim=SGDConfig(lr=1e-2, momentum=0.9),
         max_grad_norm=1.0,
         dp_config=DataParallelConfig(name=DataParallelType(spec.dp)),
         tp_config=TensorParallelConfig(degree=spec.tp) if spec.tp > 1 else None,
@@ -230,7 +232,7 @@ def _compare(spec: Spec, ranks: list[dict[str, Any]], reference: dict[str, Any])
         gathered["grads"], reference["grads"], TOLERANCE, TOLERANCE
     )
     weight_diff, weights_close = _differences(
-        gathered["weights"], reference["weights"], TOLERANCE, WEIGHT_ATOL
+        gathered["weights"], reference["weights"], TOLERANCE, TOLERANCE
     )
     return {
         "steps/s": min(r["steps/s"] for r in ranks),
