@@ -260,7 +260,8 @@ def _plan(args: argparse.Namespace) -> int:
     tp = args.tp if args.tp is not None else (module.tp_config.degree if module.tp_config else 1)
     pp = args.pp if args.pp is not None else (module.pp_config.degree if module.pp_config else 1)
     layout = config_layout(module, args.gpus, args.gpus_per_node, tp, pp)
-    print(plan_report(config.model, module, layout, args.gpu_memory, args.reserve), end="")
+    batch = config.data_loader.global_batch_size
+    print(plan_report(config.model, module, layout, args.gpu_memory, args.reserve, batch), end="")
     return 0
 
 
@@ -298,8 +299,8 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
         "--pp",
         type=int,
         default=None,
-        help="pipeline stages of the layout, scheduled 1F1B (default: the config's "
-        "train_module.pp_config.degree, else 1)",
+        help="pipeline ranks of the layout, with the config's pp_config schedule, else 1F1B "
+        "(default: the config's train_module.pp_config.degree, else 1)",
     )
 
 

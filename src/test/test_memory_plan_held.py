@@ -11,6 +11,7 @@ import torch
 from testutils import run_distributed_test
 from torch.distributed.tensor import DTensor
 
+from olmolike.distributed.pipeline import PipelineScheduleType
 from olmolike.distributed.utils import get_rank
 from olmolike.nn import TransformerConfig
 from olmolike.train.memory_plan import Layout, StateBytes, state_bytes
@@ -46,9 +47,27 @@ HELD_LAYOUTS: dict[str, tuple[dict[str, Any], Layout, TransformerConfig]] = {
         Layout(dp_shard=2, tp=2),
         TP_MODEL,
     ),
+    # The pipeline ranks hold different stages: the first the embedding, the last the head.
+    "pp-2": ({"pp_config": {"degree": 2}}, Layout(pp=2), MODEL),
+    "pp-2-fsdp-2": (
+        {"pp_config": {"degree": 2}, "dp_config": {"name": "fsdp"}},
+        Layout(pp=2, dp_shard=2),
+        MODEL,
+    ),
+    "pp-2-interleaved": (
+        {"pp_config": {"degree": 2, "schedule": "interleaved_1f1b"}},
+        Layout(pp=2, stages_per_rank=2, schedule=PipelineScheduleType.interleaved_1f1b),
+        replace(MODEL, n_layers=4),
+    ),
+    # Needs TP x PP in the train module (TransformerTrainModuleConfig.validate refuses it
+    # until then).
+    "tp-2-pp-2": (
+        {"tp_config": {"degree": 2}, "pp_config": {"degree": 2}},
+        Layout(pp=2, tp=2),
+        TP_MODEL,
+    ),
 }
-"""Train-module config fields -> the layout they make, and the model. Pipeline layouts are
-not here yet: a pipeline rank's step runs through its schedule, not one forward."""
+"""Train-module config fields -> the layout they make, and the model."""
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
@@ -59,16 +78,18 @@ def _local_bytes(tensor: torch.Tensor) -> int:
 def _held_after_one_step(
     module_fields: dict[str, Any], model_config: TransformerConfig
 ) -> tuple[int, StateBytes]:
+    # Two micro-batches of 2 x 8 tokens: what 1F1B over two pipeline ranks needs at least.
     config = TransformerTrainModuleConfig.from_dict({"rank_microbatch_size": 16, **module_fields})
     train_module = config.build(model_config.build(init_device="meta"), device=torch.device("cpu"))
     model, optim = train_module.model, train_module.optim
     input_ids = torch.randint(
-        0, model_config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0)
+        0, model_config.vocab_size, (4, 8), generator=torch.Generator().manual_seed(0)
     )
-    forward = train_module._forward_module  # DDP's wrapper, or the FSDP module itself
-    forward(input_ids).float().logsumexp(-1).mean().backward()
+    train_module.train_batch({"input_ids": input_ids}, dry_run=True)  # the pipeline's schedule too
     optim.step()
     params = list(model.parameters())  # a tied weight appears once
+    # A pipeline rank's RoPE tables are its stages' own (its parts hold none).
+    holders = getattr(train_module, "stages", [model])
     held = StateBytes(
         params=sum(_local_bytes(p) for p in params),
         grads=sum(_local_bytes(p.grad) for p in params if p.grad is not None),
@@ -78,7 +99,7 @@ def _held_after_one_step(
             for value in state.values()
             if isinstance(value, torch.Tensor)
         ),
-        buffers=sum(_local_bytes(b) for b in model.buffers()),
+        buffers=sum(_local_bytes(b) for holder in holders for b in holder.buffers()),
     )
     return get_rank(), held
 

@@ -36,9 +36,12 @@ from ..exceptions import ConfigurationError
 from .transformer import Transformer, TransformerBlock, TransformerConfig
 
 __all__ = [
+    "FeatureShardedNorm",
     "apply_tensor_parallel",
+    "block_plan",
     "check_tensor_parallel_degree",
     "keep_embedding_gradient_sharded",
+    "root_plan",
 ]
 
 
@@ -64,29 +67,31 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh) -> None:
     """Split ``model`` in place over the 1-D tensor-parallel ``mesh`` (before FSDP, which
     then shards the resulting DTensors over the data dimensions)."""
     check_tensor_parallel_degree(model.config, mesh.size())
-    sequence = Shard(1)
-    tied = model.config.tie_weights
-    parallelize_module(
-        model,
-        mesh,
-        {
-            "embeddings": RowwiseParallel(
-                input_layouts=Replicate(), output_layouts=sequence, use_local_output=False
-            ),
-            "norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(
-                input_layouts=sequence, output_layouts=Shard(-1), use_local_output=False
-            ),
-        },
-    )
-    if tied:  # each style distributed its own copy of the shared matrix: share one again
+    parallelize_module(model, mesh, root_plan())
+    if model.config.tie_weights:  # each style distributed its own copy: share one again
         model.lm_head.weight = model.embeddings.weight
     for block in model.blocks:
         assert isinstance(block, TransformerBlock)
-        parallelize_module(block, mesh, _block_plan(block.attention.q_norm is not None))
+        parallelize_module(block, mesh, block_plan(block.attention.q_norm is not None))
 
 
-def _block_plan(qk_norm: bool) -> dict[str, ParallelStyle]:
+def root_plan() -> dict[str, ParallelStyle]:
+    """The styles of the modules outside the blocks, by their names in the model."""
+    sequence = Shard(1)
+    return {
+        "embeddings": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=sequence, use_local_output=False
+        ),
+        "norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(
+            input_layouts=sequence, output_layouts=Shard(-1), use_local_output=False
+        ),
+    }
+
+
+def block_plan(qk_norm: bool) -> dict[str, ParallelStyle]:
+    """The styles of one block's modules, by their names in the block (the memory planner
+    reads the split of every parameter from this plan and :func:`root_plan`)."""
     sequence = Shard(1)
     # The attention's arguments after x (cos, sin, mask, cache) are plain, replicated values.
     gather = PrepareModuleInput(

@@ -21,21 +21,37 @@ makes for the matmuls are kept for backward (those of checkpointed blocks are re
 
 The peak is the larger of the end of forward (every block's part plus the outside) and, with
 activation checkpointing, the backward of a checkpointed block, which recomputes all of its
-activations while the logits (``aV``, held by the training loop) are still alive. Tensor
-parallelism with sequence parallelism divides all of it by ``tp`` (heads and hidden units
-split in the blocks, the sequence in the norms, the vocabulary in the loss). Under pipeline
-parallelism with 1F1B, stage ``s`` of ``pp`` keeps ``pp - s`` micro-batches of its own blocks
-in flight; the planner reports the busiest stage.
+activations while the logits (``aV``) are still alive. Tensor parallelism with sequence
+parallelism divides all of it by ``tp`` (heads and hidden units split in the blocks, the
+sequence in the norms, the vocabulary in the loss).
+
+Under pipeline parallelism a stage keeps each micro-batch's part (its blocks', plus the
+outside on the last stage, or its output hidden state, ``a*d`` (``4d`` under autocast), on
+the others) from that micro-batch's forward to its backward, so the peak of a
+pipeline rank is the most micro-batches its schedule has in flight at once, weighted by the
+stages they are in: with ``n`` micro-batches per step, GPipe (all forwards, then all
+backwards) holds all ``n``; 1F1B holds ``min(n, pp - r)`` on pipeline rank ``r`` (``pp`` on
+the first, one on the last); interleaved 1F1B holds what torch's own order of its forwards
+and backwards (``ScheduleInterleaved1F1B``, replayed here) keeps alive:
+``min(n x v, (v - 1) x n / rounds + 2(pp - 1 - r) + 1)`` stage-micro-batches of about
+``1 / (pp x v)`` of the blocks each, with ``v`` stages per rank and ``rounds =
+max(1, n // pp)``. Each checkpointed block is counted at its global index (activation
+checkpointing is applied before the model is cut into stages).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
+from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+from ..distributed.pipeline import PipelineScheduleType, split_layers
 from ..nn import TransformerConfig
+from .memory_plan import Layout
 from .train_module.transformer import ActivationCheckpointingConfig
 
-__all__ = ["ActivationBytes", "activation_bytes", "checkpointed_blocks", "stage_layers"]
+__all__ = ["ActivationBytes", "activation_bytes", "microbatches_in_flight", "pipeline_actions"]
 
 FP32 = 4
 
@@ -52,7 +68,10 @@ class ActivationBytes:
     outside: int
     """The final norm, the logits and the loss, per token."""
     logits: int
-    """The logits alone, per token: the training loop holds them through backward."""
+    """The logits alone, per token: alive through backward."""
+    stage_output: int
+    """A pipeline stage's output hidden state, per token: kept until its backward (except on
+    the last stage, whose output is the logits)."""
     block_weight_copies: int = 0
     """Autocast: the compute-dtype copies of one block's matmul weights."""
     head_weight_copy: int = 0
@@ -67,42 +86,100 @@ class ActivationBytes:
             block += 2 * FP32 * (d + kv) + 2 * FP32
         outside = (2 * FP32 + a) * d + FP32 + (a + FP32) * model.vocab_size
         if not autocast:
-            return cls(block, a * d, outside, a * model.vocab_size)
+            return cls(block, a * d, outside, a * model.vocab_size, a * d)
         matmul_params = 2 * d * d + 2 * d * kv + 3 * d * h
         return cls(
             block + (FP32 + a) * d,
             FP32 * d,
             outside,
             a * model.vocab_size,
+            FP32 * d,
             block_weight_copies=a * matmul_params,
             head_weight_copy=a * d * model.vocab_size,
         )
 
 
-def stage_layers(n_layers: int, pp: int, stage: int) -> int:
-    """Blocks on pipeline stage ``stage``: an even split, the first ``n_layers % pp`` stages
-    taking one more."""
-    return n_layers // pp + (1 if stage < n_layers % pp else 0)
+def pipeline_actions(layout: Layout, microbatches: int, pp_rank: int) -> list[tuple[int, bool]]:
+    """The (stage, is forward) computations pipeline rank ``pp_rank`` runs in one step, in
+    the order its schedule runs them (without a pipeline: one micro-batch's forward, then its
+    backward, as gradient accumulation runs them)."""
+    n, stage = microbatches, pp_rank
+    if layout.pp == 1:
+        return [(0, True), (0, False)]
+    if layout.schedule == PipelineScheduleType.gpipe:
+        return [(stage, True)] * n + [(stage, False)] * n
+    if layout.schedule == PipelineScheduleType.one_f_one_b:
+        warmup = min(n, layout.pp - pp_rank)  # then one backward, one forward (torch's order)
+        return (
+            [(stage, True)] * warmup
+            + [(stage, False), (stage, True)] * (n - warmup)
+            + [(stage, False)] * warmup
+        )
+    rounds = max(1, n // layout.pp)
+    schedule = SimpleNamespace(  # the attributes torch's interleaved order is computed from
+        n_local_stages=layout.stages_per_rank,
+        pp_group_size=layout.pp,
+        microbatches_per_round=n // rounds,
+        _n_microbatches=n,
+    )
+    actions = ScheduleInterleaved1F1B._calculate_single_rank_operations(schedule, pp_rank)  # type: ignore[arg-type]
+    return [
+        (a.stage_index, a.computation_type == _ComputationType.FORWARD)
+        for a in actions
+        if a is not None
+    ]
 
 
-def checkpointed_blocks(n_layers: int, ac: ActivationCheckpointingConfig | None) -> int:
-    """How many of ``n_layers`` blocks ``ac`` checkpoints (``ac.selects`` each index)."""
-    return 0 if ac is None else sum(ac.selects(i) for i in range(n_layers))
+def microbatches_in_flight(layout: Layout, microbatches: int, pp_rank: int) -> int:
+    """The most micro-batch forwards pipeline rank ``pp_rank`` holds before their backwards
+    (counted over all its stages)."""
+    held = most = 0
+    for _, forward in pipeline_actions(layout, microbatches, pp_rank):
+        held += 1 if forward else -1
+        most = max(most, held)
+    return most
 
 
-def _stage_peak(
-    terms: ActivationBytes, layers: int, checkpointed: int, last: bool, tokens: int, in_flight: int
+def _checkpointed(layers: range, ac: ActivationCheckpointingConfig | None) -> int:
+    """How many of ``layers`` (global block indices) ``ac`` checkpoints."""
+    return 0 if ac is None else sum(ac.selects(i) for i in layers)
+
+
+def _rank_peak(
+    terms: ActivationBytes,
+    model: TransformerConfig,
+    layout: Layout,
+    ac: ActivationCheckpointingConfig | None,
+    tokens: int,
+    microbatches: int,
+    pp_rank: int,
 ) -> int:
-    """A stage's peak with ``in_flight`` micro-batches of ``tokens`` tokens kept for backward."""
-    plain = layers - checkpointed
-    kept = in_flight * tokens * (plain * terms.block + checkpointed * terms.checkpointed)
-    kept += plain * terms.block_weight_copies + (terms.head_weight_copy if last else 0)
-    end_of_forward = tokens * terms.outside if last else 0
-    recompute = 0
-    if checkpointed:  # one block's activations and weight copies, made again in backward
-        per_token = terms.block - terms.checkpointed + (terms.logits if last else 0)
-        recompute = tokens * per_token + terms.block_weight_copies
-    return kept + max(end_of_forward, recompute)
+    """Pipeline rank ``pp_rank``'s peak: its schedule replayed, each forward adding its
+    stage's kept bytes, each backward first adding its recompute, then freeing them."""
+    layers = split_layers(model.n_layers, layout.num_stages)
+    last = layout.num_stages - 1
+    kept, recompute, weights = {}, {}, 0
+    for s in layout.stage_indices(pp_rank):
+        checkpointed = _checkpointed(layers[s], ac)
+        plain = len(layers[s]) - checkpointed
+        outside = tokens * terms.outside if s == last else 0
+        output = tokens * terms.stage_output if layout.pp > 1 and s != last else 0
+        kept[s] = tokens * (plain * terms.block + checkpointed * terms.checkpointed)
+        kept[s] += outside + output
+        weights += plain * terms.block_weight_copies + (terms.head_weight_copy if s == last else 0)
+        recompute[s] = 0
+        if checkpointed:  # one block's activations and weight copies, made again in backward
+            per_token = terms.block - terms.checkpointed + (terms.logits if s == last else 0)
+            recompute[s] = max(0, tokens * per_token + terms.block_weight_copies - outside)
+    held = peak = 0
+    for stage, forward in pipeline_actions(layout, microbatches, pp_rank):
+        if forward:
+            held += kept[stage]
+            peak = max(peak, held)
+        else:
+            peak = max(peak, held + recompute[stage])
+            held -= kept[stage]
+    return weights + peak
 
 
 def activation_bytes(
@@ -112,19 +189,15 @@ def activation_bytes(
     ac: ActivationCheckpointingConfig | None = None,
     *,
     autocast: bool = False,
-    tp: int = 1,
-    pp: int = 1,
+    layout: Layout | None = None,
+    microbatches: int = 1,
+    pp_rank: int | None = None,
 ) -> int:
-    """Peak activation bytes on the busiest rank for micro-batches of ``tokens`` tokens.
-
-    ``ac`` applies to each stage's own blocks, numbered from 0 per stage (each pipeline stage
-    is a model of its own).
-    """
+    """Peak activation bytes of pipeline rank ``pp_rank`` (``None``: the busiest) of
+    ``layout`` for micro-batches of ``tokens`` tokens, ``microbatches`` of them per step
+    (only a pipeline runs several at once)."""
+    layout = layout or Layout()
     terms = ActivationBytes.of(model, dtype_bytes, autocast)
-    peaks = []
-    for stage in range(pp):
-        layers = stage_layers(model.n_layers, pp, stage)
-        in_flight = pp - stage  # 1F1B: the first stage waits longest for its backwards
-        checkpointed = checkpointed_blocks(layers, ac)
-        peaks.append(_stage_peak(terms, layers, checkpointed, stage == pp - 1, tokens, in_flight))
-    return -(-max(peaks) // tp)
+    ranks = range(layout.pp) if pp_rank is None else [pp_rank]
+    peak = max(_rank_peak(terms, model, layout, ac, tokens, microbatches, r) for r in ranks)
+    return -(-peak // layout.tp)

@@ -8,13 +8,18 @@ parallelism shards them:
 * **DDP** (``dp_replicate``) keeps full copies.
 * **FSDP/HSDP** (``dp_shard``) cut every tensor along dim 0 as ``torch.chunk`` does, as FSDP2
   does: ``ceil(rows / dp_shard)`` rows per rank, the last ranks fewer (or none).
-* **TP** (``tp``) splits the matrices it parallelises: column-wise (dim 0) the attention's
-  ``w_q``/``w_k``/``w_v``, the MLP's ``w_gate``/``w_up`` and the vocabulary-parallel
-  ``lm_head``; row-wise (dim 1) ``w_out`` and ``w_down``; the embedding by vocabulary (dim 0).
-  QK-norm weights are split with their heads; the other norms stay whole. FSDP then chunks
-  the TP-local tensor.
-* **PP** (``pp``) puts each stage's blocks on its ranks (:func:`stage_layers`), the embedding
-  on the first stage, the final norm and head on the last (a tied embedding on both).
+* **TP** (``tp``) splits each parameter as the tensor-parallel plan says
+  (:func:`~olmolike.nn.parallel_plan.root_plan` and
+  :func:`~olmolike.nn.parallel_plan.block_plan`, read here, not restated): a column-wise
+  linear layer along dim 0 of its weight, a row-wise one along dim 1, a row-wise embedding
+  along the vocabulary (dim 0), a feature-sharded norm along its features; what the plan
+  leaves out or sequence-parallelises stays whole. FSDP then chunks the TP-local tensor.
+* **PP** (``pp``) gives each pipeline rank the stages the pipeline train module gives it
+  (:class:`~olmolike.nn.transformer_stage.TransformerStage`, built here on ``meta``: stage
+  ``s`` of ``pp x stages_per_rank`` on pipeline rank ``s % pp``, layers split by
+  :func:`~olmolike.distributed.pipeline.split_layers`, the embedding on the first stage, the
+  final norm and head on the last, a RoPE table on every stage). Pipeline ranks hold
+  different bytes: :func:`state_bytes` counts any rank; the report takes the busiest.
 
 Gradients have the parameters' shapes and dtype (FSDP casts the reduced gradient back to it).
 AdamW keeps ``exp_avg`` and ``exp_avg_sq`` like each parameter plus a 4-byte float32 ``step``
@@ -26,41 +31,47 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.nn as nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from ..distributed.mesh import MESH_DIMS, ParallelDegrees
 from ..distributed.parallel import DataParallelConfig
+from ..distributed.pipeline import PipelineScheduleType, split_layers
 from ..exceptions import ConfigurationError
 from ..nn import TransformerConfig
+from ..nn.parallel_plan import FeatureShardedNorm, block_plan, root_plan
+from ..nn.transformer import Transformer
+from ..nn.transformer_stage import TransformerParts, TransformerStage
 from ..optim import AdamWConfig, OptimConfig, SGDConfig
-from .activation_memory import stage_layers
 
 __all__ = [
     "MESH_DIMS",
     "Layout",
     "StateBytes",
-    "busiest_rank_state",
     "chunk_size",
     "gathered_bytes",
     "layouts",
-    "model_tensors",
+    "rank_tensors",
     "state_bytes",
+    "tensor_parallel_dims",
 ]
 
-_COLWISE = frozenset({"w_q", "w_k", "w_v", "w_gate", "w_up", "lm_head", "embeddings"})
-_ROWWISE = frozenset({"w_out", "w_down"})
-_FEATURE_SHARDED = frozenset({"q_norm", "k_norm"})  # QK-norm weights follow their heads
-_FIRST_STAGE = frozenset({"embeddings"})
-_LAST_STAGE = frozenset({"norm", "lm_head"})
+Named = list[tuple[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class Layout(ParallelDegrees):
     """The run's degrees (:class:`~olmolike.distributed.mesh.ParallelDegrees`, one per mesh
-    dimension) with what the planner asks of them: how the data ranks hold the model, a rank's
-    place in the mesh, and a short name."""
+    dimension) and pipeline schedule, with what the planner asks of them: how the data ranks
+    hold the model, a rank's place in the mesh, and a short name."""
+
+    stages_per_rank: int = 1
+    """Pipeline stages on each pipeline rank (more than 1 with interleaved 1F1B only)."""
+    schedule: PipelineScheduleType = PipelineScheduleType.one_f_one_b
+    """The pipeline schedule (with ``pp`` 1: none)."""
 
     @property
     def data_parallel(self) -> str:
@@ -68,6 +79,19 @@ class Layout(ParallelDegrees):
         if self.dp_shard > 1:
             return "hsdp" if self.dp_replicate > 1 else "fsdp"
         return "ddp" if self.dp_replicate > 1 else "none"
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def stage_indices(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank ``pp_rank`` runs (loop placement, as the pipeline does)."""
+        return [pp_rank + k * self.pp for k in range(self.stages_per_rank)]
+
+    def pipeline_ranks(self) -> list[int]:
+        """One global rank per pipeline rank, the one whose shards are the largest (index 0
+        on every other dimension: ``torch.chunk`` gives the first chunks the most rows)."""
+        return [p * (self.world_size // self.pp) for p in range(self.pp)]
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """``rank``'s index along each mesh dimension (row-major, ``tp`` fastest)."""
@@ -103,58 +127,84 @@ def chunk_size(size: int, parts: int, index: int) -> int:
     return max(0, min(per, size - index * per))
 
 
-def _module_name(param_name: str) -> str:
-    """``blocks.0.attention.w_q.weight`` -> ``w_q``; ``norm.weight`` -> ``norm``."""
-    parts = param_name.split(".")
-    return parts[-2] if len(parts) > 1 else parts[0]
+_META: dict[str, Transformer] = {}
 
 
-def _on_stage(name: str, model: TransformerConfig, pp: int, stage: int) -> int:
-    """How many copies of parameter or buffer ``name`` pipeline stage ``stage`` of ``pp``
-    holds (a tied embedding: the first stage's and the last stage's head)."""
-    last = stage == pp - 1
-    if name.startswith("blocks."):
-        index = int(name.split(".")[1])
-        first = sum(stage_layers(model.n_layers, pp, s) for s in range(stage))
-        return int(first <= index < first + stage_layers(model.n_layers, pp, stage))
-    top = name.split(".")[0]
-    if top in _FIRST_STAGE:
-        return int(stage == 0) + int(last and pp > 1 and model.tie_weights)
-    if top in _LAST_STAGE:
-        return int(last)
-    return 1  # the RoPE tables: every stage runs blocks
+def _meta_model(model: TransformerConfig) -> Transformer:
+    """``model`` built on ``meta``: shapes and dtypes exactly as training builds them, without
+    memory. Cached: a plan asks for it once per layout and pipeline rank."""
+    key = repr(model)
+    if key not in _META:
+        _META.clear()  # one model at a time
+        built = model.build(init_device="meta")
+        assert isinstance(built, Transformer)
+        _META[key] = built
+    return _META[key]
 
 
-def _local_numel(name: str, shape: tuple[int, ...], layout: Layout, coords: dict[str, int]) -> int:
-    """The shape rank ``coords`` holds of a tensor of ``shape``: TP first, then FSDP's dim 0."""
+def rank_tensors(model: TransformerConfig, layout: Layout, pp_rank: int = 0) -> tuple[Named, Named]:
+    """The unsharded parameters (a tied embedding once) and buffers that pipeline rank
+    ``pp_rank`` holds: the whole model's, or under PP its stages', built on ``meta`` as the
+    pipeline train module builds them."""
+    meta = _meta_model(model)
+    if layout.pp == 1:
+        return list(meta.named_parameters()), list(meta.named_buffers())
+    layers = split_layers(model.n_layers, layout.num_stages)
+    last = layout.num_stages - 1
+    stages = [
+        TransformerStage(meta, layers[s], first=s == 0, last=s == last)
+        for s in layout.stage_indices(pp_rank)
+    ]
+    buffers = [named for stage in stages for named in stage.named_buffers()]
+    return list(TransformerParts(stages).named_parameters()), buffers
+
+
+def _split_dim(style: ParallelStyle, module: nn.Module, param: str) -> int | None:
+    """The dim of ``module``'s parameter ``param`` that tensor-parallel ``style`` shards (as
+    torch's styles place them), or ``None``: replicated."""
+    if isinstance(style, FeatureShardedNorm):
+        return 0
+    embedding = isinstance(module, nn.Embedding)
+    if isinstance(style, ColwiseParallel):
+        return 1 if embedding else 0
+    if isinstance(style, RowwiseParallel):
+        return 0 if embedding else 1 if param == "weight" else None
+    return None  # sequence parallel norms, input preparation: whole on every rank
+
+
+def tensor_parallel_dims(model: TransformerConfig) -> dict[str, int]:
+    """Parameter name -> the dim tensor parallelism shards it along, read from
+    :mod:`olmolike.nn.parallel_plan`'s plan (a parameter not named is replicated)."""
+    meta = _meta_model(model)
+    plans: list[tuple[str, nn.Module, dict[str, ParallelStyle]]] = [("", meta, root_plan())]
+    qk_norm = model.qk_norm
+    plans += [(f"blocks.{i}.", b, block_plan(qk_norm)) for i, b in meta.blocks.named_children()]
+    dims = {}
+    for prefix, root, plan in plans:
+        for path, style in plan.items():
+            module = root.get_submodule(path)
+            for param, _ in module.named_parameters(recurse=False):
+                dim = _split_dim(style, module, param)
+                if dim is not None:
+                    dims[f"{prefix}{path}.{param}"] = dim
+    return dims
+
+
+def _local_numel(
+    name: str,
+    shape: tuple[int, ...],
+    layout: Layout,
+    coords: dict[str, int],
+    tp_dims: dict[str, int],
+) -> int:
+    """The elements rank ``coords`` holds of a tensor of ``shape``: TP first, then FSDP's dim 0."""
     local = list(shape)
-    module = _module_name(name)
-    if layout.tp > 1 and len(local) == 2:
-        dim = 0 if module in _COLWISE else 1 if module in _ROWWISE else None
-        if dim is not None:
-            local[dim] = chunk_size(local[dim], layout.tp, coords["tp"])
-    elif layout.tp > 1 and module in _FEATURE_SHARDED:
-        local[0] = chunk_size(local[0], layout.tp, coords["tp"])
+    dim = tp_dims.get(name)
+    if layout.tp > 1 and dim is not None:
+        local[dim] = chunk_size(local[dim], layout.tp, coords["tp"])
     if layout.dp_shard > 1 and local:
         local[0] = chunk_size(local[0], layout.dp_shard, coords["dp_shard"])
     return math.prod(local)
-
-
-_TENSORS: dict[str, tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]] = {}
-
-
-def model_tensors(
-    model: TransformerConfig,
-) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
-    """The model's parameters (a tied embedding once) and buffers, built on ``meta``: shapes
-    and dtypes exactly as training builds them, without memory. Cached: a plan asks for them
-    once per layout."""
-    key = repr(model)
-    if key not in _TENSORS:
-        meta = model.build(init_device="meta")
-        _TENSORS.clear()  # one model at a time
-        _TENSORS[key] = list(meta.named_parameters()), list(meta.named_buffers())
-    return _TENSORS[key]
 
 
 def _optim_states(optim: OptimConfig) -> tuple[int, int]:
@@ -170,73 +220,72 @@ def _optim_states(optim: OptimConfig) -> tuple[int, int]:
     )
 
 
+def _param_bytes(model: TransformerConfig, layout: Layout, rank: int) -> list[tuple[str, int]]:
+    """(name, bytes) of every parameter shard that ``rank`` holds."""
+    coords = layout.coordinates(rank)
+    tp_dims = tensor_parallel_dims(model) if layout.tp > 1 else {}
+    params, _ = rank_tensors(model, layout, coords["pp"])
+    return [
+        (name, _local_numel(name, tuple(p.shape), layout, coords, tp_dims) * p.element_size())
+        for name, p in params
+    ]
+
+
 def state_bytes(
     model: TransformerConfig, layout: Layout, optim: OptimConfig, rank: int = 0
 ) -> StateBytes:
     """Bytes of parameters, gradients, optimizer state and buffers that ``rank`` holds."""
-    coords = layout.coordinates(rank)
     states, per_tensor = _optim_states(optim)
-    params, buffers = model_tensors(model)
-    param_bytes = optim_bytes = 0
-    for name, p in params:
-        copies = _on_stage(name, model, layout.pp, coords["pp"])
-        numel = _local_numel(name, tuple(p.shape), layout, coords)
-        param_bytes += copies * numel * p.element_size()
-        optim_bytes += copies * (states * numel * p.element_size() + per_tensor)
-    buffer_bytes = sum(
-        b.numel() * b.element_size()
-        for name, b in buffers
-        if _on_stage(name, model, layout.pp, coords["pp"])
-    )
-    return StateBytes(param_bytes, param_bytes, optim_bytes, buffer_bytes)
+    shards = [size for _, size in _param_bytes(model, layout, rank)]
+    params = sum(shards)
+    _, buffers = rank_tensors(model, layout, layout.coordinates(rank)["pp"])
+    buffer_bytes = sum(b.numel() * b.element_size() for _, b in buffers)
+    return StateBytes(params, params, states * params + per_tensor * len(shards), buffer_bytes)
 
 
-def busiest_rank_state(model: TransformerConfig, layout: Layout, optim: OptimConfig) -> StateBytes:
-    """The state of the rank that holds the most (rank 0's shards are the largest; the
-    pipeline stage varies)."""
-    ranks = (stage * (layout.world_size // layout.pp) for stage in range(layout.pp))
-    return max((state_bytes(model, layout, optim, rank) for rank in ranks), key=lambda s: s.total)
-
-
-def layouts(gpus: int) -> Iterator[Layout]:
-    """Every ``pp x dp_replicate x dp_shard x tp`` with product ``gpus`` (``cp`` 1)."""
+def layouts(gpus: int, stages_per_rank: int = 1) -> Iterator[Layout]:
+    """Every ``pp x dp_replicate x dp_shard x tp`` with product ``gpus`` (``cp`` 1); pipelines
+    with ``stages_per_rank`` stages per rank."""
     for p in range(1, gpus + 1):
         for t in range(1, gpus // p + 1):
             if gpus % (p * t):
                 continue
             dp = gpus // (p * t)
+            v = stages_per_rank if p > 1 else 1
             for shard in range(1, dp + 1):
                 if dp % shard == 0:
-                    yield Layout(pp=p, dp_replicate=dp // shard, dp_shard=shard, tp=t)
+                    yield Layout(
+                        pp=p, dp_replicate=dp // shard, dp_shard=shard, tp=t, stages_per_rank=v
+                    )
 
 
 def gathered_bytes(
-    model: TransformerConfig, layout: Layout, dp: DataParallelConfig | None, state: StateBytes
+    model: TransformerConfig, layout: Layout, dp: DataParallelConfig | None, rank: int = 0
 ) -> int:
-    """Communication buffers of the rank that holds ``state``, during a step.
+    """Communication buffers of ``rank`` during a step.
 
     DDP: its gradient buckets, a second copy of the gradients (``gradient_as_bucket_view`` is
-    off). FSDP/HSDP: the gathered root (embedding, final norm, head: not resharded after
-    forward) and two gathered blocks (the one computing and the one prefetched; every block
-    of the stage with ``reshard_after_forward: false``), in ``param_dtype``; as rank 0 of the
-    busiest stage.
+    off). FSDP/HSDP: the gathered roots of its stages (embedding, final norm, head: not
+    resharded after forward) and two gathered blocks (the one computing and the one
+    prefetched; every block of the rank with ``reshard_after_forward: false``), in
+    ``param_dtype``.
     """
     if layout.data_parallel in ("ddp", "none"):
-        return state.grads if layout.data_parallel == "ddp" else 0
-    whole = Layout(pp=layout.pp, tp=layout.tp)  # the same ranks without the dp_shard cut
+        ddp = layout.data_parallel == "ddp"
+        return sum(size for _, size in _param_bytes(model, layout, rank)) if ddp else 0
+    whole = replace(layout, dp_replicate=1, dp_shard=1)  # the same ranks without the data cut
     gather_dtype = dp.param_dtype.as_pt() if dp is not None and dp.param_dtype else None
-    per_stage = []
-    for stage in range(layout.pp):
-        coords = {**layout.coordinates(0), "pp": stage}
-        root = block = 0
-        for name, p in model_tensors(model)[0]:
-            dtype = gather_dtype or p.dtype
-            size = _local_numel(name, tuple(p.shape), whole, coords) * dtype.itemsize
-            if name.startswith("blocks.0."):
-                block += size
-            elif not name.startswith("blocks."):
-                root += size * _on_stage(name, model, layout.pp, stage)
-        layers = stage_layers(model.n_layers, layout.pp, stage)
-        gathered = layers if dp is not None and not dp.reshard_after_forward else min(2, layers)
-        per_stage.append(root + gathered * block)
-    return max(per_stage)
+    coords = layout.coordinates(rank)
+    tp_dims = tensor_parallel_dims(model) if layout.tp > 1 else {}
+    root = 0
+    blocks: dict[str, int] = {}
+    for name, p in rank_tensors(model, layout, coords["pp"])[0]:
+        size = _local_numel(name, tuple(p.shape), whole, coords, tp_dims)
+        size *= (gather_dtype or p.dtype).itemsize
+        if name.startswith("blocks."):
+            index = name.split(".")[1]
+            blocks[index] = blocks.get(index, 0) + size
+        else:
+            root += size
+    gathered = len(blocks) if dp is not None and not dp.reshard_after_forward else 2
+    return root + sum(sorted(blocks.values(), reverse=True)[:gathered])

@@ -17,13 +17,15 @@ thus the cheapest layout where the whole model state fits on one GPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from ..distributed.parallel import DataParallelType
+from ..distributed.pipeline import PipelineParallelConfig
 from ..exceptions import ConfigurationError
 from ..nn import TransformerConfig
-from .activation_memory import activation_bytes
-from .memory_plan import Layout, StateBytes, busiest_rank_state, gathered_bytes, layouts
+from .activation_memory import activation_bytes, microbatches_in_flight
+from .memory_plan import Layout, StateBytes, gathered_bytes, layouts, state_bytes
 from .train_module.dpo import DPOTrainModuleConfig
 from .train_module.transformer import (
     ActivationCheckpointingConfig,
@@ -35,7 +37,7 @@ __all__ = ["RankMemory", "plan_report", "rank_memory"]
 
 GIB = 1024**3
 FULL_AC = ActivationCheckpointingConfig(mode=ActivationCheckpointingMode.full)
-MAX_ROWS = 12
+MAX_ROWS = 24
 _COMM = {
     "ddp": "DDP's gradient buckets",
     "fsdp": "FSDP's gathered root and blocks",
@@ -46,13 +48,15 @@ _COMM = {
 
 @dataclass(frozen=True)
 class RankMemory:
-    """The busiest rank's bytes under one layout and activation-checkpointing setting."""
+    """One rank's bytes under one layout and activation-checkpointing setting."""
 
     layout: Layout
     ac: ActivationCheckpointingConfig | None
     state: StateBytes
     gathered: int
     activations: int
+    pp_rank: int = 0
+    """The rank's pipeline rank (the rank is the first of its pipeline stage's ranks)."""
 
     @property
     def total(self) -> int:
@@ -84,34 +88,62 @@ def forward_tokens(module: TransformerTrainModuleConfig) -> int:
     return sides * module.rank_microbatch_size
 
 
+def microbatches(
+    module: TransformerTrainModuleConfig, layout: Layout, global_batch_size: int | None
+) -> int:
+    """Micro-batches per step on each data-parallel rank: the rank batch (``global_batch_size``
+    tokens over the data-parallel ranks) in ``rank_microbatch_size`` pieces; unknown, the
+    fewest 1F1B runs (one per pipeline rank)."""
+    if global_batch_size is None:
+        return layout.pp
+    return max(1, global_batch_size // (layout.dp * module.rank_microbatch_size))
+
+
+def pipeline_memory(
+    model: TransformerConfig,
+    module: TransformerTrainModuleConfig,
+    layout: Layout,
+    ac: ActivationCheckpointingConfig | None,
+    n_microbatches: int = 1,
+) -> list[RankMemory]:
+    """What each pipeline rank of ``layout`` needs (one entry without a pipeline) when
+    training ``model`` as ``module`` says, with activation checkpointing ``ac`` (which may
+    differ from the module's own) and ``n_microbatches`` per step."""
+    dtype_bytes, autocast = _compute_dtype_bytes(module, layout)
+    memories = []
+    for pp_rank, rank in enumerate(layout.pipeline_ranks()):
+        activations = activation_bytes(
+            model,
+            forward_tokens(module),
+            dtype_bytes,
+            ac,
+            autocast=autocast,
+            layout=layout,
+            microbatches=n_microbatches,
+            pp_rank=pp_rank,
+        )
+        state = state_bytes(model, layout, module.optim, rank)
+        gathered = gathered_bytes(model, layout, module.dp_config, rank)
+        memories.append(RankMemory(layout, ac, state, gathered, activations, pp_rank))
+    return memories
+
+
 def rank_memory(
     model: TransformerConfig,
     module: TransformerTrainModuleConfig,
     layout: Layout,
     ac: ActivationCheckpointingConfig | None,
+    n_microbatches: int = 1,
 ) -> RankMemory:
-    """What the busiest rank of ``layout`` needs when training ``model`` as ``module`` says,
-    with activation checkpointing ``ac`` (which may differ from the module's own)."""
-    state = busiest_rank_state(model, layout, module.optim)
-    dtype_bytes, autocast = _compute_dtype_bytes(module, layout)
-    activations = activation_bytes(
-        model,
-        forward_tokens(module),
-        dtype_bytes,
-        ac,
-        autocast=autocast,
-        tp=layout.tp,
-        pp=layout.pp,
-    )
-    return RankMemory(
-        layout, ac, state, gathered_bytes(model, layout, module.dp_config, state), activations
-    )
+    """The busiest rank of ``layout`` (:func:`pipeline_memory`)."""
+    return max(pipeline_memory(model, module, layout, ac, n_microbatches), key=lambda m: m.total)
 
 
 def config_layout(
     module: TransformerTrainModuleConfig, gpus: int, gpus_per_node: int, tp: int, pp: int
 ) -> Layout:
-    """The layout the train module's ``dp_config`` gives on ``gpus`` GPUs, with ``tp``/``pp``."""
+    """The layout the train module's ``dp_config`` gives on ``gpus`` GPUs, with ``tp``/``pp``
+    (and ``pp_config``'s schedule)."""
     for flag, degree in (("--tp", tp), ("--pp", pp)):
         if degree < 1 or gpus % degree:
             raise ConfigurationError(
@@ -122,12 +154,13 @@ def config_layout(
             f"--tp {tp} x --pp {pp} = {tp * pp} does not divide --gpus {gpus}; "
             f"pick degrees whose product divides {gpus}"
         )
+    schedule = _schedule(module, pp)
     dp_ranks = gpus // (tp * pp)
     dp = module.dp_config
     if dp is None or dp.name == DataParallelType.ddp:
-        return Layout(pp=pp, dp_replicate=dp_ranks, tp=tp)
+        return Layout(pp=pp, dp_replicate=dp_ranks, tp=tp, **schedule)
     if dp.name == DataParallelType.fsdp:
-        return Layout(pp=pp, dp_shard=dp_ranks, tp=tp)
+        return Layout(pp=pp, dp_shard=dp_ranks, tp=tp, **schedule)
     replicas = dp.num_replicas or max(1, gpus // gpus_per_node)
     if dp_ranks % replicas:
         raise ConfigurationError(
@@ -135,26 +168,58 @@ def config_layout(
             f"ranks of --gpus {gpus}; set --train_module.dp_config.num_replicas to a divisor "
             f"of {dp_ranks} or change --gpus-per-node"
         )
-    return Layout(pp=pp, dp_replicate=replicas, dp_shard=dp_ranks // replicas, tp=tp)
+    return Layout(pp=pp, dp_replicate=replicas, dp_shard=dp_ranks // replicas, tp=tp, **schedule)
+
+
+def _schedule(module: TransformerTrainModuleConfig, pp: int) -> dict[str, Any]:
+    """The config's pipeline schedule and stages per rank (1F1B without ``pp_config``)."""
+    config = module.pp_config or PipelineParallelConfig()
+    return {"schedule": config.schedule, "stages_per_rank": config.local_stages if pp > 1 else 1}
 
 
 def _splits_heads(model: TransformerConfig, tp: int) -> bool:
     return bool(model.n_heads % tp or model.kv_heads % tp)
 
 
-def check_model_split(model: TransformerConfig, layout: Layout) -> None:
-    """Refuse a TP degree that splits attention heads or a PP degree above the block count."""
+def _pipeline_refusal(
+    model: TransformerConfig, module: TransformerTrainModuleConfig, layout: Layout, n: int
+) -> str | None:
+    """Why training refuses ``layout``'s pipeline (``None``: it runs), as the fix to print."""
+    if layout.pp == 1:
+        return None
+    if module.pipeline_refusal:
+        return f"{type(module).__name__} does not run pipelined: {module.pipeline_refusal}"
+    if model.tie_weights:
+        return "a pipeline cannot tie the embedding to the head; set model.tie_weights=false"
+    if layout.num_stages > model.n_layers:
+        return (
+            f"--pp {layout.pp} x {layout.stages_per_rank} stages per rank is more pipeline "
+            f"stages than the model's {model.n_layers} blocks; pick --pp <= "
+            f"{model.n_layers // layout.stages_per_rank}"
+        )
+    pipeline = PipelineParallelConfig(
+        degree=layout.pp, schedule=layout.schedule, stages_per_rank=layout.stages_per_rank
+    )
+    try:
+        pipeline.check_microbatches(n)
+    except ConfigurationError as e:
+        return str(e)
+    return None
+
+
+def check_model_split(
+    model: TransformerConfig, module: TransformerTrainModuleConfig, layout: Layout, n: int
+) -> None:
+    """Refuse a TP degree that splits attention heads, or a pipeline training refuses."""
     if _splits_heads(model, layout.tp):
         raise ConfigurationError(
             f"tensor parallelism {layout.tp} must divide n_heads ({model.n_heads}) and "
             f"n_kv_heads ({model.kv_heads}) so that no head is split; pick --tp among "
             f"{', '.join(map(str, _tp_choices(model)))}"
         )
-    if layout.pp > model.n_layers:
-        raise ConfigurationError(
-            f"--pp {layout.pp} is more pipeline stages than the model's {model.n_layers} "
-            f"blocks; pick --pp <= {model.n_layers}"
-        )
+    refusal = _pipeline_refusal(model, module, layout, n)
+    if refusal:
+        raise ConfigurationError(refusal)
 
 
 def _tp_choices(model: TransformerConfig) -> list[int]:
@@ -162,19 +227,27 @@ def _tp_choices(model: TransformerConfig) -> list[int]:
 
 
 def fitting(
-    model: TransformerConfig, module: TransformerTrainModuleConfig, gpus: int, limit: int
+    model: TransformerConfig,
+    module: TransformerTrainModuleConfig,
+    gpus: int,
+    limit: int,
+    global_batch_size: int | None = None,
 ) -> tuple[list[RankMemory], RankMemory | None]:
     """The cheapest way each layout of ``gpus`` fits in ``limit`` bytes, cheapest first; and
-    if none fits, the layout that comes closest."""
+    if none fits, the layout that comes closest. Pipelines run the config's schedule (1F1B
+    without ``pp_config``)."""
     options: list[ActivationCheckpointingConfig | None] = [None, FULL_AC]
     if module.ac_config is not None and module.ac_config.mode != ActivationCheckpointingMode.full:
         options.insert(1, module.ac_config)
+    schedule = _schedule(module, pp=2)
     fits, closest = [], None
-    for layout in layouts(gpus):
-        if _splits_heads(model, layout.tp) or layout.pp > model.n_layers:
+    for layout in layouts(gpus, schedule["stages_per_rank"]):
+        layout = replace(layout, schedule=schedule["schedule"])
+        n = microbatches(module, layout, global_batch_size)
+        if _splits_heads(model, layout.tp) or _pipeline_refusal(model, module, layout, n):
             continue
         for ac in options:
-            memory = rank_memory(model, module, layout, ac)
+            memory = rank_memory(model, module, layout, ac, n)
             if memory.total <= limit:
                 fits.append(memory)
                 break
@@ -188,24 +261,45 @@ def _gib(n: int) -> str:
     return f"{n / GIB:9.3f}"
 
 
+def _pipeline_lines(layout: Layout, n: int, ranks: list[RankMemory]) -> list[str]:
+    """Under a pipeline: its schedule, and each pipeline rank's total and micro-batches in
+    flight (the ranks of different stages hold different bytes)."""
+    if layout.pp == 1:
+        return []
+    per_rank = "; ".join(
+        f"pp {m.pp_rank}: {m.total / GIB:.3f} GiB, "
+        f"{microbatches_in_flight(layout, n, m.pp_rank)} in flight"
+        for m in ranks
+    )
+    return [
+        f"pipeline: {layout.schedule}, {layout.stages_per_rank} stage(s) per rank, {n} "
+        f"micro-batches per step; per pipeline rank (as configured): {per_rank}"
+    ]
+
+
 def plan_report(
     model: TransformerConfig,
     module: TransformerTrainModuleConfig,
     layout: Layout,
     gpu_memory_gib: float,
     reserve_gib: float,
+    global_batch_size: int | None = None,
 ) -> str:
-    """The text ``olmolike plan`` prints."""
-    check_model_split(model, layout)
+    """The text ``olmolike plan`` prints; ``global_batch_size`` (tokens per step) gives a
+    pipeline its micro-batch count."""
+    n = microbatches(module, layout, global_batch_size)
+    check_model_split(model, module, layout, n)
     limit = int((gpu_memory_gib - reserve_gib) * GIB)
     if limit <= 0:
         raise ConfigurationError(
             f"--gpu-memory {gpu_memory_gib:g} GiB leaves nothing after --reserve "
             f"{reserve_gib:g} GiB; give the GPU's memory in GiB (80 for an H100)"
         )
-    plain = rank_memory(model, module, layout, None)
-    checkpointed = rank_memory(model, module, layout, module.ac_config or FULL_AC)
-    configured = checkpointed if module.ac_config is not None else plain
+    configured = pipeline_memory(model, module, layout, module.ac_config, n)
+    busiest = max(configured, key=lambda m: m.total)
+    plain = pipeline_memory(model, module, layout, None, n)[busiest.pp_rank]
+    checkpointed = pipeline_memory(model, module, layout, module.ac_config or FULL_AC, n)
+    checkpointed_busiest = checkpointed[busiest.pp_rank]
     dtype_bytes, autocast = _compute_dtype_bytes(module, layout)
     lines = [
         f"model: {model.num_params():,} parameters; {forward_tokens(module):,} tokens per "
@@ -219,20 +313,23 @@ def plan_report(
         f"  buffers           {_gib(plain.state.buffers)}   (RoPE tables)",
         f"  comm buffers      {_gib(plain.gathered)}   ({_COMM[layout.data_parallel]})",
         f"  activations       {_gib(plain.activations)}   without activation checkpointing",
-        f"                    {_gib(checkpointed.activations)}   with {checkpointed.ac_name} "
+        f"                    {_gib(checkpointed_busiest.activations)}   with "
+        f"{checkpointed_busiest.ac_name} "
         "activation checkpointing",
-        f"  total             {_gib(configured.total)}   (activation checkpointing: "
-        f"{configured.ac_name}, as configured)",
+        f"  total             {_gib(busiest.total)}   (activation checkpointing: "
+        f"{busiest.ac_name}, as configured)",
+        *_pipeline_lines(layout, n, configured),
         "activations per token: block 2(8+a)d + a(2d+2kv+4h) + 4(H+2); outside the blocks "
-        "(8+a)d + 4 + (a+4)V; a checkpointed block a*d; divided by tp, times pp - stage "
-        "micro-batches in flight (docs/memory-planner.md)",
+        "(8+a)d + 4 + (a+4)V; a checkpointed block a*d; divided by tp; under a pipeline, times "
+        "the micro-batches its schedule holds (GPipe n, 1F1B pp - r on pipeline rank r) "
+        "(docs/memory-planner.md)",
     ]
     if type(module) is not TransformerTrainModuleConfig:
         lines.append(
             f"note: this counts the trained model only; {type(module).__name__}'s other "
             "models (a frozen reference, rollouts) come on top"
         )
-    fits, closest = fitting(model, module, layout.world_size, limit)
+    fits, closest = fitting(model, module, layout.world_size, limit, global_batch_size)
     if not fits:
         assert closest is not None
         raise ConfigurationError(
@@ -241,9 +338,11 @@ def plan_report(
             f"{closest.ac_name} activation checkpointing, needs {closest.total / GIB:.2f} GiB "
             "per GPU; add GPUs, use larger GPUs or lower train_module.rank_microbatch_size"
         )
+    schedule = _schedule(module, pp=2)
     lines.append(
         f"layouts that fit in {gpu_memory_gib:g} GiB less {reserve_gib:g} GiB reserve, "
-        "cheapest (least communication and recomputation) first:"
+        f"cheapest (least communication and recomputation) first; pipelines run "
+        f"{schedule['schedule']} with {schedule['stages_per_rank']} stage(s) per rank:"
     )
     lines.append("     pp  dp_replicate  dp_shard   tp  data-par  act-ckpt   GiB/GPU")
     for m in fits[:MAX_ROWS]:

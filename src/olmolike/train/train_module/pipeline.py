@@ -272,6 +272,7 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
             schedule.step(
                 *([input_ids] if self.is_first_stage_rank else []),
                 target=labels if self.is_last_stage_rank else None,
+                return_outputs=False,  # else the last stage keeps every micro-batch's logits
                 **_doc_kwargs(docs),
             )
         # The schedule's first step also runs the loss on placeholder tensors to learn the
