@@ -201,10 +201,10 @@ def completion_logps(
     # The logits that predict completion token j sit at position start + j - 1.
     positions = batch.completion_start[:, None] - 1 + torch.arange(width, device=logits.device)
     picked = gather_positions(logits, positions)
-    if vocab_size is not None:
-        picked = limit_vocab(picked, vocab_size)
     if temperature != 1.0:
         picked = picked / temperature
+    if vocab_size is not None:  # after the division, which could take a masked id to -inf
+        picked = limit_vocab(picked, vocab_size)
     labels = batch.completion_ids.masked_fill(batch.completion_mask == 0, -100)
     logps = log_probs_of_labels(picked, labels)
     entropy = token_entropy(picked.detach(), batch.completion_mask) if with_entropy else None
