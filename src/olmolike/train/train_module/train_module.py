@@ -45,9 +45,10 @@ class TrainModule(ABC):
     dp_process_group: dist.ProcessGroup | None = None
     """The data-parallel group: the ranks that see different batches. Under tensor
     parallelism it is smaller than the world; the trainer checks the data loader against it.
-    When distributed it is always a group (the default group when every rank sees its own
-    batches), ``None`` only on one process: helpers that take ``None`` as "one process" (the
-    GRPO loss's) then need no special case."""
+    olmolike's train modules set it to a group whenever distributed (the default group when
+    every rank sees its own batches; ``data_parallel_group()``), ``None`` only on one
+    process: helpers that take ``None`` as "one process" (the GRPO loss's) then need no
+    special case. The class default ``None`` (a module that sets nothing) means all ranks."""
 
     def __init__(self) -> None:
         self._trainer: Trainer | None = None
