@@ -11,9 +11,13 @@ import importlib
 import platform
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from . import __version__
 from .exceptions import ConfigurationError, DiskFullError, OLMoLikeError, RankLostError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -145,10 +149,43 @@ def _add_unshard_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if args.tp < 1:
+        raise ConfigurationError(f"must be >= 1, got {args.tp}", path="tp")
+    if args.tp == 1:
+        return _sample_and_print(args, args.device)
+    import torch
+
+    from .distributed.utils import get_local_rank, is_distributed, launched_distributed
+    from .train import prepare_training_environment, teardown_training_environment
+
+    if not (is_distributed() or launched_distributed()):
+        raise ConfigurationError(
+            f"splits the model over {args.tp} ranks: launch with torchrun "
+            f"--nproc-per-node={args.tp} olmolike generate ... --tp {args.tp}",
+            path="tp",
+        )
+    prepared = not is_distributed()
+    if prepared:
+        prepare_training_environment()
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # each rank its own GPU
+        device = torch.device("cuda", get_local_rank())
+    try:
+        return _sample_and_print(args, device)
+    finally:
+        if prepared:
+            teardown_training_environment()
+
+
+def _sample_and_print(args: argparse.Namespace, device: str | torch.device) -> int:
+    """Load the checkpoint (split over ``args.tp`` ranks) and print the samples; under tensor
+    parallelism every rank samples the same text and rank 0 prints it."""
+    from .distributed.utils import get_rank
     from .inference import generate_text, load_checkpoint_model
 
     try:
-        loaded = load_checkpoint_model(args.checkpoint, device=args.device)
+        loaded = load_checkpoint_model(args.checkpoint, device=device, tensor_parallel=args.tp)
+        printing = get_rank() == 0
         for i in range(args.num_samples):
             text = generate_text(
                 loaded,
@@ -160,8 +197,9 @@ def _generate(args: argparse.Namespace) -> int:
                 seed=args.seed + i,
                 use_cache=args.use_cache,
             )
-            print(args.prompt + text)
-            if i + 1 < args.num_samples:
+            if printing:
+                print(args.prompt + text)
+            if printing and i + 1 < args.num_samples:
                 print("-" * 40)
     except ValueError as e:  # bad sampling arguments
         print(f"error: {e}", file=sys.stderr)
@@ -222,6 +260,15 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
         action="store_false",
         help="recompute the whole context for every token instead of caching keys and values "
         "(slower, the same text; default: cache on)",
+    )
+    generate.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N ranks with tensor parallelism, for a model too large for "
+        "one device: run under torchrun --nproc-per-node=N; loads a checkpoint of any layout "
+        "and prints the text one process prints (default: %(default)s)",
     )
     generate.set_defaults(run=_generate)
 

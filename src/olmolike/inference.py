@@ -3,6 +3,10 @@
 A checkpoint (``{save_folder}/step{N}``) holds the weights; the experiment's ``config.json``
 (written by :class:`~olmolike.train.callbacks.ConfigSaverCallback`) in the checkpoint folder
 or the save folder above it says how to build the model and which tokenizer it was trained with.
+
+A model too large for one device is loaded split over ``tensor_parallel`` ranks (``olmolike
+generate --tp N`` under ``torchrun --nproc-per-node=N``): DCP reads a checkpoint of any layout
+into the split model, and every rank samples the same tokens (:mod:`olmolike.nn.generation`).
 """
 
 from __future__ import annotations
@@ -16,16 +20,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from . import io
 from .data.numpy_dataset import NumpyDatasetConfig
 from .data.tokenizer import Tokenizer, TokenizerConfig
 from .distributed.checkpoint import load_model_and_optim_state
 from .distributed.checkpoint_format import MODEL_AND_OPTIM
+from .distributed.utils import get_world_size, is_distributed
 from .exceptions import CheckpointError, ConfigurationError, DataError
 from .nn import Transformer, TransformerConfig
 from .nn.generation import generate
 from .nn.hf_export import export_hf
+from .nn.parallel_plan import apply_tensor_parallel
 from .train.callbacks.evaluator import LMEvaluator
 from .train.checkpoint import Checkpointer
 from .train.train_module import BasicTrainModule
@@ -82,12 +89,14 @@ def resolve_checkpoint(path: str) -> str:
 
 
 def load_checkpoint_model(
-    checkpoint: str | Path, *, device: torch.device | str = "cpu"
+    checkpoint: str | Path, *, device: torch.device | str = "cpu", tensor_parallel: int = 1
 ) -> LoadedCheckpoint:
-    """Build the model a checkpoint was trained with and load its weights (no process group).
+    """Build the model a checkpoint was trained with and load its weights.
 
     ``checkpoint`` is a checkpoint folder (``.../step1000``) or a save folder, which means its
-    newest complete checkpoint.
+    newest complete checkpoint. Without ``tensor_parallel`` no process group is needed; with
+    ``tensor_parallel=N`` the model is split over the N ranks of the job (every rank calls
+    this), each materialising and loading only its own shards.
     """
     checkpoint = resolve_checkpoint(str(checkpoint))
     weights = io.join_path(checkpoint, MODEL_AND_OPTIM)
@@ -98,11 +107,26 @@ def load_checkpoint_model(
                 f"the experiment config of {checkpoint} has no {section!r} section"
             )
     model_config = TransformerConfig.from_dict(_without_class(config["model"]), path="model")
-    model = model_config.build(init_device="meta").materialize(torch.device(device))
+    model = model_config.build(init_device="meta")
+    if tensor_parallel > 1:
+        apply_tensor_parallel(model, _tensor_parallel_mesh(tensor_parallel, torch.device(device)))
+    model = model.materialize(torch.device(device))
     load_model_and_optim_state(weights, model)
     model.eval()
     tokenizer = TokenizerConfig.from_dict(_without_class(config["tokenizer"])).build()
     return LoadedCheckpoint(model, tokenizer, config)
+
+
+def _tensor_parallel_mesh(degree: int, device: torch.device) -> DeviceMesh:
+    """A 1-D mesh over every rank of the job, which must have ``degree`` ranks."""
+    world = get_world_size() if is_distributed() else 1
+    if world != degree:
+        raise ConfigurationError(
+            f"splits the model over {degree} ranks, but this job has {world}: launch it with "
+            f"torchrun --nproc-per-node={degree} (or drop --tp)",
+            path="tp",
+        )
+    return init_device_mesh(device.type, (degree,), mesh_dim_names=("tp",))
 
 
 def _without_class(section: dict[str, Any]) -> dict[str, Any]:

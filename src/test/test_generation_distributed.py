@@ -1,4 +1,5 @@
-"""Sampling from DDP- and FSDP2-wrapped models on 2 gloo ranks, each rank with its own prompts.
+"""Sampling from DDP- and FSDP2-wrapped models on 2 gloo ranks, each rank with its own prompts,
+and from a tensor-parallel model (TP=2 x FSDP=2 on 4 ranks).
 
 Rank 0's sequences stop after a few tokens, rank 1's run to ``max_new_tokens``: with FSDP2
 every forward call gathers parameters, so rank 0 must keep stepping until rank 1 is done (a
@@ -132,3 +133,55 @@ def test_a_rank_stopped_at_the_first_token_steps_on_without_sampling() -> None:
     assert ranks[0]["calls"] == ranks[1]["calls"] == NEW_TOKENS
     for result in ranks:
         assert result["equal"] and result["same_draws"], result
+
+
+TP_CONFIG = TransformerConfig(
+    vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, qk_norm=True,
+    block_type="reordered_norm", max_sequence_length=24,
+)  # fmt: skip
+
+
+def sample_tensor_parallel() -> dict[str, Any]:
+    """Each data-parallel rank samples its own prompts from a TP=2 x FSDP=2 model; the ranks of
+    a tensor-parallel group pass the same prompts and seed (as GRPO does)."""
+    from olmolike.distributed.mesh import ParallelDegrees, build_device_mesh
+    from olmolike.nn.parallel_plan import apply_tensor_parallel
+
+    degrees = ParallelDegrees.resolve(4, tp=2)
+    mesh = build_device_mesh(degrees, "cpu")
+    model, alone = TP_CONFIG.build(seed=0), TP_CONFIG.build(seed=0)
+    apply_tensor_parallel(model, mesh["tp"])
+    apply_fsdp(model, mesh["dp_shard"])
+    dp_rank = degrees.dp_rank(dist.get_rank())
+    prompts = rank_prompts(dp_rank)
+
+    def run(m: torch.nn.Module, seed: int | None) -> torch.Tensor:
+        generator = None if seed is None else torch.Generator().manual_seed(seed + dp_rank)
+        out = sample(
+            m, prompts, max_new_tokens=NEW_TOKENS, temperature=0 if seed is None else 1.0,
+            top_p=0.9, vocab_size=60, generator=generator,
+        )  # fmt: skip
+        return out.completion_ids
+
+    return {
+        "dp_rank": dp_rank,
+        "greedy": run(model, None),
+        "greedy_alone": run(alone, None),
+        "sampled": run(model, 11),
+        "sampled_alone": run(alone, 11),
+    }
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_model_samples_what_one_process_samples() -> None:
+    """Greedy and seeded sampling through the split attention (the KV cache holds each rank's
+    heads) and the vocabulary-sharded head give one process's tokens, on every rank."""
+    ranks = run_distributed_test(sample_tensor_parallel, 4, timeout=240)
+    assert [r["dp_rank"] for r in ranks] == [0, 0, 1, 1]
+    for result in ranks:
+        for kind in ("greedy", "sampled"):
+            assert torch.equal(result[kind], result[f"{kind}_alone"]), (result["dp_rank"], kind)
+    # The data-parallel ranks sampled their own prompts: different completions.
+    assert ranks[0]["sampled"].shape != ranks[2]["sampled"].shape or not torch.equal(
+        ranks[0]["sampled"], ranks[2]["sampled"]
+    )

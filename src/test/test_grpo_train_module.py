@@ -286,5 +286,9 @@ def test_bad_configs_are_refused(tmp_path: Path) -> None:
         build(tmp_path, rewards=[RewardConfig("nope")])
     with pytest.raises(ConfigurationError, match="sync_interval"):
         GRPOTrainModuleConfig(rewards=[RewardConfig("digits")], sync_interval=2)
+    in_tokens = LinearWithWarmup(warmup=3, units="tokens")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="counts optimizer updates") as info:
+        GRPOTrainModuleConfig(rewards=[RewardConfig("digits")], scheduler=in_tokens)
+    assert info.value.path == "scheduler.units"
     with pytest.raises(ConfigurationError, match="num_minibatches"):
         build(tmp_path, module_kwargs={"num_minibatches": 3})

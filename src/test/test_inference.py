@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -11,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from testutils import run_distributed_test
 
 from olmolike.cli import main
 from olmolike.data import TokenTensorDataLoader
@@ -267,3 +270,30 @@ def test_cli_generate_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]
     text = " ".join(capsys.readouterr().out.split())
     for default in ("(default: 200)", "(default: 0.8)", "(default: 40)", "default: cache on"):
         assert default in text
+
+
+def _generate_split(save: str, args: list[str]) -> str:
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["generate", save, "--tp", "2", *args]) == 0
+    return printed.getvalue()
+
+
+@pytest.mark.slow
+def test_cli_generate_splits_the_model_over_tensor_parallel_ranks(
+    run: Run, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A one-process checkpoint, loaded into a model split over 2 ranks (DCP reshards it),
+    samples the text one process samples; rank 0 prints it, once."""
+    args = ["--prompt", "ab", "--max-new-tokens", "12", "--seed", "3", "--num-samples", "2"]
+    assert main(["generate", str(run.save), *args]) == 0
+    alone = capsys.readouterr().out
+    ranks = run_distributed_test(_generate_split, 2, args=(str(run.save), args), timeout=180)
+    assert ranks == [alone, ""]
+
+
+def test_cli_generate_split_without_a_launcher_says_how_to_launch(
+    run: Run, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["generate", str(run.save), "--tp", "2"]) == 2
+    assert "torchrun --nproc-per-node=2" in capsys.readouterr().err

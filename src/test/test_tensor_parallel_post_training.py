@@ -1,26 +1,43 @@
 """SFT and DPO from experiment files under TP=2 x FSDP=2, with the layout given as dotted
 overrides (``--train_module.tp_config.degree=2``): the losses equal one process's, and the
-checkpoint unshards and exports to Hugging Face as one process's does. GRPO refuses tensor
-parallelism with the reason."""
+checkpoint unshards and exports to Hugging Face as one process's does. GRPO under TP=2 x FSDP=2
+trains as FSDP=2 alone does (the same rollouts, losses and weights)."""
 
 from __future__ import annotations
 
 import json
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from test_train_kinds import experiment, metrics, preference_pairs
 from testutils import run_distributed_test
+from torch.distributed.tensor import DTensor
 
 from olmolike.cli import main
 from olmolike.data import prepare_sft_data
+from olmolike.data.prompts import PromptDataLoader, PromptRecord
 from olmolike.data.sft_dataset import SFTDatasetConfig
-from olmolike.exceptions import ConfigurationError
+from olmolike.data.tokenizer import ByteTokenizer
+from olmolike.distributed.parallel import DataParallelConfig, DataParallelType
+from olmolike.distributed.tensor_parallel import TensorParallelConfig
+from olmolike.distributed.utils import broadcast_object, get_rank
 from olmolike.experiment import load_experiment, train
+from olmolike.nn import TransformerConfig
+from olmolike.optim import AdamWConfig
+from olmolike.train import Callback, Duration, TrainerConfig
 from olmolike.train.train_module import TransformerTrainModuleConfig
 from olmolike.train.train_module.dpo import DPOTrainModuleConfig
-from olmolike.train.train_module.grpo import GRPOTrainModuleConfig, RewardConfig
+from olmolike.train.train_module.grpo import (
+    GRPOLossConfig,
+    GRPOTrainModuleConfig,
+    RewardConfig,
+    RewardRegistry,
+    SamplingConfig,
+)
 
 SEQ = 64
 LAYOUT = ["--train_module.tp_config.degree=2", "--train_module.dp_config.name=fsdp"]
@@ -96,9 +113,74 @@ def test_sft_and_dpo_train_under_tensor_parallel_with_fsdp(tmp_path: Path) -> No
             torch.testing.assert_close(got_weights[key], value, rtol=0, atol=1e-5, msg=key)
 
 
-def test_grpo_refuses_tensor_parallelism_with_the_reason() -> None:
-    with pytest.raises(ConfigurationError, match="per-rank seed") as info:
-        GRPOTrainModuleConfig(
-            rank_microbatch_size=SEQ, rewards=[RewardConfig(name="exact_answer")]
-        ).merge(["--tp_config.degree=2"])
-    assert "tp_config.degree=1" in str(info.value)
+GRPO_MODEL = TransformerConfig(
+    vocab_size=264, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, qk_norm=True,
+    block_type="reordered_norm", max_sequence_length=24,
+)  # fmt: skip
+GRPO_RECORDS = [PromptRecord(f"{i}+{i % 3}=", {"answer": str(i + i % 3)}) for i in range(16)]
+
+
+def _grpo(tp: int) -> dict[str, Any]:
+    """Two GRPO steps on 2 data-parallel ranks (FSDP), each split over ``tp`` ranks: two
+    updates per step, a KL reference, the batch reward std, a model vocabulary padded past the
+    tokenizer's (264 = 258 + padding, so each TP rank holds half)."""
+    registry = RewardRegistry()
+    registry.register("digits", lambda completions, **_: [sum(c.isdigit() for c in s) / 4 for s in completions])  # fmt: skip
+    module = GRPOTrainModuleConfig(
+        rank_microbatch_size=48,
+        optim=AdamWConfig(lr=1e-3),
+        max_grad_norm=1.0,
+        loss=GRPOLossConfig(group_size=4, kl_coef=0.05, scale_rewards="batch"),  # type: ignore[arg-type]
+        sampling=SamplingConfig(max_new_tokens=6, top_k=40),
+        rewards=[RewardConfig("digits")],
+        num_minibatches=2,
+        seed=3,
+        dp_config=DataParallelConfig(name=DataParallelType.fsdp),
+        tp_config=TensorParallelConfig(degree=tp),
+    ).build(GRPO_MODEL.build(seed=0), tokenizer=ByteTokenizer(), registry=registry)
+    degrees = module.layout.degrees
+    loader = PromptDataLoader(
+        GRPO_RECORDS, prompts_per_rank=2, seed=1, dp_world_size=degrees.dp,
+        dp_rank=degrees.dp_rank(get_rank()),
+    )  # fmt: skip
+    watcher = MetricsWatcher()
+    trainer = TrainerConfig(
+        save_folder=broadcast_object(tempfile.mkdtemp()), metrics_collect_interval=1,
+        device="cpu", no_checkpoints=True, max_duration=Duration.steps(2),
+        callbacks={"log": watcher},
+    ).build(module, loader)  # fmt: skip
+    trainer.fit()
+    weights = {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in module.model.named_parameters()
+    }
+    return {"metrics": watcher.log, "weights": weights}
+
+
+@dataclass
+class MetricsWatcher(Callback):
+    log: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self.log[step] = dict(metrics)
+
+
+@pytest.mark.slow
+def test_grpo_trains_under_tensor_parallel_with_fsdp() -> None:
+    """The TP groups sample their data-parallel rank's completions (the same on both TP ranks,
+    the same as FSDP alone samples), and losses, entropy, KL and weights follow FSDP alone's
+    (which equals one process's: test_uneven_ranks). Without the data-parallel seed the TP
+    ranks draw different tokens (other rewards); without the vocab-parallel log-probs the
+    sharded logits cannot be sliced and gathered."""
+    split = run_distributed_test(_grpo, 4, args=(2,), timeout=300)[0]
+    alone = run_distributed_test(_grpo, 2, args=(1,), timeout=300)[0]
+    assert sorted(split["metrics"]) == sorted(alone["metrics"]) == [1, 2]
+    for step, want in alone["metrics"].items():
+        got = split["metrics"][step]
+        for name in ("train/reward/mean", "train/completion length/mean"):
+            assert got[name] == want[name], (step, name)  # the same completions
+        for name in ("train/GRPO loss", "train/entropy", "train/KL", "optim/total grad norm"):
+            assert got[name] == pytest.approx(want[name], abs=1e-5), (step, name)
+    assert split["weights"].keys() == alone["weights"].keys()
+    for name, value in alone["weights"].items():
+        torch.testing.assert_close(split["weights"][name], value, rtol=0, atol=1e-5, msg=name)

@@ -137,6 +137,8 @@ def _lm_step(kind: str) -> dict[str, Any]:
         "grads": full_grads(module.model),
         "calls": len(calls),
         "agreed": agree_counts([rank + 1, 5]),
+        # A process group whenever distributed: None would read as "one process" to helpers.
+        "dp_group_is_world": module.dp_process_group is torch.distributed.group.WORLD,
     }
 
 
@@ -172,6 +174,7 @@ def test_uneven_rows_lengths_and_documents(kind: str) -> None:
     for result in ranks:
         assert_same_grads(result["grads"], want)
         assert result["agreed"].max == [2, 5] and result["agreed"].sum == [3, 10]
+        assert result["dp_group_is_world"]
 
 
 def test_one_process_agrees_with_itself_without_a_collective() -> None:

@@ -9,6 +9,11 @@ vocab-parallel cross-entropy). The all-reduces are DTensor redistributions (``Pa
 ``Replicate``), so autograd differentiates through them and backward works outside any
 context manager (unlike torch's ``loss_parallel()``, which must also wrap ``backward()`` and
 has no label smoothing).
+
+Sampling-time views of such logits stay sharded too: :func:`gather_positions` picks the
+positions that predict a completion, :func:`limit_vocab` hides the ids a tokenizer cannot
+decode (a padded vocabulary's tail) by masking, not slicing, and
+:meth:`VocabParallelLogits.entropy` gives each token's entropy from the same three numbers.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Shard
 
-__all__ = ["VocabParallelLogits", "is_vocab_parallel"]
+__all__ = ["VocabParallelLogits", "gather_positions", "is_vocab_parallel", "limit_vocab"]
 
 
 def is_vocab_parallel(logits: Tensor) -> bool:
@@ -44,13 +49,19 @@ class VocabParallelLogits:
     vocab_size: int
     """The whole vocabulary's size (the logits' last dimension)."""
 
-    @classmethod
-    def of(cls, logits: Tensor) -> VocabParallelLogits:
+    @staticmethod
+    def check(logits: Tensor) -> DTensor:
+        """``logits`` as a DTensor sharded on its last dimension over a 1-D mesh, or raise."""
         if not isinstance(logits, DTensor) or logits.placements != (Shard(logits.dim() - 1),):
             raise ValueError(
                 "vocab-parallel losses need logits sharded on their last dimension over a "
                 f"1-D tensor-parallel mesh, got {getattr(logits, 'placements', 'a plain tensor')}"
             )
+        return logits
+
+    @classmethod
+    def of(cls, logits: Tensor) -> VocabParallelLogits:
+        logits = cls.check(logits)
         vocab = logits.shape[-1]
         local = logits.to_local().reshape(-1, logits.to_local().shape[-1]).float()
         with torch.no_grad():  # the shift cancels in the gradient: keep it out of the graph
@@ -73,6 +84,41 @@ class VocabParallelLogits:
     def sum_over_vocab(self, per_entry: Tensor) -> Tensor:
         """(N,) the sum over the vocabulary of ``per_entry``, an (N, V / tp) local slice."""
         return _combine(self.dtensor, per_entry.sum(-1))
+
+    def entropy(self) -> Tensor:
+        """(N,) the entropy (nats) of each token's distribution: ``logsumexp - sum(p * logit)``.
+        A masked id (:func:`limit_vocab`) has ``p = 0`` and a finite logit, so adds nothing."""
+        probs = (self.local - self.logsumexp[:, None]).exp()
+        return self.logsumexp - self.sum_over_vocab(probs * self.local)
+
+
+def limit_vocab(logits: Tensor, vocab_size: int) -> Tensor:
+    """``logits`` (..., V) restricted to the ids below ``vocab_size``: sliced for a plain
+    tensor; for vocabulary-sharded logits the ids at and above it get the dtype's lowest value
+    on the ranks that hold them (slicing would cut across the shards), so they get probability
+    exactly 0 in every softmax, log-partition and entropy."""
+    if not isinstance(logits, DTensor):
+        return logits[..., :vocab_size]
+    if vocab_size >= logits.shape[-1]:
+        return logits
+    VocabParallelLogits.check(logits)
+    local = logits.to_local()
+    width = local.shape[-1]
+    first = logits.device_mesh.get_local_rank() * width
+    beyond = torch.arange(first, first + width, device=local.device) >= vocab_size
+    local = local.masked_fill(beyond, torch.finfo(local.dtype).min)
+    return DTensor.from_local(local, logits.device_mesh, logits.placements, run_check=False)
+
+
+def gather_positions(logits: Tensor, positions: Tensor) -> Tensor:
+    """The rows of ``logits`` (B, T, V) at ``positions`` (B, C): (B, C, V), differentiably.
+    Vocabulary-sharded logits stay sharded: each rank picks from its own slice."""
+    if not isinstance(logits, DTensor):
+        return logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1]))
+    VocabParallelLogits.check(logits)
+    local = logits.to_local()
+    picked = local.gather(1, positions[..., None].expand(-1, -1, local.shape[-1]))
+    return DTensor.from_local(picked, logits.device_mesh, logits.placements, run_check=False)
 
 
 def _combine(like: DTensor, local: Tensor, reduce_op: str = "sum") -> Tensor:

@@ -24,6 +24,7 @@ from ...distributed.utils import adopt_group, get_world_size, is_distributed
 from ...exceptions import ConfigurationError
 from ...nn.parallel_plan import apply_tensor_parallel, keep_embedding_gradient_sharded
 from ...nn.transformer import Transformer
+from .train_module import data_parallel_group
 
 __all__ = ["ParallelLayout"]
 
@@ -41,7 +42,8 @@ class ParallelLayout:
     mesh: DeviceMesh | None
     """The run's mesh; ``None`` when nothing shards (one process, or DDP alone)."""
     dp_process_group: dist.ProcessGroup | None
-    """The ranks that see different batches; ``None`` means all ranks."""
+    """The ranks that see different batches: a group whenever distributed (the default group
+    when that is all ranks), ``None`` only on one process."""
 
     @classmethod
     def build(
@@ -52,6 +54,8 @@ class ParallelLayout:
         dp_process_group: dist.ProcessGroup | None = None,
     ) -> ParallelLayout:
         """The layout for ``degrees`` (already checked against the world size)."""
+        given = dp_process_group
+        dp_process_group = data_parallel_group(given)
         if dp_config is None and degrees.dp > 1:
             dp_config = DataParallelConfig(name=DataParallelType.ddp)
             log.info("dp_config is unset on %d data-parallel ranks: using DDP", degrees.dp)
@@ -63,7 +67,7 @@ class ParallelLayout:
                 "DDP: set train_module.dp_config.name=fsdp",
                 path="train_module.dp_config.name",
             )
-        if split and dp_process_group is not None:
+        if split and given is not None:
             raise ConfigurationError(
                 "with tensor parallelism the data-parallel group comes from the device mesh; "
                 "build the train module without dp_process_group",

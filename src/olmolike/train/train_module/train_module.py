@@ -8,6 +8,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
@@ -42,9 +43,12 @@ class TrainModule(ABC):
     and SFT keep OLMo-core's ``train/CE loss``."""
 
     dp_process_group: dist.ProcessGroup | None = None
-    """The data-parallel group: the ranks that see different batches (``None``: all ranks).
-    Under tensor parallelism it is smaller than the world; the trainer checks the data loader
-    against it."""
+    """The data-parallel group: the ranks that see different batches. Under tensor
+    parallelism it is smaller than the world; the trainer checks the data loader against it.
+    olmolike's train modules set it to a group whenever distributed (the default group when
+    every rank sees its own batches; ``data_parallel_group()``), ``None`` only on one
+    process: helpers that take ``None`` as "one process" (the GRPO loss's) then need no
+    special case. The class default ``None`` (a module that sets nothing) means all ranks."""
 
     def __init__(self) -> None:
         self._trainer: Trainer | None = None
@@ -145,6 +149,14 @@ class ModelAndOptimTrainModule(TrainModule):
 
     def on_attach(self) -> None:
         check_vocab_fits(self.model, self.trainer.data_loader)
+
+
+def data_parallel_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A train module's data-parallel group: ``group``, or when distributed without one the
+    default group (every rank its own batches), so ``None`` always means one process."""
+    if group is None and is_distributed():
+        return dist.group.WORLD
+    return group
 
 
 def check_vocab_fits(model: nn.Module, data_loader: Any) -> None:
@@ -266,7 +278,7 @@ class BasicTrainModule(ModelAndOptimTrainModule):
         self.label_ignore_index = label_ignore_index
         self._params = list(model.parameters())  # not a fresh generator every step
         self._ddp: DDP | None = None
-        self._dp_group = self.dp_process_group = dp_process_group
+        self._dp_group = self.dp_process_group = data_parallel_group(dp_process_group)
         # A model sharded with FSDP2 (DTensor parameters) already synchronises its gradients.
         sharded = any(isinstance(p, DTensor) for p in model.parameters())
         if is_distributed() and get_world_size(dp_process_group) > 1 and not sharded:

@@ -281,13 +281,7 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
 
     def on_attach(self) -> None:
         super().on_attach()
-        rank_batch = self.trainer.rank_batch_size
-        if rank_batch % self.config.rank_microbatch_size:
-            raise ConfigurationError(
-                f"the rank batch size ({rank_batch} tokens) must be a multiple of "
-                f"rank_microbatch_size ({self.config.rank_microbatch_size} tokens)",
-                path="train_module.rank_microbatch_size",
-            )
+        self._check_batches()
         if self.scheduler is not None:
             # A schedule that needs the run's length fails here, before any step, not mid-run.
             try:
@@ -297,6 +291,16 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         if self.config.init_weights is not None:
             self.trainer.add_callback(
                 "init_weights", InitWeightsCallback(source=self.config.init_weights)
+            )
+
+    def _check_batches(self) -> None:
+        """Refuse a data loader whose batches this module cannot split (before any step)."""
+        rank_batch = self.trainer.rank_batch_size
+        if rank_batch % self.config.rank_microbatch_size:
+            raise ConfigurationError(
+                f"the rank batch size ({rank_batch} tokens) must be a multiple of "
+                f"rank_microbatch_size ({self.config.rank_microbatch_size} tokens)",
+                path="train_module.rank_microbatch_size",
             )
 
     def _training_inputs(

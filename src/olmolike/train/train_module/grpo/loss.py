@@ -37,6 +37,7 @@ from torch import Tensor
 
 from ....config import Config, StrEnum, check_choice
 from ....exceptions import ConfigurationError
+from ....nn.vocab_parallel import VocabParallelLogits, is_vocab_parallel
 
 __all__ = [
     "AdvantageStats",
@@ -345,7 +346,11 @@ def _token_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 
 def token_entropy(logits: Tensor, mask: Tensor) -> Tensor:
-    """Mean entropy (nats) of the next-token distributions ``logits`` (B, T, V) over ``mask``."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    entropy = -(logp.exp() * logp).sum(-1)
+    """Mean entropy (nats) of the next-token distributions ``logits`` (B, T, V) over ``mask``;
+    vocabulary-sharded logits (a tensor-parallel head's) are not gathered."""
+    if is_vocab_parallel(logits):
+        entropy = VocabParallelLogits.of(logits).entropy().view(mask.shape)
+    else:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)
     return _token_mean(entropy, mask.to(entropy.dtype))

@@ -24,6 +24,7 @@ from ....data.tokenizer import Tokenizer
 from ....exceptions import DataError
 from ....nn.functional import log_probs_of_labels
 from ....nn.generation import sample
+from ....nn.vocab_parallel import gather_positions, limit_vocab
 from .loss import GRPOLossConfig, group_advantages, token_entropy
 from .rewards import RewardConfig, RewardRegistry, score_completions
 
@@ -193,16 +194,17 @@ def completion_logps(
 
     ``temperature`` divides the logits and ``vocab_size`` drops the ids at and above it (a
     model's padded vocabulary), as :func:`rollout` sampled: the log-probabilities are then those
-    of the distribution the completions were drawn from."""
+    of the distribution the completions were drawn from. A tensor-parallel model's
+    vocabulary-sharded logits are never gathered (:mod:`olmolike.nn.vocab_parallel`)."""
     logits = model(batch.input_ids)
-    if vocab_size is not None:
-        logits = logits[..., :vocab_size]
-    if temperature != 1.0:
-        logits = logits / temperature
     width = batch.completion_ids.shape[1]
     # The logits that predict completion token j sit at position start + j - 1.
     positions = batch.completion_start[:, None] - 1 + torch.arange(width, device=logits.device)
-    picked = logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1]))
+    picked = gather_positions(logits, positions)
+    if temperature != 1.0:
+        picked = picked / temperature
+    if vocab_size is not None:  # after the division, which could take a masked id to -inf
+        picked = limit_vocab(picked, vocab_size)
     labels = batch.completion_ids.masked_fill(batch.completion_mask == 0, -100)
     logps = log_probs_of_labels(picked, labels)
     entropy = token_entropy(picked.detach(), batch.completion_mask) if with_entropy else None

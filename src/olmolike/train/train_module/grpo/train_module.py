@@ -5,9 +5,12 @@ Trainer step ``s``:
 1. The reference (only with ``kl_coef > 0``) is made current: at step 1 it becomes a snapshot
    of the policy (unless a reference model was given), and with ``sync_interval = k`` the
    policy's weights are copied into it at the start of steps ``k + 1, 2k + 1, ...``.
-2. Each rank samples ``group_size`` completions for each of its own prompts (the batch of a
-   :class:`~olmolike.data.prompts.PromptDataLoader`), seeded from ``(seed, rank, s)``, scores
-   them and computes the group advantages (:func:`.rollout.rollout`).
+2. Each data-parallel rank samples ``group_size`` completions for each of its own prompts (the
+   batch of a :class:`~olmolike.data.prompts.PromptDataLoader`), seeded from ``(seed,
+   data-parallel rank, s)``, scores them and computes the group advantages
+   (:func:`.rollout.rollout`). The ranks of a tensor-parallel group share the seed and the
+   prompts, and each sampled token is drawn from logits gathered for that one position, so
+   they draw the same completions and feed the same tokens to the split model.
 3. Without gradients: the sampling policy's log-probs (when there is more than one update, the
    ratio's denominator) and the reference's (for the KL term).
 4. ``num_iterations`` passes over the generated batch, each split into ``num_minibatches``
@@ -27,6 +30,11 @@ changes the loss, and for every aggregation but ``bnpo`` neither does the number
 
 Under FSDP2 the policy is gathered once for the whole generation round (its blocks do not
 reshard after each of the hundreds of one-token forward calls) and resharded right after.
+Under tensor parallelism (with FSDP over the data ranks) the policy and the reference are split
+the same way, the KV cache holds each rank's attention heads, and the completion log-probs
+and entropies come from the vocabulary-sharded logits without gathering a row
+(:func:`.rollout.completion_logps`). Pipeline parallelism is refused (see
+:attr:`GRPOTrainModuleConfig.pipeline_refusal`).
 """
 
 from __future__ import annotations
@@ -53,10 +61,9 @@ from ....distributed.utils import agree_counts, get_rank
 from ....exceptions import ConfigurationError
 from ....optim import SchedulerUnits
 from ....utils import get_default_device
-from ...callbacks.init_weights import InitWeightsCallback
 from ...common import ReduceType
 from ..reference import ReferenceModel, check_same_architecture
-from ..train_module import count_microbatches, is_padding, padded_microbatches, padding_loss
+from ..train_module import is_padding, padding_loss
 from ..transformer import TransformerTrainModule, TransformerTrainModuleConfig
 from .loss import (
     GRPOLossConfig,
@@ -65,24 +72,14 @@ from .loss import (
     grpo_loss,
     update_denominators,
 )
+from .microbatches import StepPlan, select
 from .rewards import RewardConfig, RewardFunctionError, RewardRegistry
 from .rollout import Rollout, SamplingConfig, check_prompt_lengths, completion_logps, rollout
+from .step_stats import StepStats, rollout_metrics
 
 __all__ = ["GRPOTrainModule", "GRPOTrainModuleConfig"]
 
 log = logging.getLogger(__name__)
-
-# The rollout metrics that are not averaged over ranks.
-_ROLLOUT_REDUCE = {
-    "completion length/max": ReduceType.max,
-    "generation seconds": ReduceType.max,
-    "generation tokens/s": ReduceType.sum,
-}
-_STATS = ("KL", "clip fraction", "clip fraction/low", "clip fraction/high", "ratio", "entropy")
-"""Token means over the step (every update, every rank)."""
-_EXTREMES = {"clip fraction/low min": ReduceType.min, "clip fraction/high max": ReduceType.max}
-"""Over every completion of the step: the smallest share of a completion's tokens clipped
-low, the largest clipped high (TRL's ``clip_ratio/low_min`` and ``clip_ratio/high_max``)."""
 
 
 @dataclass
@@ -95,8 +92,10 @@ class GRPOTrainModuleConfig(TransformerTrainModuleConfig):
     """
 
     pipeline_refusal: ClassVar[str | None] = (
-        "generating rollouts needs the whole model on each rank (KV-cache decoding token by "
-        "token), and rollouts through a pipeline are not supported"
+        "generating rollouts needs every layer on each rank (KV-cache decoding runs one forward "
+        "call per sampled token through the whole model, which a pipeline would pass stage by "
+        "stage, one token at a time), and rollouts through a pipeline are not supported; "
+        "tensor parallelism splits the policy and generates"
     )
 
     rank_microbatch_size: int = 4096
@@ -118,19 +117,17 @@ class GRPOTrainModuleConfig(TransformerTrainModuleConfig):
     the KL then keeps each stretch of training near where it started instead of near the
     initial policy. ``None`` keeps the reference frozen for the whole run."""
     seed: int = 0
-    """Seed of the completions' sampling; step ``s`` on rank ``r`` samples with a generator
-    seeded from ``(seed, r, s)``, so a resumed run draws the same completions."""
+    """Seed of the completions' sampling; step ``s`` on data-parallel rank ``r`` samples with a
+    generator seeded from ``(seed, r, s)``, so a resumed run draws the same completions (and
+    the ranks of a tensor-parallel group draw the same ones)."""
 
     def validate(self) -> None:
         super().validate()
-        if self.tp_config is not None and self.tp_config.degree > 1:
+        if self.scheduler is not None and self.scheduler.units == SchedulerUnits.tokens:
             raise self._invalid(
-                "tp_config.degree",
-                f"is {self.tp_config.degree}, but GRPO does not run under tensor parallelism "
-                "yet: its rollouts sample with a per-rank seed (the ranks of a tensor-parallel "
-                "group would feed different tokens to one split model) and its completion "
-                "log-probs and entropy slice the vocabulary the split head shards; set "
-                "tp_config.degree=1 and shard the policy with dp_config.name=fsdp",
+                "scheduler.units",
+                "a GRPO schedule counts optimizer updates (the prompt loader's tokens are "
+                "prompts); set scheduler.units=steps",
             )
         if self.num_iterations < 1:
             raise self._invalid("num_iterations", f"must be >= 1, got {self.num_iterations}")
@@ -253,7 +250,7 @@ class GRPOTrainModule(TransformerTrainModule):
 
     # -- attaching ----------------------------------------------------------------------------
 
-    def on_attach(self) -> None:
+    def _check_batches(self) -> None:
         loader = self.trainer.data_loader
         if not isinstance(loader, PromptDataLoader):
             raise ConfigurationError(
@@ -268,23 +265,14 @@ class GRPOTrainModule(TransformerTrainModule):
                 f"{completions}), got {self.config.num_minibatches}",
                 path="train_module.num_minibatches",
             )
-        if self.scheduler is not None:
-            if self.scheduler.units == SchedulerUnits.tokens:
-                raise ConfigurationError(
-                    "a GRPO schedule counts optimizer updates; set scheduler.units=steps",
-                    path="train_module.scheduler.units",
-                )
-            self.scheduler.get_lr(1.0, 0, self._t_max())
         ids = [self.tokenizer.encode(r.prompt) for r in loader.records]
         check_prompt_lengths(self.model, loader.records, ids, self.config.sampling.max_new_tokens)
-        if self.config.init_weights is not None:
-            self.trainer.add_callback(
-                "init_weights", InitWeightsCallback(source=self.config.init_weights)
-            )
 
-    def _t_max(self) -> int | None:
+    def _schedule_position(self) -> tuple[int, int | None]:
+        """The last update of the current step, of ``max_steps x updates per step``."""
         steps = self.trainer.max_steps
-        return None if steps is None else steps * self.updates_per_step
+        t_max = None if steps is None else steps * self.updates_per_step
+        return self.trainer.global_step * self.updates_per_step, t_max
 
     def num_flops_per_token(self, seq_len: int) -> int | None:
         return None  # a step's work is generation plus updates, not tokens of the batch
@@ -307,25 +295,19 @@ class GRPOTrainModule(TransformerTrainModule):
             [out.completion_mask[rows] for rows in minibatches],
             self.config.loss,
             max_completion_length=self.config.sampling.max_new_tokens,
-            process_group=self._data_group(),
+            process_group=self.dp_process_group,
         )
-        stats = torch.zeros(len(_STATS) + 2, device=out.input_ids.device)
-        extremes = torch.full((2,), torch.inf, device=out.input_ids.device)
+        stats = StepStats(out.input_ids.device)
         for update in range(self.updates_per_step):
             if update > 0:
                 self._update(update - 1)
                 self.zero_grads()
             i = update % self.config.num_minibatches
-            sums, lowest = self._backward(out, minibatches[i], plan, old, ref, denominators[i])
-            stats += sums
-            extremes = torch.minimum(extremes, lowest)
-        self._pending = {
-            "started": started, "rollout": out, "stats": stats, "extremes": extremes,
-            "dry_run": dry_run,
-        }  # fmt: skip
+            self._backward(out, minibatches[i], plan, old, ref, denominators[i], stats)
+        self._pending = {"started": started, "rollout": out, "stats": stats, "dry_run": dry_run}
 
-    def _rollout(self, records: list[PromptRecord], step: int) -> tuple[Rollout, _Plan]:
-        """This rank's rollout and the step's agreed micro-batch counts (:class:`_Plan`). A
+    def _rollout(self, records: list[PromptRecord], step: int) -> tuple[Rollout, StepPlan]:
+        """This rank's rollout and the step's agreed micro-batch counts (:class:`StepPlan`). A
         reward function failing on any rank fails every rank here, so that none is left
         waiting in a later collective; the same collective agrees on the counts."""
         error: RewardFunctionError | None = None
@@ -343,7 +325,10 @@ class GRPOTrainModule(TransformerTrainModule):
             )
         except RewardFunctionError as e:
             error = e
-        plan = _Plan.local(out, self.config) if out is not None else _Plan(1, 0, 0)
+        config = self.config
+        plan = StepPlan(1, 0, 0)
+        if out is not None:
+            plan = StepPlan.local(out, config.rank_microbatch_size, config.num_minibatches)
         failed = 0 if error is None else get_rank() + 1
         agreed = agree_counts([failed, plan.full, plan.minibatch], self.dp_process_group).max
         if error is not None:
@@ -354,29 +339,21 @@ class GRPOTrainModule(TransformerTrainModule):
                 "error is logged there); fix the function and resume"
             )
         assert out is not None
-        loss = self.config.loss
+        loss = config.loss
         if loss.scale_rewards == RewardScaling.batch and self.dp_world_size > 1:
             # The std of every rank's rewards, now that every rank is known to have them.
             advantages, _ = group_advantages(
                 out.rewards, loss.group_size, scale=loss.scale_rewards, eps=loss.advantage_eps,
-                process_group=self._data_group(),
+                process_group=self.dp_process_group,
             )  # fmt: skip
             out = dataclasses.replace(out, advantages=advantages)
         return out, dataclasses.replace(plan, full=agreed[1], minibatch=agreed[2])
-
-    def _data_group(self) -> dist.ProcessGroup | None:
-        """The data-parallel group for the loss functions, which take ``None`` as one process:
-        with several data-parallel ranks and no group of its own, that is the default group."""
-        if self.dp_world_size == 1:
-            return None
-        return self.dp_process_group if self.dp_process_group is not None else dist.group.WORLD
 
     def optim_step(self) -> None:
         self._update(self.updates_per_step - 1)
         pending, self._pending = self._pending, {}
         if pending and not pending["dry_run"]:
-            self._record(pending["rollout"], pending["stats"], pending["extremes"],
-                         pending["started"])  # fmt: skip
+            self._record(pending["rollout"], pending["stats"], pending["started"])
         self._norms = []
 
     def _refresh_reference(self, step: int) -> None:
@@ -398,7 +375,10 @@ class GRPOTrainModule(TransformerTrainModule):
         log.info("the reference is now the policy after step %d", step - 1)
 
     def _generator(self, step: int) -> torch.Generator:
-        key = f"{self.config.seed}/{get_rank()}/{step}".encode()
+        """The sampling generator of ``step`` on this rank: seeded by the data-parallel rank,
+        which the ranks of a tensor-parallel group share (they must draw the same tokens)."""
+        dp_rank = self.layout.degrees.dp_rank(get_rank())
+        key = f"{self.config.seed}/{dp_rank}/{step}".encode()
         seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
         return torch.Generator(device=self.device).manual_seed(seed)
 
@@ -419,14 +399,14 @@ class GRPOTrainModule(TransformerTrainModule):
                 unit.set_reshard_after_forward(again, recurse=False)
 
     @torch.no_grad()
-    def _logps(self, model: nn.Module, out: Rollout, plan: _Plan) -> Tensor:
+    def _logps(self, model: nn.Module, out: Rollout, plan: StepPlan) -> Tensor:
         parts = []
         for rows in plan.slices(slice(0, out.input_ids.shape[0]), plan.full):
             with self._autocast:
                 if is_padding(rows):
                     padding_loss(model, self.device)
                     continue
-                logps, _ = completion_logps(model, _select(out, rows), **self._sampled)
+                logps, _ = completion_logps(model, select(out, rows), **self._sampled)
                 parts.append(logps.float())
         return torch.cat(parts)
 
@@ -434,30 +414,28 @@ class GRPOTrainModule(TransformerTrainModule):
         self,
         out: Rollout,
         rows: slice,
-        plan: _Plan,
+        plan: StepPlan,
         old: Tensor | None,
         ref: Tensor | None,
         denominator: Tensor,
-    ) -> tuple[Tensor, Tensor]:
+        stats: StepStats,
+    ) -> None:
         """Forward and backward over one minibatch (one update's share of this rank), whose
-        loss is divided by ``denominator`` (:func:`update_denominators`). Returns its loss and
-        token-weighted stat sums, and its smallest per-completion low-clip share and negated
-        largest high-clip share."""
-        sums = torch.zeros(len(_STATS) + 2, device=denominator.device)
-        lowest = torch.full((2,), torch.inf, device=denominator.device)
+        loss is divided by ``denominator`` (:func:`update_denominators`); its loss and
+        statistics are added to ``stats``."""
         slices = plan.slices(rows, plan.minibatch)
         for i, span in enumerate(slices):
             with self._grad_sync(last=i == len(slices) - 1):
                 if is_padding(span):
                     self._padding_step()
                     continue
-                part = _select(out, span)
+                part = select(out, span)
                 with self._autocast:
                     logps, entropy = completion_logps(
                         self._forward_module, part, with_entropy=True, **self._sampled
                     )
             logps = logps.float()
-            loss, stats = grpo_loss(
+            loss, loss_stats = grpo_loss(
                 logps,
                 logps.detach() if old is None else old[span],
                 part.advantages,
@@ -467,22 +445,17 @@ class GRPOTrainModule(TransformerTrainModule):
                 denominator=denominator,
             )
             # DDP / FSDP average gradients over ranks: times the world size, the sum over ranks.
-            (loss * self.dp_world_size).backward()
+            loss = loss * self.dp_world_size
+            loss.backward()
             assert entropy is not None
-            tokens = part.completion_mask.sum()
-            values = (stats.kl, stats.clip_fraction, stats.clip_low_fraction,
-                      stats.clip_high_fraction, stats.ratio_mean, entropy)  # fmt: skip
-            sums += torch.stack([loss.detach() * self.dp_world_size,
-                                 *(v * tokens for v in values), tokens])  # fmt: skip
-            extremes = torch.stack([stats.clip_low_min, -stats.clip_high_max]).nan_to_num(torch.inf)
-            lowest = torch.minimum(lowest, extremes)
-        return sums, lowest
+            stats.add(loss, loss_stats, entropy, part.completion_mask)
 
     def _update(self, update: int) -> None:
         """Optimizer update ``update`` (0-based) of this step, with its LR and clipping."""
         if self.scheduler is not None:
-            position = (self.trainer.global_step - 1) * self.updates_per_step + update + 1
-            self.scheduler.set_lr(self.optim, position, self._t_max())
+            last, t_max = self._schedule_position()
+            position = last - self.updates_per_step + update + 1
+            self.scheduler.set_lr(self.optim, position, t_max)
         if self.config.max_grad_norm is not None:
             norm = nn.utils.clip_grad_norm_(self._params, self.config.max_grad_norm)
             if isinstance(norm, DTensor):
@@ -490,19 +463,15 @@ class GRPOTrainModule(TransformerTrainModule):
             self._norms.append(norm)
         self.optim.step()
 
-    def _record(self, out: Rollout, stats: Tensor, extremes: Tensor, started: float) -> None:
+    def _record(self, out: Rollout, stats: StepStats, started: float) -> None:
         def record(name: str, value: float | Tensor, reduce: ReduceType = ReduceType.mean) -> None:
             self.record_metric(name, value, reduce, namespace="train")
 
-        for name, value in out.metrics.items():
-            record(name, value, _ROLLOUT_REDUCE.get(name, ReduceType.mean))
-        self.record_loss(stats[0] / self.updates_per_step, ReduceType.mean)
-        tokens = stats[-1].clamp(min=1.0)
-        for name, value in zip(_STATS, stats[1:-1]):
-            if name != "KL" or self.reference is not None:
-                record(name, value / tokens)
-        low_min, high_max = extremes[0], -extremes[1]
-        for (name, reduce), value in zip(_EXTREMES.items(), (low_min, high_max)):
+        degrees = self.layout.degrees
+        for name, value, reduce in rollout_metrics(out, degrees.world_size // degrees.dp):
+            record(name, value, reduce)
+        self.record_loss(stats.loss(self.updates_per_step), ReduceType.mean)
+        for name, value, reduce in stats.metrics(with_kl=self.reference is not None):
             record(name, value, reduce)
         seconds = time.perf_counter() - started
         record("generation share", float(out.metrics["generation seconds"]) / max(seconds, 1e-9))
@@ -515,45 +484,3 @@ class GRPOTrainModule(TransformerTrainModule):
             self.record_metric(
                 "total grad norm", torch.stack(self._norms).mean(), namespace="optim"
             )
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """How many micro-batches a step runs, the same on every rank: ``full`` for the
-    no-gradient passes over the whole rollout (old and reference log-probs), ``minibatch`` for
-    each minibatch's forward and backward. Ranks' rollouts differ in width (prompt plus
-    completion) and so in the completions a micro-batch holds (``rows``); a rank that needs
-    fewer micro-batches than another runs padding ones, so that FSDP's collectives match."""
-
-    rows: int
-    full: int
-    minibatch: int
-
-    @classmethod
-    def local(cls, out: Rollout, config: GRPOTrainModuleConfig) -> _Plan:
-        """The counts this rank's rollout needs by itself."""
-        rows = max(1, config.rank_microbatch_size // out.input_ids.shape[1])
-        completions = out.input_ids.shape[0]
-        return cls(
-            rows,
-            count_microbatches(completions, rows),
-            count_microbatches(completions // config.num_minibatches, rows),
-        )
-
-    def slices(self, rows: slice, count: int) -> list[slice]:
-        return padded_microbatches(rows, self.rows, count)
-
-
-def _select(out: Rollout, rows: slice) -> Rollout:
-    """The completions ``rows`` of a rollout (texts and metrics are not carried)."""
-    return dataclasses.replace(
-        out,
-        input_ids=out.input_ids[rows],
-        completion_start=out.completion_start[rows],
-        completion_ids=out.completion_ids[rows],
-        completion_mask=out.completion_mask[rows],
-        rewards=out.rewards[rows],
-        advantages=out.advantages[rows],
-        completions=out.completions[rows],
-        metrics={},
-    )
