@@ -19,7 +19,8 @@ import torch.nn as nn
 from torch import Tensor
 
 from .rope import RotaryEmbedding, document_attention
-from .transformer import Transformer, TransformerConfig, init_parameters
+from .transformer import Transformer, init_parameters
+from .transformer_config import TransformerConfig
 
 __all__ = ["TransformerParts", "TransformerStage"]
 

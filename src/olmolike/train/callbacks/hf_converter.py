@@ -15,7 +15,8 @@ from ...config import DType
 from ...distributed.utils import barrier, get_rank, is_distributed
 from ...exceptions import ConfigurationError
 from ...nn.hf_export import export_hf
-from ...nn.transformer import Transformer, TransformerConfig
+from ...nn.transformer import Transformer
+from ...nn.transformer_config import TransformerConfig
 from .callback import Callback
 
 __all__ = ["HFConverterCallback"]
