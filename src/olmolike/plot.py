@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,6 @@ __all__ = [
     "plot_runs",
 ]
 
-log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 

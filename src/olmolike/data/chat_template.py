@@ -15,7 +15,6 @@ the assistant's, which is what supervised fine-tuning trains on.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -32,7 +31,6 @@ __all__ = [
     "chat_template_for",
 ]
 
-log = logging.getLogger(__name__)
 
 Message = Mapping[str, Any]
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -15,7 +14,6 @@ from ..exceptions import ConfigurationError, DataError
 
 __all__ = ["DataLoaderBase", "TokenTensorDataLoader", "check_resized_resume"]
 
-log = logging.getLogger(__name__)
 
 Batch = dict[str, Any]
 

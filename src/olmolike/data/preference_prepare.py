@@ -10,7 +10,6 @@ reads a split for :class:`~olmolike.data.preference.PreferenceDataLoader`.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,6 @@ from .tokenizer import TokenizerConfig
 
 __all__ = ["DPO_KIND", "load_preference_rows", "prepare_preference_data"]
 
-log = logging.getLogger(__name__)
 
 DPO_KIND = "dpo"
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +25,6 @@ from .prepared_io import read_jsonl
 
 __all__ = ["PromptDataLoader", "PromptRecord", "PromptSampler", "read_prompt_jsonl"]
 
-log = logging.getLogger(__name__)
 
 # Reward functions receive these as keyword arguments of their own.
 RESERVED_FIELDS = ("prompts", "completions")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +51,6 @@ from .tokenizer import Tokenizer, TokenizerConfig
 
 __all__ = ["OverlongPolicy", "PackingMode", "SFTExample", "prepare_sft_data", "tokenize_example"]
 
-log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 SFT_KIND = "sft"

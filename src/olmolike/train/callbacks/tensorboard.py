@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import socket
@@ -19,8 +18,6 @@ from ...exceptions import ConfigurationError
 from .callback import Callback
 
 __all__ = ["TensorBoardCallback"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

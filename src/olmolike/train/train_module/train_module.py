@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -24,8 +23,6 @@ if TYPE_CHECKING:
     from ..trainer import Trainer
 
 __all__ = ["BasicTrainModule", "ModelAndOptimTrainModule", "TrainModule"]
-
-log = logging.getLogger(__name__)
 
 
 class TrainModule(ABC):
