@@ -12,7 +12,13 @@ import torch
 from ..distributed.utils import get_rank, get_world_size
 from ..exceptions import ConfigurationError, DataError
 
-__all__ = ["DataLoaderBase", "TokenTensorDataLoader", "check_resized_resume"]
+__all__ = [
+    "DataLoaderBase",
+    "TokenTensorDataLoader",
+    "check_resized_resume",
+    "check_same_data",
+    "check_same_settings",
+]
 
 
 Batch = dict[str, Any]
@@ -274,18 +280,8 @@ class TokenTensorDataLoader(DataLoaderBase):
         The global batch size may differ from the saved one by an integer factor, as long as
         the saved position is a whole number of batches of the current size.
         """
-        if state_dict["fingerprint"] != self.fingerprint:
-            raise DataError(
-                "the checkpoint was trained on different token data than this loader holds; "
-                "resuming would not continue the same run. Load without trainer state "
-                "(load_trainer_state=False) to start the data from the beginning."
-            )
-        for key in ("seed", "shuffle"):
-            if state_dict[key] != getattr(self, key):
-                raise DataError(
-                    f"data loader {key} was {state_dict[key]!r} in the checkpoint but is "
-                    f"{getattr(self, key)!r} now; set it back to resume exactly"
-                )
+        check_same_data(state_dict["fingerprint"], self.fingerprint, "token data")
+        check_same_settings(state_dict, self, ("seed", "shuffle"))
         consumed = state_dict["tokens_processed"] // self.seq_len
         check_resized_resume(
             consumed, state_dict["global_batch_size"] // self.seq_len, self.instances_per_batch
@@ -299,6 +295,29 @@ class TokenTensorDataLoader(DataLoaderBase):
         generator = torch.Generator().manual_seed(self.seed)
         rows = torch.randint(0, self.instances.shape[0], (per_rank,), generator=generator)
         return self._make_batch(self.instances[rows].clone(), rows)
+
+
+def check_same_data(saved: str, fingerprint: str, data: str) -> None:
+    """Refuse to resume on other ``data`` (e.g. "prompts") than the checkpoint was trained on:
+    the saved position would point into another order, and the run would not continue."""
+    if saved != fingerprint:
+        raise DataError(
+            f"the checkpoint was trained on different {data} than this loader holds; "
+            "resuming would not continue the same run. Load without trainer state "
+            f"(load_trainer_state=False) to start the {data} from the beginning"
+        )
+
+
+def check_same_settings(state_dict: dict[str, Any], loader: object, keys: tuple[str, ...]) -> None:
+    """Refuse to resume with another value of a setting that decides which data comes next
+    (the seed, shuffling, ...): each of ``keys`` must be as the checkpoint saved it."""
+    for key in keys:
+        saved, now = state_dict[key], getattr(loader, key)
+        if saved != now:
+            raise DataError(
+                f"the data loader's {key} was {saved!r} in the checkpoint but is {now!r} now; "
+                "set it back to resume the same data order"
+            )
 
 
 def check_resized_resume(consumed: int, saved: int, now: int) -> None:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..exceptions import ConfigurationError, DataError
-from .data_loader import Batch, DataLoaderBase, check_resized_resume
+from .data_loader import Batch, DataLoaderBase, check_resized_resume, check_same_settings
 from .numpy_dataset import NumpyFSLDataset
 from .sft_dataset import SFTDataset
 
@@ -202,12 +202,7 @@ class NumpyDataLoader(DataLoaderBase):
         from the saved epoch and position in *its own* order (or at the epoch's end, if the
         new epoch is shorter): nothing already trained on is repeated by position.
         """
-        for key in ("seed", "shuffle"):
-            if state_dict[key] != getattr(self, key):
-                raise DataError(
-                    f"the data loader's {key} was {state_dict[key]!r} in the checkpoint but is "
-                    f"{getattr(self, key)!r} now; set it back to resume the same data order"
-                )
+        check_same_settings(state_dict, self, ("seed", "shuffle"))
         if state_dict["fingerprint"] != self.dataset.fingerprint:
             if not self.ignore_fingerprint_mismatch:
                 raise DataError(

@@ -22,7 +22,6 @@ from .chat_template import chat_template_for
 from .numpy_dataset import METADATA_FILE
 from .preference import PreferencePair, encode_preference_pairs, parse_preference_record
 from .prepared_io import (
-    FORMAT_VERSION,
     SPLITS,
     begin_output,
     check_settings,
@@ -30,7 +29,6 @@ from .prepared_io import (
     in_validation,
     read_jsonl,
     run_arguments,
-    tokenizer_ids,
     write_atomically,
 )
 from .sources import resolve_inputs
@@ -65,12 +63,13 @@ def prepare_preference_data(
         else chat_template_for(built.chat_template, chat_template)
     )
     sources = resolve_inputs(inputs, exclude=out)
+    # Recorded in the arguments and again in the metadata, where readers look for them.
+    layout = {"kind": DPO_KIND, "sequence_length": sequence_length}
     arguments = run_arguments(
         resolved,
         sources,
-        kind=DPO_KIND,
+        **layout,
         chat_template=None if template is None else template.source,
-        sequence_length=sequence_length,
         val_fraction=val_fraction,
         seed=seed,
     )
@@ -99,16 +98,7 @@ def prepare_preference_data(
             [array[:, sequence_length : width // 2], array[:, 3 * sequence_length :]], 1
         )
         stats[name] = {"pairs": len(pairs), "scored_tokens": int((labels != -100).sum())}
-    metadata = {
-        "format_version": FORMAT_VERSION,
-        "kind": DPO_KIND,
-        "tokenizer": resolved.identifier,
-        **tokenizer_ids(resolved),
-        "sequence_length": sequence_length,
-        "splits": stats,
-        "arguments": arguments,
-    }
-    return finish_output(out, metadata)
+    return finish_output(out, resolved, arguments, **layout, splits=stats)
 
 
 def load_preference_rows(folder: str | Path, split: str = "train") -> torch.Tensor:

@@ -191,8 +191,19 @@ def begin_output(out: Path, arguments: dict[str, Any], overwrite: bool) -> dict[
     return None
 
 
-def finish_output(out: Path, metadata: dict[str, Any]) -> dict[str, Any]:
-    """Write ``metadata`` (the mark of a finished folder) and drop the work folder."""
+def finish_output(
+    out: Path, tokenizer: Any, arguments: dict[str, Any], **fields: Any
+) -> dict[str, Any]:
+    """Write ``metadata.json`` (the mark of a finished folder), drop the work folder, and
+    return the metadata: the format version, the resolved ``tokenizer`` and the ids a trainer
+    needs from it, the preparation's own ``fields``, and the ``arguments`` it was made with."""
+    metadata = {
+        "format_version": FORMAT_VERSION,
+        "tokenizer": tokenizer.identifier,
+        **tokenizer_ids(tokenizer),
+        **fields,
+        "arguments": arguments,
+    }
     write_atomically(
         out / METADATA_FILE, lambda f: f.write(json.dumps(metadata, indent=2).encode())
     )
