@@ -66,7 +66,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "olmolike.experiment:add_train_command",
     ),
 }
-"""Subcommand -> (its one-line help, ``module:function`` that adds its full parser)."""
+"""Subcommand -> (its one-line help, ``module:function`` that adds its arguments to the
+subcommand's parser, made here with that help)."""
 
 
 def _info(_: argparse.Namespace) -> int:
@@ -120,10 +121,9 @@ def _unshard(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_unshard_command(commands: argparse._SubParsersAction) -> None:
+def _add_unshard_command(unshard: argparse.ArgumentParser) -> None:
     from .distributed.unshard import UnshardStrategyType
 
-    unshard = commands.add_parser("unshard", help=COMMANDS["unshard"][0])
     unshard.add_argument("checkpoint", help="a train checkpoint folder (stepN) or a DCP directory")
     unshard.add_argument("output", help="the directory to write the files into")
     unshard.add_argument(
@@ -207,12 +207,10 @@ def _sample_and_print(args: argparse.Namespace, device: str | torch.device) -> i
     return 0
 
 
-def _add_generate_command(commands: argparse._SubParsersAction) -> None:
-    generate = commands.add_parser(
-        "generate",
-        help=COMMANDS["generate"][0],
-        description="Sample text from a checkpoint, with a KV cache (one forward call per new "
-        "token over that token alone).",
+def _add_generate_command(generate: argparse.ArgumentParser) -> None:
+    generate.description = (
+        "Sample text from a checkpoint, with a KV cache (one forward call per new "
+        "token over that token alone)."
     )
     generate.add_argument(
         "checkpoint", help="a checkpoint folder (runs/my-run/step600) or a save folder (its newest)"
@@ -281,8 +279,7 @@ def _export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_export_hf_command(commands: argparse._SubParsersAction) -> None:
-    export = commands.add_parser("export-hf", help=COMMANDS["export-hf"][0])
+def _add_export_hf_command(export: argparse.ArgumentParser) -> None:
     export.add_argument("checkpoint", help="a checkpoint folder, e.g. runs/my-run/step600")
     export.add_argument("output", help="the directory to write into")
     export.add_argument("--overwrite", action="store_true", help="replace existing files")
@@ -351,11 +348,9 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_plan_command(commands: argparse._SubParsersAction) -> None:
-    plan = commands.add_parser(
-        "plan",
-        help=COMMANDS["plan"][0],
-        description="Plan the memory of a training run without a GPU. For the config's layout "
+def _add_plan_command(plan: argparse.ArgumentParser) -> None:
+    plan.description = (
+        "Plan the memory of a training run without a GPU. For the config's layout "
         "on --gpus GPUs (dp_config: DDP replicates, FSDP shards over all, HSDP over groups; "
         "with --tp and --pp), print the bytes of the busiest rank: parameters, gradients and "
         "optimizer state (exactly what the ranks hold), buffers, communication buffers, and "
@@ -364,7 +359,7 @@ def _add_plan_command(commands: argparse._SubParsersAction) -> None:
         "pp x dp_replicate x dp_shard x tp of --gpus that fits in --gpu-memory, cheapest first: "
         "fewer pipeline stages, then less tensor parallelism, then no activation "
         "checkpointing, then less sharding. Example: olmolike plan run.yaml --gpus 8 --gpu-memory 80 "
-        "--train_module.rank_microbatch_size=8192. See docs/memory-planner.md.",
+        "--train_module.rank_microbatch_size=8192. See docs/memory-planner.md."
     )
     plan.add_argument("config", help="the experiment config file that olmolike train reads")
     _add_plan_options(plan)
@@ -372,20 +367,19 @@ def _add_plan_command(commands: argparse._SubParsersAction) -> None:
     plan.set_defaults(run=_plan)
 
 
-def _add_info_command(commands: argparse._SubParsersAction) -> None:
-    commands.add_parser("info", help=COMMANDS["info"][0]).set_defaults(run=_info)
+def _add_info_command(info: argparse.ArgumentParser) -> None:
+    info.set_defaults(run=_info)
 
 
-def _add_check_config_command(commands: argparse._SubParsersAction) -> None:
-    check = commands.add_parser("check-config", help=COMMANDS["check-config"][0])
+def _add_check_config_command(check: argparse.ArgumentParser) -> None:
     check.add_argument("path")
     check.add_argument("overrides", nargs=argparse.REMAINDER, help="--dotted.key=value ...")
     check.set_defaults(run=_check_config)
 
 
-def _adder(name: str) -> Callable[[argparse._SubParsersAction], None]:
+def _adder(name: str) -> Callable[[argparse.ArgumentParser], None]:
     module, function = COMMANDS[name][1].split(":")
-    adder: Callable[[argparse._SubParsersAction], None] = getattr(
+    adder: Callable[[argparse.ArgumentParser], None] = getattr(
         importlib.import_module(module), function
     )
     return adder
@@ -401,7 +395,7 @@ def build_parser(command: str | None = None, *, full: bool = False) -> argparse.
     commands = parser.add_subparsers(dest="command", required=True)
     for name, (help, _) in COMMANDS.items():
         if full or name == command:
-            _adder(name)(commands)
+            _adder(name)(commands.add_parser(name, help=help))
         else:
             commands.add_parser(name, help=help, add_help=False)
     return parser

@@ -115,12 +115,9 @@ def _prepare_fine_tuning_data(args: argparse.Namespace, inputs: list[str | Path]
     return 0
 
 
-def add_prepare_data_command(commands: argparse._SubParsersAction) -> None:
-    """Register ``olmolike prepare-data`` on the CLI's subcommands."""
-    cmd = commands.add_parser(
-        "prepare-data",
-        help="tokenize text/JSONL files into memory-mappable .npy token shards for training",
-    )
+def add_prepare_data_command(cmd: argparse.ArgumentParser) -> None:
+    """The arguments of ``olmolike prepare-data`` (its parser and help come from
+    :mod:`olmolike.cli`)."""
     cmd.add_argument("inputs", nargs="*", metavar="INPUT", help="files, folders or globs")
     cmd.add_argument("-o", "--output", required=True, help="the output directory")
     cmd.add_argument(

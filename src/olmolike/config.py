@@ -20,7 +20,6 @@ import copy as copy_module
 import dataclasses
 import enum
 import json
-import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -69,8 +68,6 @@ __all__ = [
     "registered_name",
     "require_class_name",
 ]
-
-log = logging.getLogger(__name__)
 
 
 C = TypeVar("C", bound="Config")

@@ -178,18 +178,15 @@ def _launch(args: argparse.Namespace) -> int:
     return launch(args.nproc_per_node, ["train", args.config, *dry_run, *args.overrides])
 
 
-def add_train_command(commands: argparse._SubParsersAction) -> None:
-    """Register ``olmolike train`` on the CLI's subcommands."""
-    cmd = commands.add_parser(
-        "train",
-        help="train from an experiment config file (YAML or JSON) with dotted overrides; under "
-        "torchrun: torchrun --nproc-per-node=N -m olmolike train CONFIG.yaml",
-        description="Train from an experiment config file: model, train_module, dataset, "
+def add_train_command(cmd: argparse.ArgumentParser) -> None:
+    """The arguments of ``olmolike train`` (its parser and help come from :mod:`olmolike.cli`)."""
+    cmd.description = (
+        "Train from an experiment config file: model, train_module, dataset, "
         "data_loader, trainer (the train_lm example's --dry-run prints one). The train "
         "module's _CLASS_ picks pretraining or SFT (transformer), dpo or grpo, and the "
         "dataset's _CLASS_ its data (numpy, sft, preference_pairs, prompts). GRPO's reward "
         "functions come from installed packages' olmolike.rewards entry points. Any field can "
-        "be overridden: --trainer.max_duration.value=100.",
+        "be overridden: --trainer.max_duration.value=100."
     )
     cmd.add_argument(
         "--nproc-per-node",

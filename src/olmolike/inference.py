@@ -271,12 +271,8 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_evaluate_command(commands: argparse._SubParsersAction) -> None:
-    """Register ``olmolike evaluate`` (held-out loss and perplexity of a checkpoint)."""
-    evaluate = commands.add_parser(
-        "evaluate",
-        help="print the cross-entropy loss and perplexity of a checkpoint on token data",
-    )
+def add_evaluate_command(evaluate: argparse.ArgumentParser) -> None:
+    """The arguments of ``olmolike evaluate`` (held-out loss and perplexity of a checkpoint)."""
     evaluate.add_argument(
         "checkpoint", help="a checkpoint folder (runs/my-run/step600) or a save folder (its newest)"
     )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,6 @@ __all__ = [
     "plot_runs",
 ]
 
-log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -199,12 +197,8 @@ def _run_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_plot_command(commands: argparse._SubParsersAction) -> None:
-    """Register ``olmolike plot`` on the CLI's subcommands."""
-    cmd = commands.add_parser(
-        "plot",
-        help="draw loss / learning rate / throughput curves of one or more runs into a PNG",
-    )
+def add_plot_command(cmd: argparse.ArgumentParser) -> None:
+    """The arguments of ``olmolike plot`` (its parser and help come from :mod:`olmolike.cli`)."""
     cmd.add_argument(
         "runs", nargs="+", metavar="RUN", help="save folders or metrics.jsonl files (local or URL)"
     )

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from testutils import free_port, launcher_env, patient
+from testutils import free_port, launcher_env, patient, start_ranks
 
 RUNS = int(os.environ.get("OLMOLIKE_CLEAN_EXIT_RUNS", "10"))
 """How many times the finished run is repeated (set it to 100 for a soak run)."""
@@ -121,17 +121,7 @@ def _in_flight_failures(tmp_path: Path, ending: str, status: int, attempts: int)
     script.write_text(IN_FLIGHT_SCRIPT.replace("ENDING", ending))
     failures = []
     for attempt in range(attempts):
-        port = free_port()
-        ranks = [
-            subprocess.Popen(
-                [sys.executable, str(script)],
-                env={**os.environ, **launcher_env(rank, 2, port), "OMP_NUM_THREADS": "1"},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for rank in range(2)
-        ]
+        ranks = start_ranks([sys.executable, str(script)], stderr=subprocess.PIPE)
         for rank, proc in enumerate(ranks):
             try:
                 out, err = proc.communicate(timeout=patient(120))

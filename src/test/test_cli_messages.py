@@ -14,8 +14,8 @@ from olmolike.cli import COMMANDS, build_parser, main
 
 def test_export_hf_refusal_names_the_command_line_flag(tmp_path: Path) -> None:
     """A CLI user is told the flag (``--overwrite``), not only the Python argument."""
+    from olmolike.nn import TransformerConfig
     from olmolike.nn.hf_export import export_hf
-    from olmolike.nn.transformer import TransformerConfig
 
     config = TransformerConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2)
     state = config.build(seed=0).state_dict()

@@ -17,7 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from testutils import free_port, launcher_env, patient
+from testutils import free_port, patient, start_ranks
 
 from olmolike.train.checkpoint import Checkpointer
 
@@ -44,6 +44,20 @@ def run(command: list[str], **env: str) -> subprocess.CompletedProcess[str]:
 def _python_path() -> str:
     src = str(Path(TEST_DIR).parent)
     return os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])
+
+
+def _output_of(
+    rank: subprocess.Popen[str], ranks: list[subprocess.Popen[str]], timeout: float
+) -> str:
+    """``rank``'s output once it ends; then every one of ``ranks`` is killed and reaped,
+    whatever happened (a rank waiting on a dead peer would otherwise outlive the test)."""
+    try:
+        output, _ = rank.communicate(timeout=patient(timeout))
+    finally:
+        for other in ranks:
+            other.kill()
+            other.communicate()
+    return output
 
 
 # -- a rank killed with SIGKILL -------------------------------------------------------------
@@ -85,24 +99,9 @@ def test_a_killed_rank_is_one_line_on_the_rank_left(tmp_path: Path, killed: int)
     left must not call it once rank 0 is gone (each call prints a C++ stack trace)."""
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(KILLED_SCRIPT.format(test_dir=TEST_DIR)))
-    port = free_port()
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(tmp_path / "run"), str(killed)],
-            env={**os.environ, **launcher_env(rank, 2, port), "OMP_NUM_THREADS": "1"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
+    ranks = start_ranks([sys.executable, str(script), str(tmp_path / "run"), str(killed)])
     left = ranks[1 - killed]
-    try:
-        output, _ = left.communicate(timeout=patient(150))
-    finally:
-        for rank in ranks:
-            rank.kill()
-            rank.communicate()
+    output = _output_of(left, ranks, timeout=150)
     assert ranks[killed].returncode == -signal.SIGKILL
     assert left.returncode == 1
     lines = failure_lines(output)
@@ -134,23 +133,8 @@ def test_a_rank_killed_before_the_teardown_barrier_is_one_line(tmp_path: Path) -
     barrier, naming no rank."""
     script = tmp_path / "end.py"
     script.write_text(END_SCRIPT)
-    port = free_port()
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, str(script)],
-            env={**os.environ, **launcher_env(rank, 2, port), "OMP_NUM_THREADS": "1"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        output, _ = ranks[0].communicate(timeout=patient(120))
-    finally:
-        for rank in ranks:
-            rank.kill()
-            rank.communicate()
+    ranks = start_ranks([sys.executable, str(script)])
+    output = _output_of(ranks[0], ranks, timeout=120)
     assert ranks[0].returncode == 1
     (line,) = failure_lines(output)
     assert re.fullmatch(
@@ -187,22 +171,8 @@ def test_a_killed_rank_under_torchrun_is_one_line_then_torchrun_s_summary(
     with three raw tracebacks from the ranks."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
     command = [*torchrun, f"--master-port={free_port()}", "-m", "olmolike", "train"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _python_path()}
-    launcher = subprocess.Popen(
-        [*command, str(experiment_file)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        _wait_for(lambda: (tmp_path / "run" / "step2").exists() or launcher.poll() is not None)
-        os.kill(_rank_pids(launcher.pid)[1], signal.SIGKILL)
-        output, _ = launcher.communicate(timeout=patient(150))
-    finally:
-        launcher.kill()
-        launcher.communicate()
-    assert launcher.returncode != 0
+    returncode, output = _kill_rank_1_after_step_2([*command, str(experiment_file)], tmp_path)
+    assert returncode != 0
     ours = [line for line in output.splitlines() if line.startswith("error: ")]
     assert len(ours) == 1 and LOST_RANK_LINE.fullmatch(ours[0]), output[-3000:]
     assert "[rank0]" not in output.replace("[rank0] INFO", "")  # no rank's traceback
@@ -219,13 +189,20 @@ def test_a_killed_rank_under_olmolike_s_own_launcher_is_the_whole_output(
     (no launcher report), and it names the signal: the launcher keeps the dead rank unreaped
     until the others ended, so they can read how it ended."""
     command = [sys.executable, "-m", "olmolike", "train", "--nproc-per-node=2"]
+    returncode, output = _kill_rank_1_after_step_2([*command, str(experiment_file)], tmp_path)
+    assert returncode == 128 + signal.SIGKILL
+    (line,) = failure_lines(output)
+    found = LOST_RANK_LINE.fullmatch(line)
+    assert found and "was killed by SIGKILL" in line, line
+    assert found["checkpoint"] == list(Checkpointer.find_checkpoints(tmp_path / "run"))[-1][1]
+
+
+def _kill_rank_1_after_step_2(command: list[str], tmp_path: Path) -> tuple[int, str]:
+    """Run the launcher ``command`` (two ranks saving into ``tmp_path/run``), SIGKILL its
+    rank 1 once step 2 is saved, and return the launcher's exit status and output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _python_path()}
     launcher = subprocess.Popen(
-        [*command, str(experiment_file)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
         _wait_for(lambda: (tmp_path / "run" / "step2").exists() or launcher.poll() is not None)
@@ -234,11 +211,7 @@ def test_a_killed_rank_under_olmolike_s_own_launcher_is_the_whole_output(
     finally:
         launcher.kill()
         launcher.communicate()
-    assert launcher.returncode == 128 + signal.SIGKILL
-    (line,) = failure_lines(output)
-    found = LOST_RANK_LINE.fullmatch(line)
-    assert found and "was killed by SIGKILL" in line, line
-    assert found["checkpoint"] == list(Checkpointer.find_checkpoints(tmp_path / "run"))[-1][1]
+    return launcher.returncode, output
 
 
 def _wait_for(condition: object) -> None:

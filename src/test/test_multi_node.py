@@ -9,14 +9,11 @@ resumes from the checkpoint.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from testutils import free_port, patient
+from testutils import launch_two_nodes
 
 from olmolike.data import prepare_data
 from olmolike.data.numpy_data_loader import NumpyDataLoaderConfig
@@ -80,32 +77,13 @@ def _experiment(tmp_path: Path) -> Path:
 
 def _launch(script: Path, experiment: Path, overrides: list[str], work: Path) -> list[str]:
     """Both nodes' output; each node is one ``torchrun`` with two ranks."""
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OLMOLIKE_SHARED_FILESYSTEM": "1"}
-    nodes = []
-    for node in range(2):
-        command = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nnodes=2", "--nproc_per_node=2", f"--node_rank={node}",
-            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes",
-            str(script), str(experiment), *overrides, f"--trainer.work_dir={work / f'node{node}'}",
-        ]  # fmt: skip
-        nodes.append(
-            subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        )
-    outputs = []
-    try:
-        for process in nodes:
-            out, _ = process.communicate(timeout=patient(300))
-            text = out.decode(errors="replace")
-            assert process.returncode == 0, f"a node failed ({process.returncode}):\n{text[-4000:]}"
-            outputs.append(text)
-    finally:
-        for process in nodes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    return outputs
+    return launch_two_nodes(
+        lambda node: [
+            str(script), str(experiment), *overrides, f"--trainer.work_dir={work / f'node{node}'}"
+        ],
+        nproc_per_node=2,
+        env={"OLMOLIKE_SHARED_FILESYSTEM": "1"},
+    )  # fmt: skip
 
 
 def test_tensor_parallel_within_nodes_and_hsdp_across_them(tmp_path: Path) -> None:

@@ -116,7 +116,7 @@ def test_loader_deals_the_sampler_order_and_resumes_exactly() -> None:
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
     fresh = PromptDataLoader(data, prompts_per_rank=2, seed=3, dp_world_size=2, dp_rank=1)
     assert loader_prompts(resumed, 2) == loader_prompts(fresh, 2)[1:]
-    with pytest.raises(DataError, match="other prompts"):
+    with pytest.raises(DataError, match="different prompts"):
         PromptDataLoader(records(9), prompts_per_rank=2).load_state_dict(first.state_dict())
     with pytest.raises(DataError, match="seed"):
         PromptDataLoader(

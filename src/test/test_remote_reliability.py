@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import fsspec
 import pytest
-from remote_servers import RemoteStore, free_port, gcs_bucket, gcs_server, s3_bucket, s3_server
-from testutils import build_trainer, patient, run_distributed
+from remote_servers import RemoteStore, gcs_bucket, gcs_server, s3_bucket, s3_server
+from testutils import build_trainer, launch_two_nodes, run_distributed
 
 from olmolike.exceptions import CheckpointError
 from olmolike.train import CheckpointerConfig, Duration
@@ -195,33 +192,14 @@ if __name__ == "__main__":
 """
 
 
-def launch_two_nodes(script: Path, url: str, work: Path, steps: int) -> list[str]:
-    port = free_port()
-    env = {**os.environ, "TEST_FSSPEC_CONF": json.dumps(store_settings()), "OMP_NUM_THREADS": "1"}
-    nodes = []
-    for node in range(2):
-        command = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
-            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes",
-            str(script), url, str(work / f"node{node}"), str(steps),
-        ]  # fmt: skip
-        nodes.append(
-            subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        )
-    outputs = []
-    try:
-        for process in nodes:
-            out, _ = process.communicate(timeout=patient(240))
-            text = out.decode(errors="replace")
-            assert process.returncode == 0, f"a node failed ({process.returncode}):\n{text[-4000:]}"
-            outputs.append(text)
-    finally:
-        for process in nodes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    return outputs
+def launch_nodes(script: Path, url: str, work: Path, steps: int) -> list[str]:
+    """Both nodes' output; each node is one ``torchrun`` with one rank."""
+    return launch_two_nodes(
+        lambda node: [str(script), url, str(work / f"node{node}"), str(steps)],
+        nproc_per_node=1,
+        env={"TEST_FSSPEC_CONF": json.dumps(store_settings())},
+        timeout=240,
+    )
 
 
 def test_a_real_two_node_launch_saves_and_resumes_on_the_store(
@@ -230,10 +208,10 @@ def test_a_real_two_node_launch_saves_and_resumes_on_the_store(
     script = tmp_path / "node.py"
     script.write_text(textwrap.dedent(NODE_SCRIPT.format(test_dir=str(Path(__file__).parent))))
     url = store.url("run")
-    outputs = launch_two_nodes(script, url, tmp_path, 2)
+    outputs = launch_nodes(script, url, tmp_path, 2)
     assert all("NODE DONE step=2 downloads=0" in out for out in outputs), outputs
     assert [s for s, _ in Checkpointer.find_checkpoints(url)] == [0, 2]
-    outputs = launch_two_nodes(script, url, tmp_path, 4)  # resumes: downloads once per node
+    outputs = launch_nodes(script, url, tmp_path, 4)  # resumes: downloads once per node
     assert all("NODE DONE step=4 downloads=1" in out for out in outputs), outputs
     assert [s for s, _ in Checkpointer.find_checkpoints(url)] == [0, 2, 4]
     objects = store.objects("run", "step4")

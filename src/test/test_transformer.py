@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from olmolike.config import Config
 from olmolike.exceptions import ConfigurationError
 from olmolike.nn import Transformer, TransformerConfig, TransformerPreset
 from olmolike.nn.rope import apply_rotary
@@ -223,6 +225,20 @@ def test_config_round_trip_and_merge() -> None:
     assert (merged.n_layers, merged.rope_theta, merged.n_kv_heads) == (3, 10_000.0, None)
     with pytest.raises(ConfigurationError, match="n_kv_heads"):
         config.merge(["--n_kv_heads=3"])
+
+
+def test_a_config_file_written_before_the_config_moved_still_loads() -> None:
+    # Checkpoints saved while TransformerConfig lived in olmolike.nn.transformer name it so in
+    # their config.json; a section of a larger config resolves that name through the registry.
+    @dataclass
+    class Experiment(Config):
+        model: TransformerConfig
+
+    config = micro()
+    data = {
+        "model": {**config.as_config_dict(), "_CLASS_": "olmolike.nn.transformer.TransformerConfig"}
+    }
+    assert Experiment.from_dict(data).model == config
 
 
 @pytest.mark.parametrize(

@@ -190,6 +190,22 @@ def test_ac_keeps_parameter_names(tmp_path: Path) -> None:
     assert names == set(model_config().build().state_dict())
 
 
+def test_a_config_file_naming_the_ac_config_by_its_old_module_still_loads() -> None:
+    # Files written while ActivationCheckpointingConfig lived in train_module/transformer.py
+    # name it so; the config of a train module resolves that name through the registry.
+    section = {
+        "_CLASS_": "olmolike.train.train_module.transformer.ActivationCheckpointingConfig",
+        "mode": "selected_blocks",
+        "block_interval": 2,
+    }
+    config = TransformerTrainModuleConfig.from_dict(
+        {"rank_microbatch_size": 32, "ac_config": section}
+    )
+    assert config.ac_config == ActivationCheckpointingConfig(
+        mode="selected_blocks", block_interval=2
+    )
+
+
 def test_meta_model_is_materialised_like_a_direct_build(tmp_path: Path) -> None:
     direct, _ = build_lm_trainer(tmp_path / "a")
     meta, _ = build_lm_trainer(tmp_path / "b", init_device="meta")

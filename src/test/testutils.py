@@ -6,6 +6,8 @@ import os
 import pickle
 import queue
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -42,6 +44,64 @@ def launcher_env(rank: int, world_size: int, port: int) -> dict[str, str]:
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
     }
+
+
+def start_ranks(
+    command: list[str], ranks: int = 2, *, stderr: int = subprocess.STDOUT
+) -> list[subprocess.Popen[str]]:
+    """Start ``command`` as the ``ranks`` ranks of one job on this machine, each with the
+    variables a launcher gives it (:func:`launcher_env`, one free port) and one torch thread;
+    stdout is piped as text, stderr into it unless ``stderr`` says otherwise."""
+    port = free_port()
+    return [
+        subprocess.Popen(
+            command,
+            env={**os.environ, **launcher_env(rank, ranks, port), "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+        for rank in range(ranks)
+    ]
+
+
+def launch_two_nodes(
+    node_args: Callable[[int], list[str]],
+    *,
+    nproc_per_node: int,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+) -> list[str]:
+    """Run a job of two nodes on this machine: one ``torchrun --nnodes=2`` per node with a
+    c10d rendezvous on 127.0.0.1, node ``n`` running ``node_args(n)`` (the script and its
+    arguments) on ``nproc_per_node`` ranks, with ``env`` added. Each node's output, in node
+    order; a node that fails fails the test with the end of its output."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2"]
+    rendezvous = ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes"]
+    nodes = [
+        subprocess.Popen(
+            [*torchrun, f"--nproc_per_node={nproc_per_node}", f"--node_rank={node}", *rendezvous,
+             *node_args(node)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        for node in range(2)
+    ]  # fmt: skip
+    outputs = []
+    try:
+        for process in nodes:
+            out, _ = process.communicate(timeout=patient(timeout))
+            text = out.decode(errors="replace")
+            failed = f"a node failed ({process.returncode}):\n{text[-4000:]}"
+            assert process.returncode == 0, failed
+            outputs.append(text)
+    finally:
+        for process in nodes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return outputs
 
 
 @dataclass

@@ -15,7 +15,6 @@ the assistant's, which is what supervised fine-tuning trains on.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -26,15 +25,19 @@ from ..exceptions import ConfigurationError, DataError
 
 __all__ = [
     "BYTE_CHAT_TEMPLATE",
+    "ROLES",
     "SPECIAL_TOKEN_NAMES",
     "ChatTemplate",
     "Message",
     "chat_template_for",
+    "check_messages",
 ]
 
-log = logging.getLogger(__name__)
 
 Message = Mapping[str, Any]
+
+ROLES = ("system", "user", "assistant")
+"""The roles a message of a training conversation (SFT, DPO) may have."""
 
 SPECIAL_TOKEN_NAMES = (
     "bos_token",
@@ -275,3 +278,25 @@ def chat_template_for(own: ChatTemplate | None, path: str | None) -> ChatTemplat
             "'chat_template' beside its tokenizer.json, or pass --chat-template FILE.jinja"
         )
     return own
+
+
+def check_messages(value: Any, where: str, key: str | None = None) -> list[Message]:
+    """``value`` as a conversation read from a data file: a non-empty list of objects with a
+    known ``role`` and a string ``content``. Otherwise a :class:`DataError` that names
+    ``where`` (the file and line) and the record's ``key`` holding the conversation."""
+    field = f"'{key}'" if key else "'messages'"
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: {field} must be a non-empty list of role/content objects")
+    of = f"{field} message" if key else "message"
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise DataError(
+                f"{where}: {of} {i} must be an object with a string 'content', got "
+                f"{json.dumps(message)[:80]}"
+            )
+        if message.get("role") not in ROLES:
+            raise DataError(
+                f"{where}: {of} {i} has the unknown role {message.get('role')!r}; the roles "
+                f"are {', '.join(ROLES)}: rename it or remove the message"
+            )
+    return value

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -13,9 +12,15 @@ import torch
 from ..distributed.utils import get_rank, get_world_size
 from ..exceptions import ConfigurationError, DataError
 
-__all__ = ["DataLoaderBase", "TokenTensorDataLoader", "check_resized_resume"]
+__all__ = [
+    "DataLoaderBase",
+    "FixedLengthDataLoader",
+    "TokenTensorDataLoader",
+    "check_resized_resume",
+    "check_same_data",
+    "check_same_settings",
+]
 
-log = logging.getLogger(__name__)
 
 Batch = dict[str, Any]
 
@@ -90,12 +95,23 @@ class DataLoaderBase(ABC):
             )
         self._global_batch_size = value
 
+    @property
+    def _instance_tokens(self) -> int:
+        """Tokens in one instance, the unit batches are made of (1: any number of tokens)."""
+        return 1
+
     def _check_global_batch_size(self, value: int) -> None:
-        """Raise :class:`ConfigurationError` if this loader cannot serve ``value`` tokens a batch."""
-        if value <= 0 or value % self.dp_world_size:
+        """Raise :class:`ConfigurationError` if this loader cannot serve ``value`` tokens a
+        batch: whole instances on every data-parallel rank."""
+        multiple = self._instance_tokens * self.dp_world_size
+        if value <= 0 or value % multiple:
+            what = "the data-parallel world size"
+            if self._instance_tokens > 1:
+                what = (
+                    f"the instance length x {what} = {self._instance_tokens} x {self.dp_world_size}"
+                )
             raise ConfigurationError(
-                f"must be a positive multiple of the data-parallel world size "
-                f"({self.dp_world_size}), got {value}",
+                f"must be a positive multiple of {what} = {multiple} tokens, got {value}",
                 path="global_batch_size",
             )
 
@@ -166,7 +182,29 @@ class DataLoaderBase(ABC):
         """A batch of this rank's shape, for dry runs and benchmarks."""
 
 
-class TokenTensorDataLoader(DataLoaderBase):
+class FixedLengthDataLoader(DataLoaderBase):
+    """A loader of fixed-length instances (:attr:`_instance_tokens` tokens each, set by the
+    subclass): batches are whole instances on every rank, positions count instances, and each
+    rank reads its contiguous share of every global batch from the epoch's order."""
+
+    @property
+    def instances_per_batch(self) -> int:
+        """Instances in one global batch (all ranks)."""
+        return self.global_batch_size // self._instance_tokens
+
+    @property
+    def instances_consumed(self) -> int:
+        """Instances of the current epoch already yielded, summed over all ranks."""
+        return self.tokens_processed // self._instance_tokens
+
+    def _rank_window(self) -> slice:
+        """This rank's share of the next batch, as positions in the epoch's order."""
+        per_rank = self.instances_per_batch // self.dp_world_size
+        start = self.instances_consumed + self.dp_rank * per_rank
+        return slice(start, start + per_rank)
+
+
+class TokenTensorDataLoader(FixedLengthDataLoader):
     """Fixed-length instances from an in-memory ``(num_instances, seq_len)`` token tensor.
 
     The order of instances is a permutation seeded by ``seed + epoch``, the same on every rank;
@@ -203,17 +241,9 @@ class TokenTensorDataLoader(DataLoaderBase):
         )
         self._fingerprint: str | None = None
 
-    def _check_global_batch_size(self, value: int) -> None:
-        if value <= 0 or value % (self.seq_len * self.dp_world_size):
-            raise ConfigurationError(
-                f"must be a positive multiple of seq_len x dp world size "
-                f"({self.seq_len} x {self.dp_world_size}), got {value}",
-                path="global_batch_size",
-            )
-
     @property
-    def instances_per_batch(self) -> int:
-        return self.global_batch_size // self.seq_len
+    def _instance_tokens(self) -> int:
+        return self.seq_len
 
     @property
     def total_batches(self) -> int | None:
@@ -222,11 +252,6 @@ class TokenTensorDataLoader(DataLoaderBase):
     @property
     def _batches_per_epoch(self) -> int:
         return self.instances.shape[0] // self.instances_per_batch
-
-    @property
-    def instances_consumed(self) -> int:
-        """Instances of the current epoch already yielded, summed over all ranks."""
-        return self.tokens_processed // self.seq_len
 
     @property
     def fingerprint(self) -> str:
@@ -250,9 +275,7 @@ class TokenTensorDataLoader(DataLoaderBase):
         order = self._order()
         ordered = self.instances[order] if self.shuffle else self.instances.clone()
         while self.next_batch_index < self._batches_per_epoch:
-            per_rank = self.instances_per_batch // self.dp_world_size
-            start = self.instances_consumed + self.dp_rank * per_rank
-            window = slice(start, start + per_rank)
+            window = self._rank_window()
             yield self._make_batch(ordered[window], order[window])
 
     def _make_batch(self, rows: torch.Tensor, indices: torch.Tensor) -> Batch:
@@ -276,18 +299,8 @@ class TokenTensorDataLoader(DataLoaderBase):
         The global batch size may differ from the saved one by an integer factor, as long as
         the saved position is a whole number of batches of the current size.
         """
-        if state_dict["fingerprint"] != self.fingerprint:
-            raise DataError(
-                "the checkpoint was trained on different token data than this loader holds; "
-                "resuming would not continue the same run. Load without trainer state "
-                "(load_trainer_state=False) to start the data from the beginning."
-            )
-        for key in ("seed", "shuffle"):
-            if state_dict[key] != getattr(self, key):
-                raise DataError(
-                    f"data loader {key} was {state_dict[key]!r} in the checkpoint but is "
-                    f"{getattr(self, key)!r} now; set it back to resume exactly"
-                )
+        check_same_data(state_dict["fingerprint"], self.fingerprint, "token data")
+        check_same_settings(state_dict, self, ("seed", "shuffle"))
         consumed = state_dict["tokens_processed"] // self.seq_len
         check_resized_resume(
             consumed, state_dict["global_batch_size"] // self.seq_len, self.instances_per_batch
@@ -301,6 +314,29 @@ class TokenTensorDataLoader(DataLoaderBase):
         generator = torch.Generator().manual_seed(self.seed)
         rows = torch.randint(0, self.instances.shape[0], (per_rank,), generator=generator)
         return self._make_batch(self.instances[rows].clone(), rows)
+
+
+def check_same_data(saved: str, fingerprint: str, data: str) -> None:
+    """Refuse to resume on other ``data`` (e.g. "prompts") than the checkpoint was trained on:
+    the saved position would point into another order, and the run would not continue."""
+    if saved != fingerprint:
+        raise DataError(
+            f"the checkpoint was trained on different {data} than this loader holds; "
+            "resuming would not continue the same run. Load without trainer state "
+            f"(load_trainer_state=False) to start the {data} from the beginning"
+        )
+
+
+def check_same_settings(state_dict: dict[str, Any], loader: object, keys: tuple[str, ...]) -> None:
+    """Refuse to resume with another value of a setting that decides which data comes next
+    (the seed, shuffling, ...): each of ``keys`` must be as the checkpoint saved it."""
+    for key in keys:
+        saved, now = state_dict[key], getattr(loader, key)
+        if saved != now:
+            raise DataError(
+                f"the data loader's {key} was {saved!r} in the checkpoint but is {now!r} now; "
+                "set it back to resume the same data order"
+            )
 
 
 def check_resized_resume(consumed: int, saved: int, now: int) -> None:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..exceptions import ConfigurationError, DataError
-from .data_loader import Batch, DataLoaderBase, check_resized_resume
+from .data_loader import Batch, FixedLengthDataLoader, check_resized_resume, check_same_settings
 from .numpy_dataset import NumpyFSLDataset
 from .sft_dataset import SFTDataset
 
@@ -66,7 +66,7 @@ class _Batches(torch.utils.data.Dataset):
         return _collate(self.dataset, self.rows[k])
 
 
-class NumpyDataLoader(DataLoaderBase):
+class NumpyDataLoader(FixedLengthDataLoader):
     """Yields ``{"input_ids": (B, T) LongTensor, "index": (B,) LongTensor}`` for this rank
     (over an :class:`SFTDataset`, also ``"labels"`` and ``"doc_ids"``).
 
@@ -108,28 +108,13 @@ class NumpyDataLoader(DataLoaderBase):
             )
         self._order_cache: tuple[int, np.ndarray] | None = None
 
-    def _check_global_batch_size(self, value: int) -> None:
-        multiple = self.sequence_length * self.dp_world_size
-        if value <= 0 or value % multiple:
-            raise ConfigurationError(
-                f"must be a positive multiple of sequence_length x dp world size = "
-                f"{self.sequence_length} x {self.dp_world_size} = {multiple} tokens, got {value}",
-                path="global_batch_size",
-            )
-
     @property
-    def instances_per_batch(self) -> int:
-        """Instances in one global batch (all ranks)."""
-        return self.global_batch_size // self.sequence_length
+    def _instance_tokens(self) -> int:
+        return self.sequence_length
 
     @property
     def total_batches(self) -> int:
         return len(self.dataset) // self.instances_per_batch
-
-    @property
-    def instances_consumed(self) -> int:
-        """Instances of the current epoch already yielded, summed over all ranks."""
-        return self.tokens_processed // self.sequence_length
 
     def order(self, epoch: int) -> np.ndarray:
         """Dataset indices in the order ``epoch`` visits them (identical on every rank)."""
@@ -154,9 +139,7 @@ class NumpyDataLoader(DataLoaderBase):
 
     def _next_rank_row(self) -> np.ndarray:
         """This rank's instances of the next batch of the current size."""
-        per_rank = self.instances_per_batch // self.dp_world_size
-        start = self.instances_consumed + self.dp_rank * per_rank
-        return self.order(self.epoch or 1)[start : start + per_rank]
+        return self.order(self.epoch or 1)[self._rank_window()]
 
     def _iter_batches(self) -> Iterator[Batch]:
         if self.num_workers == 0:
@@ -202,12 +185,7 @@ class NumpyDataLoader(DataLoaderBase):
         from the saved epoch and position in *its own* order (or at the epoch's end, if the
         new epoch is shorter): nothing already trained on is repeated by position.
         """
-        for key in ("seed", "shuffle"):
-            if state_dict[key] != getattr(self, key):
-                raise DataError(
-                    f"the data loader's {key} was {state_dict[key]!r} in the checkpoint but is "
-                    f"{getattr(self, key)!r} now; set it back to resume the same data order"
-                )
+        check_same_settings(state_dict, self, ("seed", "shuffle"))
         if state_dict["fingerprint"] != self.dataset.fingerprint:
             if not self.ignore_fingerprint_mismatch:
                 raise DataError(

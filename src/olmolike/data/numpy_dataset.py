@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 import zlib
 from collections.abc import Sequence
@@ -47,7 +46,6 @@ __all__ = [
     "TokenFile",
 ]
 
-log = logging.getLogger(__name__)
 
 _RATE_TOLERANCE = 1e-6
 

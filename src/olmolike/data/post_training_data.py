@@ -15,25 +15,17 @@ from ..distributed.utils import get_world_size
 from ..exceptions import ConfigurationError
 from .preference import PreferenceDataLoader
 from .preference_prepare import load_preference_rows
+from .prepared_io import PreparedSplitConfig
 from .prompts import PromptDataLoader, read_prompt_jsonl
 
 __all__ = ["PreferenceDatasetConfig", "PromptDatasetConfig"]
 
 
 @dataclass
-class PreferenceDatasetConfig(Config):
+class PreferenceDatasetConfig(PreparedSplitConfig):
     """One split of a ``prepare-data --dpo`` folder: the pair rows DPO trains on."""
 
     registered_name: ClassVar[str] = "preference_pairs"
-
-    path: str
-    """The folder ``prepare-data --dpo -o`` wrote."""
-    split: str = "train"
-    """``train`` or ``val`` (with ``--val-fraction``)."""
-
-    def validate(self) -> None:
-        if self.split not in ("train", "val"):
-            raise self._invalid("split", f"must be 'train' or 'val', got {self.split!r}")
 
     def build_loader(
         self,

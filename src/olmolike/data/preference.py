@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..exceptions import DataError
-from .chat_template import ChatTemplate, Message
+from .chat_template import ChatTemplate, Message, check_messages
 from .data_loader import Batch, TokenTensorDataLoader
 from .prepared_io import read_jsonl
 from .tokenizer import Tokenizer
@@ -48,7 +48,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-ROLES = ("system", "user", "assistant")
 
 Text = str | list[Message]
 
@@ -69,24 +68,12 @@ class PreferencePair:
         return any(isinstance(part, list) for part in (self.prompt, self.chosen, self.rejected))
 
 
-def _check_messages(value: Any, where: str, key: str) -> list[Message]:
+def _text(value: Any, where: str, key: str) -> Text:
+    if isinstance(value, str):
+        return value
     if not isinstance(value, list) or not value:
         raise DataError(f"{where}: '{key}' must be a string or a non-empty list of messages")
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            raise DataError(
-                f"{where}: '{key}' message {i} must be an object with a string 'content'"
-            )
-        if message.get("role") not in ROLES:
-            raise DataError(
-                f"{where}: '{key}' message {i} has the unknown role {message.get('role')!r}; "
-                f"the roles are {', '.join(ROLES)}"
-            )
-    return value
-
-
-def _text(value: Any, where: str, key: str) -> Text:
-    return value if isinstance(value, str) else _check_messages(value, where, key)
+    return check_messages(value, where, key)
 
 
 def parse_preference_record(record: Any, where: str) -> PreferencePair:

@@ -10,7 +10,6 @@ reads a split for :class:`~olmolike.data.preference.PreferenceDataLoader`.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,6 @@ from .chat_template import chat_template_for
 from .numpy_dataset import METADATA_FILE
 from .preference import PreferencePair, encode_preference_pairs, parse_preference_record
 from .prepared_io import (
-    FORMAT_VERSION,
     SPLITS,
     begin_output,
     check_settings,
@@ -31,7 +29,6 @@ from .prepared_io import (
     in_validation,
     read_jsonl,
     run_arguments,
-    tokenizer_ids,
     write_atomically,
 )
 from .sources import resolve_inputs
@@ -39,7 +36,6 @@ from .tokenizer import TokenizerConfig
 
 __all__ = ["DPO_KIND", "load_preference_rows", "prepare_preference_data"]
 
-log = logging.getLogger(__name__)
 
 DPO_KIND = "dpo"
 
@@ -67,12 +63,13 @@ def prepare_preference_data(
         else chat_template_for(built.chat_template, chat_template)
     )
     sources = resolve_inputs(inputs, exclude=out)
+    # Recorded in the arguments and again in the metadata, where readers look for them.
+    layout = {"kind": DPO_KIND, "sequence_length": sequence_length}
     arguments = run_arguments(
         resolved,
         sources,
-        kind=DPO_KIND,
+        **layout,
         chat_template=None if template is None else template.source,
-        sequence_length=sequence_length,
         val_fraction=val_fraction,
         seed=seed,
     )
@@ -101,16 +98,7 @@ def prepare_preference_data(
             [array[:, sequence_length : width // 2], array[:, 3 * sequence_length :]], 1
         )
         stats[name] = {"pairs": len(pairs), "scored_tokens": int((labels != -100).sum())}
-    metadata = {
-        "format_version": FORMAT_VERSION,
-        "kind": DPO_KIND,
-        "tokenizer": resolved.identifier,
-        **tokenizer_ids(resolved),
-        "sequence_length": sequence_length,
-        "splits": stats,
-        "arguments": arguments,
-    }
-    return finish_output(out, metadata)
+    return finish_output(out, resolved, arguments, **layout, splits=stats)
 
 
 def load_preference_rows(folder: str | Path, split: str = "train") -> torch.Tensor:

@@ -33,7 +33,6 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from ..exceptions import DataError
 from .numpy_dataset import METADATA_FILE, NumpyDatasetConfig
 from .prepared_io import (
-    FORMAT_VERSION,
     SPLITS,
     WORK_DIR,
     begin_output,
@@ -42,7 +41,6 @@ from .prepared_io import (
     in_validation,
     run_arguments,
     token_dtype,
-    tokenizer_ids,
     write_atomically,
 )
 from .sources import Source, read_documents, resolve_inputs, stdlib_python_files
@@ -345,7 +343,8 @@ def prepare_data(
         _run_jobs(jobs, resolved, workers, bar)
         splits = {s: _write_split(out, s, parts, dtype, shard_tokens, bar) for s in SPLITS}
     _refuse_an_empty_training_split(out, splits, len(sources), val_fraction)
-    return PreparedData(out, finish_output(out, _metadata(resolved, arguments, splits)))
+    metadata = finish_output(out, resolved, arguments, **_shard_fields(arguments, splits))
+    return PreparedData(out, metadata)
 
 
 def _refuse_an_empty_training_split(
@@ -370,19 +369,14 @@ def _refuse_an_empty_training_split(
     )
 
 
-def _metadata(
-    tokenizer: TokenizerConfig, arguments: dict[str, Any], splits: dict[str, Any]
-) -> dict[str, Any]:
+def _shard_fields(arguments: dict[str, Any], splits: dict[str, Any]) -> dict[str, Any]:
+    """What ``metadata.json`` records of token shards, beyond what every preparation does."""
     tops = [shard["max_token_id"] for shards in splits.values() for shard in shards]
     return {
-        "format_version": FORMAT_VERSION,
-        "tokenizer": tokenizer.identifier,
-        **tokenizer_ids(tokenizer),
         # Checked against the model's vocabulary when a run is built, not at the batch that
         # holds it.
         "max_token_id": max(tops),
         "dtype": arguments["dtype"],
         "splits": splits,
         "sources": arguments["sources"],
-        "arguments": arguments,
     }

@@ -23,12 +23,14 @@ import logging
 import os
 import shutil
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
 from .. import io
+from ..config import Config
 from ..exceptions import DataError
 from .numpy_dataset import METADATA_FILE
 
@@ -36,6 +38,7 @@ __all__ = [
     "FORMAT_VERSION",
     "SPLITS",
     "WORK_DIR",
+    "PreparedSplitConfig",
     "begin_output",
     "check_settings",
     "claim_output",
@@ -54,6 +57,20 @@ FORMAT_VERSION = 1
 WORK_DIR = ".prepare"
 """The work folder inside an output: recorded arguments and partial results; gone when done."""
 SPLITS = ("train", "val")
+
+
+@dataclass
+class PreparedSplitConfig(Config):
+    """One split of a ``prepare-data`` output folder (the SFT and DPO dataset configs)."""
+
+    path: str
+    """The folder ``prepare-data -o`` wrote."""
+    split: str = "train"
+    """``train`` or ``val`` (with ``--val-fraction``): held-out examples for evaluation."""
+
+    def validate(self) -> None:
+        if self.split not in SPLITS:
+            raise self._invalid("split", f"must be 'train' or 'val', got {self.split!r}")
 
 
 # -- input ---------------------------------------------------------------------------------------
@@ -191,8 +208,19 @@ def begin_output(out: Path, arguments: dict[str, Any], overwrite: bool) -> dict[
     return None
 
 
-def finish_output(out: Path, metadata: dict[str, Any]) -> dict[str, Any]:
-    """Write ``metadata`` (the mark of a finished folder) and drop the work folder."""
+def finish_output(
+    out: Path, tokenizer: Any, arguments: dict[str, Any], **fields: Any
+) -> dict[str, Any]:
+    """Write ``metadata.json`` (the mark of a finished folder), drop the work folder, and
+    return the metadata: the format version, the resolved ``tokenizer`` and the ids a trainer
+    needs from it, the preparation's own ``fields``, and the ``arguments`` it was made with."""
+    metadata = {
+        "format_version": FORMAT_VERSION,
+        "tokenizer": tokenizer.identifier,
+        **tokenizer_ids(tokenizer),
+        **fields,
+        "arguments": arguments,
+    }
     write_atomically(
         out / METADATA_FILE, lambda f: f.write(json.dumps(metadata, indent=2).encode())
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,12 +20,11 @@ import torch
 from .. import io
 from ..distributed.utils import get_world_size
 from ..exceptions import ConfigurationError, DataError
-from .data_loader import DataLoaderBase
+from .data_loader import DataLoaderBase, check_same_data, check_same_settings
 from .prepared_io import read_jsonl
 
 __all__ = ["PromptDataLoader", "PromptRecord", "PromptSampler", "read_prompt_jsonl"]
 
-log = logging.getLogger(__name__)
 
 # Reward functions receive these as keyword arguments of their own.
 RESERVED_FIELDS = ("prompts", "completions")
@@ -236,18 +234,8 @@ class PromptDataLoader(DataLoaderBase):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue at the next batch after the saved position (same prompts, seed and size)."""
-        if state_dict["fingerprint"] != self.fingerprint:
-            raise DataError(
-                "the checkpoint was trained on other prompts than this loader holds; resuming "
-                "would not continue the same run. Load without trainer state "
-                "(load_trainer_state=False) to start the prompts from the beginning"
-            )
-        for key in ("seed", "global_batch_size"):
-            if state_dict[key] != getattr(self, key):
-                raise DataError(
-                    f"prompt loader {key} was {state_dict[key]!r} in the checkpoint but is "
-                    f"{getattr(self, key)!r} now; set it back to resume exactly"
-                )
+        check_same_data(state_dict["fingerprint"], self.fingerprint, "prompts")
+        check_same_settings(state_dict, self, ("seed", "global_batch_size"))
         self.epoch = state_dict["epoch"]
         self.batches_processed = state_dict["batches_processed"]
         self.tokens_processed = state_dict["tokens_processed"]

@@ -22,8 +22,6 @@ on padding). ``metadata.json``, written last, records counts and the padding fra
 from __future__ import annotations
 
 import bisect
-import json
-import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,9 +31,8 @@ import numpy as np
 
 from ..config import StrEnum, check_choice
 from ..exceptions import DataError
-from .chat_template import ChatTemplate, Message, chat_template_for
+from .chat_template import ChatTemplate, Message, chat_template_for, check_messages
 from .prepared_io import (
-    FORMAT_VERSION,
     SPLITS,
     begin_output,
     check_settings,
@@ -44,7 +41,6 @@ from .prepared_io import (
     read_jsonl,
     run_arguments,
     token_dtype,
-    tokenizer_ids,
     write_atomically,
 )
 from .sources import Source, resolve_inputs
@@ -52,9 +48,7 @@ from .tokenizer import Tokenizer, TokenizerConfig
 
 __all__ = ["OverlongPolicy", "PackingMode", "SFTExample", "prepare_sft_data", "tokenize_example"]
 
-log = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant")
 SFT_KIND = "sft"
 
 
@@ -98,19 +92,8 @@ def _as_messages(value: Any, where: str, name: str) -> list[Message]:
 
 
 def _check_messages(messages: Any, where: str) -> list[Message]:
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: 'messages' must be a non-empty list of role/content objects")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            raise DataError(
-                f"{where}: message {i} must be an object with a string 'content', got "
-                f"{json.dumps(message)[:80]}"
-            )
-        if message.get("role") not in ROLES:
-            raise DataError(
-                f"{where}: message {i} has the unknown role {message.get('role')!r}; the roles "
-                f"are {', '.join(ROLES)}: rename it or remove the message"
-            )
+    """A conversation to train on: well formed, with a non-empty assistant turn."""
+    for i, message in enumerate(check_messages(messages, where)):
         if message["role"] == "assistant" and not message["content"].strip():
             raise DataError(
                 f"{where}: message {i} is an empty assistant turn (empty completion): there "
@@ -273,13 +256,13 @@ def prepare_sft_data(
     assert resolved.vocab_size is not None
     dtype = token_dtype(resolved.vocab_size)
     sources = resolve_inputs(inputs, exclude=out)
+    # Recorded in the arguments and again in the metadata, where readers look for them.
+    layout = {"kind": SFT_KIND, "sequence_length": sequence_length, "packing": packing.value}
     arguments = run_arguments(
         resolved,
         sources,
-        kind=SFT_KIND,
+        **layout,
         chat_template=template.source,
-        sequence_length=sequence_length,
-        packing=packing.value,
         overlong=overlong.value,
         val_fraction=val_fraction,
         seed=seed,
@@ -302,15 +285,4 @@ def prepare_sft_data(
         (out / name).mkdir(parents=True, exist_ok=True)
         for key, array in arrays.items():
             write_atomically(out / name / f"{key}.npy", lambda f, a=array: np.save(f, a))
-    metadata = {
-        "format_version": FORMAT_VERSION,
-        "kind": SFT_KIND,
-        "tokenizer": resolved.identifier,
-        **tokenizer_ids(resolved),
-        "dtype": dtype.name,
-        "sequence_length": sequence_length,
-        "packing": packing.value,
-        "splits": stats,
-        "arguments": arguments,
-    }
-    return finish_output(out, metadata)
+    return finish_output(out, resolved, arguments, **layout, dtype=dtype.name, splits=stats)

@@ -22,9 +22,9 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..config import Config
 from ..exceptions import DataError
 from .numpy_dataset import METADATA_FILE
+from .prepared_io import PreparedSplitConfig
 
 __all__ = ["IGNORE_INDEX", "SFTDataset", "SFTDatasetConfig"]
 
@@ -121,19 +121,10 @@ class SFTDataset(torch.utils.data.Dataset):
 
 
 @dataclass
-class SFTDatasetConfig(Config):
-    """One split of a ``prepare-data --sft`` folder."""
+class SFTDatasetConfig(PreparedSplitConfig):
+    """One split of a ``prepare-data --sft`` folder (local)."""
 
     registered_name: ClassVar[str] = "sft"
-
-    path: str
-    """The folder ``prepare-data --sft -o`` wrote (local)."""
-    split: str = "train"
-    """``train`` or ``val`` (with ``--val-fraction``): held-out examples for evaluation."""
-
-    def validate(self) -> None:
-        if self.split not in ("train", "val"):
-            raise self._invalid("split", f"must be 'train' or 'val', got {self.split!r}")
 
     def build(self) -> SFTDataset:
         return SFTDataset(self.path, self.split)

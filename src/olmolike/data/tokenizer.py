@@ -16,7 +16,6 @@ tokenizer a simple built-in one, a tokenizer file the ``chat_template`` of the
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -30,7 +29,6 @@ from .chat_template import BYTE_CHAT_TEMPLATE, ChatTemplate, Message, special_to
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "TokenizerConfig", "apply_chat_template"]
 
-log = logging.getLogger(__name__)
 
 BYTE_IDENTIFIER = "byte"
 

@@ -3,7 +3,6 @@ of the run's one device mesh (:mod:`olmolike.distributed.mesh`)."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +23,6 @@ from .utils import (
 )
 
 __all__ = ["DataParallelConfig", "DataParallelType", "apply_ddp", "apply_fsdp"]
-
-log = logging.getLogger(__name__)
 
 
 class DataParallelType(StrEnum):

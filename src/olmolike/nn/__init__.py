@@ -13,9 +13,8 @@ from .transformer import (
     Transformer,
     TransformerBlock,
     TransformerBlockType,
-    TransformerConfig,
-    TransformerPreset,
 )
+from .transformer_config import TransformerConfig, TransformerPreset
 
 __all__ = [
     "Attention",

@@ -7,7 +7,6 @@ here reads a tensor back to the host, so they are safe on the training hot path.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,7 +28,6 @@ __all__ = [
     "token_kl_divergence",
 ]
 
-log = logging.getLogger(__name__)
 
 Reduction = Literal["sum", "mean", "none"]
 

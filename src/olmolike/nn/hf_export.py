@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor
 from .. import io
 from ..config import StrEnum
 from ..exceptions import ConfigurationError
-from .transformer import Transformer, TransformerBlockType, TransformerConfig
+from .transformer import Transformer, TransformerBlockType
+from .transformer_config import TransformerConfig
 
 __all__ = [
     "HFArchitecture",

@@ -26,7 +26,8 @@ from .. import io
 from ..exceptions import ConfigurationError
 from .hf_export import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, HFArchitecture, hf_tensor_names
 from .rope import RopeScalingConfig
-from .transformer import Transformer, TransformerBlockType, TransformerConfig
+from .transformer import Transformer, TransformerBlockType
+from .transformer_config import TransformerConfig
 
 __all__ = [
     "convert_from_hf",

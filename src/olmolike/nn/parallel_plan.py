@@ -33,7 +33,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..exceptions import ConfigurationError
-from .transformer import Transformer, TransformerBlock, TransformerConfig
+from .transformer import Transformer, TransformerBlock
+from .transformer_config import TransformerConfig
 
 __all__ = [
     "FeatureShardedNorm",

@@ -29,7 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .rope import RotaryEmbedding, document_attention
-from .transformer import Transformer, TransformerConfig, init_parameters
+from .transformer import Transformer, init_parameters
+from .transformer_config import TransformerConfig
 
 __all__ = ["TransformerParts", "TransformerStage"]
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import logging
 import math
 from dataclasses import dataclass
 from typing import ClassVar, overload
@@ -34,8 +33,6 @@ __all__ = [
     "SchedulerUnits",
     "WarmupScheduler",
 ]
-
-log = logging.getLogger(__name__)
 
 
 class SchedulerUnits(StrEnum):

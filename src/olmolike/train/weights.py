@@ -37,7 +37,7 @@ from ..nn.hf_import import (
     transformer_config_from_hf,
 )
 from ..nn.rope import RopeScalingConfig
-from ..nn.transformer import TransformerConfig
+from ..nn.transformer_config import TransformerConfig
 from ..nn.transformer_stage import TransformerParts
 from .checkpoint import Checkpointer
 

@@ -28,6 +28,7 @@ from .model_merge import (
     compute_merge_window_starts,
 )
 from .monkey_patcher import MonkeyPatcherCallback
+from .notifications import NotificationSetting
 from .profiler import ProfilerCallback
 from .progress import ProgressCallback
 from .reproducibility_check import ReproducibilityCheckCallback
@@ -66,6 +67,7 @@ __all__ = [
     "MetricSaverCallback",
     "ModelMergeCallback",
     "MonkeyPatcherCallback",
+    "NotificationSetting",
     "ProfilerCallback",
     "ProgressCallback",
     "ReproducibilityCheckCallback",

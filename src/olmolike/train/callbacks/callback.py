@@ -172,13 +172,19 @@ register_config_class(Callback)
 require_class_name(Callback)
 
 
-def model_of(train_module: Any) -> torch.nn.Module:
-    """The model of ``train_module`` (its ``model``), for a callback that reads or changes it;
-    a train module without one is a configuration error of the callbacks."""
+def model_of(
+    train_module: Any, *, needed_for: str = "", fix: str = "", path: str = "callbacks"
+) -> torch.nn.Module:
+    """The model of ``train_module`` (its ``model``), for a callback that reads or changes it.
+
+    A train module without one is a configuration error at ``path`` (the callback's field)
+    that says what the model was ``needed_for`` and how else to run (``fix``).
+    """
     model = getattr(train_module, "model", None)
     if not isinstance(model, torch.nn.Module):
+        need = f"needs a train module with a 'model' {needed_for}".rstrip()
+        advice = f"; {fix}" if fix else ""
         raise ConfigurationError(
-            f"needs a train module with a 'model'; {type(train_module).__name__} has none",
-            path="callbacks",
+            f"{need}, but {type(train_module).__name__} has none{advice}", path=path
         )
     return model

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...config import StrEnum
 from ...distributed.utils import get_rank
 from ...exceptions import ConfigurationError
 from .callback import Callback
+from .notifications import NotificationSetting
 
 __all__ = ["COMET_API_KEY_ENV_VAR", "CometCallback", "CometNotificationSetting"]
 
@@ -21,13 +21,8 @@ log = logging.getLogger(__name__)
 COMET_API_KEY_ENV_VAR = "COMET_API_KEY"
 
 
-class CometNotificationSetting(StrEnum):
-    """Which events send a Comet notification (online experiments only)."""
-
-    all = "all"
-    end_only = "end_only"
-    failure_only = "failure_only"
-    none = "none"
+CometNotificationSetting = NotificationSetting
+"""Which events send a Comet notification (online experiments only); OLMo-core's name."""
 
 
 @dataclass
@@ -53,7 +48,7 @@ class CometCallback(Callback, name="comet"):
     )
     cancel_check_interval: int | None = None
     """Steps between tag lookups; default the trainer's ``cancel_check_interval``."""
-    notifications: CometNotificationSetting = CometNotificationSetting.none
+    notifications: NotificationSetting = NotificationSetting.none
     failure_tag: str = "failed"
     """Added to the experiment when the run fails."""
     auto_resume: bool = False
@@ -111,7 +106,7 @@ class CometCallback(Callback, name="comet"):
         if self.config is not None:
             self._exp.log_parameters(self.config)
         self._exp_key = self._exp.get_key()
-        self._notify("started", CometNotificationSetting.all)
+        self._notify("started", NotificationSetting.all)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         if self._exp is not None:
@@ -137,7 +132,7 @@ class CometCallback(Callback, name="comet"):
             self.trainer.cancel_run(f"the Comet experiment has the tag {found[0]!r}")
 
     def post_train(self) -> None:
-        self._notify("completed successfully", CometNotificationSetting.end_only)
+        self._notify("completed successfully", NotificationSetting.end_only)
         self._end()
 
     def on_error(self, exc: BaseException) -> None:
@@ -146,17 +141,16 @@ class CometCallback(Callback, name="comet"):
         self._exp.add_tag(self.failure_tag)
         self._notify(
             f"failed with {type(exc).__name__}",
-            CometNotificationSetting.end_only,
-            CometNotificationSetting.failure_only,
+            NotificationSetting.end_only,
+            NotificationSetting.failure_only,
         )
         self._end()
 
     def close(self) -> None:
         self._end()
 
-    def _notify(self, status: str, *settings: CometNotificationSetting) -> None:
-        wanted = (CometNotificationSetting.all, *settings)
-        if self._exp is not None and not self.offline and self.notifications in wanted:
+    def _notify(self, status: str, *settings: NotificationSetting) -> None:
+        if self._exp is not None and not self.offline and self.notifications.reports(*settings):
             self._exp.send_notification(f"Experiment {self._exp.get_name()}", status=status)
 
     def _end(self) -> None:

@@ -15,8 +15,9 @@ from ...config import DType
 from ...distributed.utils import barrier, get_rank, is_distributed
 from ...exceptions import ConfigurationError
 from ...nn.hf_export import export_hf
-from ...nn.transformer import Transformer, TransformerConfig
-from .callback import Callback
+from ...nn.transformer import Transformer
+from ...nn.transformer_config import TransformerConfig
+from .callback import Callback, model_of
 
 __all__ = ["HFConverterCallback"]
 
@@ -60,9 +61,7 @@ class HFConverterCallback(Callback, name="hf_converter"):
             self._config()  # a model that cannot be exported fails when the trainer is built
 
     def _model(self) -> torch.nn.Module:
-        model = getattr(self.trainer.train_module, "model", None)
-        assert isinstance(model, torch.nn.Module)
-        return model
+        return model_of(self.trainer.train_module, path="callbacks.hf_converter")
 
     def _config(self) -> TransformerConfig:
         model = getattr(self.trainer.train_module, "model", None)

@@ -6,12 +6,10 @@ import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch.nn as nn
-
 from ...config_dict import register_config_class
 from ...exceptions import ConfigurationError
 from ..weights import load_pretrained_weights
-from .callback import Callback
+from .callback import Callback, model_of
 
 __all__ = ["InitWeightsCallback"]
 
@@ -39,13 +37,11 @@ class InitWeightsCallback(Callback):
         if self.trainer.checkpoint_loaded:
             log.info("resumed from a checkpoint: not loading the init weights %s", self.source)
             return
-        model = getattr(self.trainer.train_module, "model", None)
-        if not isinstance(model, nn.Module):
-            raise ConfigurationError(
-                f"{type(self.trainer.train_module).__name__} has no `model` to load "
-                "pretrained weights into",
-                path="init_weights",
-            )
+        model = model_of(
+            self.trainer.train_module,
+            needed_for="to load pretrained weights into",
+            path="init_weights",
+        )
         load_pretrained_weights(model, self.source, work_dir=self.trainer.work_dir)
 
 

@@ -12,7 +12,7 @@ from typing import IO, Any
 from ... import io
 from ...distributed.utils import get_rank
 from ...exceptions import ConfigurationError
-from .callback import Callback
+from .save_folder_output import _SaveFolderOutput
 
 __all__ = ["MetricSaverCallback", "read_metrics_file"]
 
@@ -40,7 +40,7 @@ def read_metrics_file(text: str) -> list[dict[str, Any]]:
 
 
 @dataclass
-class MetricSaverCallback(Callback, name="metric_saver"):
+class MetricSaverCallback(_SaveFolderOutput, name="metric_saver"):
     """Appends each step's metrics to ``{save_folder}/{fname}`` as one JSON line (rank 0).
 
     Each line is ``{"step": int, "tokens": int, "time": unix_seconds, "metrics": {...}}``,
@@ -72,14 +72,17 @@ class MetricSaverCallback(Callback, name="metric_saver"):
             )
 
     @property
-    def _remote(self) -> bool:
-        return io.is_url(self.trainer.save_folder)
-
-    @property
     def path(self) -> Path:
         """The local file being appended to (in ``work_dir`` when the save folder is remote)."""
-        folder = self.trainer.work_dir if self._remote else io.local_path(self.trainer.save_folder)
-        return Path(folder) / self.fname
+        return self._local_path()
+
+    def _output_name(self) -> str:
+        return self.fname
+
+    def _flush(self) -> bool:
+        if self._file is not None:
+            self._file.flush()
+        return self._file is not None
 
     def pre_train(self) -> None:
         if get_rank() != 0:
@@ -130,19 +133,6 @@ class MetricSaverCallback(Callback, name="metric_saver"):
         }
         self._file.write(json.dumps(record) + "\n")
 
-    def post_log_metrics(self) -> None:
-        if self._file is not None:
-            self._file.flush()
-
-    def state_dict(self) -> dict[str, Any]:
-        # The trainer asks for callback state exactly when it saves a checkpoint: the moment
-        # the file (and a remote save folder's copy) must catch up, so it matches that checkpoint.
-        self._persist()
-        return {}
-
-    def post_train(self) -> None:
-        self._persist()
-
     def on_error(self, exc: BaseException) -> None:
         # Lines past the last checkpoint are harmless: a resumed run drops them.
         self._persist()
@@ -151,12 +141,3 @@ class MetricSaverCallback(Callback, name="metric_saver"):
         if self._file is not None:
             self._file.close()
             self._file = None
-
-    def _persist(self) -> None:
-        if self._file is None:
-            return
-        self._file.flush()
-        if not self._remote:
-            return
-        # The file grows by design, so the previous copy is always replaced.
-        io.persist(self.trainer.work_dir, self.trainer.save_folder, self.fname, overwrite=True)

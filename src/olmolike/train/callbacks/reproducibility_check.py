@@ -36,7 +36,7 @@ from ...distributed.utils import (
     using_group,
 )
 from ...exceptions import CheckpointError, ConfigurationError
-from .callback import Callback
+from .callback import Callback, model_of
 from .checkpointer import CheckpointerCallback
 
 __all__ = ["ReproducibilityCheckCallback"]
@@ -204,14 +204,12 @@ class ReproducibilityCheckCallback(Callback, name="reproducibility_check"):
             self._verify(reference)
 
     def _model(self) -> nn.Module:
-        model = getattr(self.trainer.train_module, "model", None)
-        if not isinstance(model, nn.Module):
-            raise ConfigurationError(
-                f"{type(self.trainer.train_module).__name__} has no `model` module to check; "
-                "use a train module that holds its model as .model, or set enabled=False",
-                path="reproducibility_check",
-            )
-        return model
+        return model_of(
+            self.trainer.train_module,
+            needed_for="to check",
+            fix="use a train module that holds its model as .model, or set enabled=False",
+            path="reproducibility_check",
+        )
 
     def _batches(self) -> list[torch.Tensor]:
         """``num_batches`` fixed batches: the mock batch, then seeded shuffles of its tokens."""

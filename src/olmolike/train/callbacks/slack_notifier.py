@@ -8,10 +8,10 @@ import os
 import urllib.request
 from dataclasses import dataclass
 
-from ...config import StrEnum
 from ...distributed.utils import get_rank
 from ...exceptions import ConfigurationError
 from .callback import Callback
+from .notifications import NotificationSetting
 
 __all__ = ["SLACK_WEBHOOK_URL_ENV_VAR", "SlackNotificationSetting", "SlackNotifierCallback"]
 
@@ -22,17 +22,8 @@ EXC_LINE_LIMIT = 30
 """Lines of an error message sent at most (Slack truncates long messages anyway)."""
 
 
-class SlackNotificationSetting(StrEnum):
-    """Which events are posted."""
-
-    all = "all"
-    """Start, every completed checkpoint and epoch, and the end."""
-    end_only = "end_only"
-    """Only the end: completed, canceled or failed."""
-    failure_only = "failure_only"
-    """Only a failure."""
-    none = "none"
-    """Nothing."""
+SlackNotificationSetting = NotificationSetting
+"""Which events are posted; OLMo-core's name."""
 
 
 @dataclass
@@ -44,7 +35,7 @@ class SlackNotifierCallback(Callback, name="slack_notifier"):
 
     name: str | None = None
     """The run's name in the messages."""
-    notifications: SlackNotificationSetting = SlackNotificationSetting.end_only
+    notifications: NotificationSetting = NotificationSetting.end_only
     enabled: bool = True
     webhook_url: str | None = None
     """The webhook to post to; by default ``$SLACK_WEBHOOK_URL``. Keep it out of config files
@@ -57,9 +48,7 @@ class SlackNotifierCallback(Callback, name="slack_notifier"):
 
     @property
     def _active(self) -> bool:
-        return (
-            self.enabled and self.notifications != SlackNotificationSetting.none and get_rank() == 0
-        )
+        return self.enabled and self.notifications != NotificationSetting.none and get_rank() == 0
 
     def post_attach(self) -> None:
         if self._active and not self._url():
@@ -69,8 +58,8 @@ class SlackNotifierCallback(Callback, name="slack_notifier"):
                 path="webhook_url",
             )
 
-    def _wants(self, *settings: SlackNotificationSetting) -> bool:
-        return self._active and self.notifications in (SlackNotificationSetting.all, *settings)
+    def _wants(self, *settings: NotificationSetting) -> bool:
+        return self._active and self.notifications.reports(*settings)
 
     def pre_train(self) -> None:
         if self._wants():
@@ -85,13 +74,11 @@ class SlackNotifierCallback(Callback, name="slack_notifier"):
             self.notify("completed an epoch")
 
     def post_train(self) -> None:
-        if self._wants(SlackNotificationSetting.end_only):
+        if self._wants(NotificationSetting.end_only):
             self.notify("canceled" if self.trainer.is_canceled else "completed successfully")
 
     def on_error(self, exc: BaseException) -> None:
-        if not self._wants(
-            SlackNotificationSetting.end_only, SlackNotificationSetting.failure_only
-        ):
+        if not self._wants(NotificationSetting.end_only, NotificationSetting.failure_only):
             return
         lines = str(exc).rstrip("\n").split("\n")
         if len(lines) > EXC_LINE_LIMIT:

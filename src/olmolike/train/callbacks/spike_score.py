@@ -6,7 +6,6 @@ detection and reactions (``policy``) beside it.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -14,7 +13,6 @@ from typing import Any
 
 __all__ = ["SPIKE_SCORE_METRIC", "SPIKE_SCORE_TOTAL_METRIC", "SpikeScore"]
 
-log = logging.getLogger(__name__)
 
 SPIKE_SCORE_METRIC = "spike/SpikeScore"
 SPIKE_SCORE_TOTAL_METRIC = "spike/SpikeScore (total)"

@@ -23,7 +23,7 @@ from ...config import StrEnum
 from ...distributed.utils import is_distributed
 from ...exceptions import ConfigurationError
 from ..common import ReduceType
-from .callback import Callback
+from .callback import Callback, model_of
 from .checkpointer import CheckpointerCallback
 from .spike_score import SpikeScore
 
@@ -186,14 +186,12 @@ class StabilityMonitorCallback(SpikeScore, Callback, name="stability_monitor"):
     def post_attach(self) -> None:
         if self.policy != StabilityPolicy.skip_step or not self.enabled:
             return
-        model = getattr(self.trainer.train_module, "model", None)
-        if not isinstance(model, torch.nn.Module):
-            raise ConfigurationError(
-                f"policy 'skip_step' needs a train module with a 'model' to reach the "
-                f"gradients, but {type(self.trainer.train_module).__name__} has none; use "
-                f"policy 'warn' or 'stop'",
-                path="policy",
-            )
+        model = model_of(
+            self.trainer.train_module,
+            needed_for="to reach the gradients (policy 'skip_step')",
+            fix="use policy 'warn' or 'stop'",
+            path="policy",
+        )
         self._params = list(model.parameters())
         self._device_grad_stats = _DeviceRunningStats(self.window, self.trainer.device)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import socket
@@ -13,14 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ... import io
 from ...distributed.utils import get_rank
 from ...exceptions import ConfigurationError
-from .callback import Callback
+from .save_folder_output import _SaveFolderOutput
 
 __all__ = ["TensorBoardCallback"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -146,7 +142,7 @@ def _create_new(folder: Path, stem: str) -> tuple[Path, IO[bytes]]:
 
 
 @dataclass
-class TensorBoardCallback(Callback, name="tensorboard"):
+class TensorBoardCallback(_SaveFolderOutput, name="tensorboard"):
     """Writes every logged metric as a scalar at its step into ``{folder}/{subdir}`` (rank 0).
 
     The folder is the save folder when it is local, so the event files stay with the run;
@@ -179,14 +175,17 @@ class TensorBoardCallback(Callback, name="tensorboard"):
             _packages()  # a missing package fails at build time, not mid-run
 
     @property
-    def _remote(self) -> bool:
-        return io.is_url(self.trainer.save_folder)
-
-    @property
     def log_dir(self) -> Path:
         """The local folder the event files are written to."""
-        base = self.trainer.work_dir if self._remote else io.local_path(self.trainer.save_folder)
-        return Path(base) / self.subdir
+        return self._local_path()
+
+    def _output_name(self) -> str:
+        return self.subdir
+
+    def _flush(self) -> bool:
+        if self._writer is not None:
+            self._writer.flush()
+        return self._writer is not None
 
     def pre_train(self) -> None:
         if not self.enabled or get_rank() != 0:
@@ -198,27 +197,7 @@ class TensorBoardCallback(Callback, name="tensorboard"):
             return
         self._writer.add_scalars(step, metrics)
 
-    def post_log_metrics(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
-
-    def state_dict(self) -> dict[str, Any]:
-        # Called when a checkpoint is saved: the save folder's copy catches up then.
-        self._persist()
-        return {}
-
-    def post_train(self) -> None:
-        self._persist()
-
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-
-    def _persist(self) -> None:
-        if self._writer is None:
-            return
-        self._writer.flush()
-        if self._remote:
-            # Event files only grow, so each copy replaces the last.
-            io.persist(self.trainer.work_dir, self.trainer.save_folder, self.subdir, overwrite=True)

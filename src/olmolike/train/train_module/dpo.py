@@ -9,7 +9,6 @@ step are the parent's. The reference's log-probs come from a :class:`ReferenceMo
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -27,8 +26,6 @@ from .train_module import agreed_microbatches, is_padding, labels_from_batch, mi
 from .transformer import TransformerTrainModule, TransformerTrainModuleConfig
 
 __all__ = ["DPOTrainModule", "DPOTrainModuleConfig"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -25,8 +24,6 @@ if TYPE_CHECKING:
     from ..trainer import Trainer
 
 __all__ = ["BasicTrainModule", "ModelAndOptimTrainModule", "TrainModule"]
-
-log = logging.getLogger(__name__)
 
 
 class TrainModule(ABC):
@@ -135,6 +132,14 @@ class ModelAndOptimTrainModule(TrainModule):
 
     model: nn.Module
     optim: torch.optim.Optimizer
+    _ddp: DDP | None = None
+    """The model wrapped in DDP, where DDP averages the gradients; ``None`` otherwise."""
+
+    @property
+    def _forward_module(self) -> nn.Module:
+        """What the forward passes of training call: the DDP wrapper if there is one (its
+        backward averages the gradients over the data-parallel ranks), else the model."""
+        return self._ddp if self._ddp is not None else self.model
 
     def state_dict(self) -> dict[str, Any]:
         # An optimizer that has not stepped has no state to save; asking for its state dict
@@ -173,6 +178,16 @@ def check_vocab_fits(model: nn.Module, data_loader: Any) -> None:
         "prepare the data with the model's tokenizer",
         path="model.vocab_size",
     )
+
+
+def check_microbatches_fit(rank_batch_size: int, rank_microbatch_size: int, path: str) -> None:
+    """A rank's batch must be a whole number of micro-batches (both in tokens)."""
+    if rank_batch_size % rank_microbatch_size:
+        raise ConfigurationError(
+            f"the rank batch size ({rank_batch_size} tokens) must be a multiple of "
+            f"rank_microbatch_size ({rank_microbatch_size} tokens)",
+            path=path,
+        )
 
 
 def microbatch_rows(input_ids: torch.Tensor, rank_microbatch_size: int, path: str) -> int:
@@ -277,26 +292,17 @@ class BasicTrainModule(ModelAndOptimTrainModule):
         self.max_grad_norm = max_grad_norm
         self.label_ignore_index = label_ignore_index
         self._params = list(model.parameters())  # not a fresh generator every step
-        self._ddp: DDP | None = None
         self._dp_group = self.dp_process_group = data_parallel_group(dp_process_group)
         # A model sharded with FSDP2 (DTensor parameters) already synchronises its gradients.
         sharded = any(isinstance(p, DTensor) for p in model.parameters())
         if is_distributed() and get_world_size(dp_process_group) > 1 and not sharded:
             self._ddp = DDP(model, process_group=dp_process_group)
 
-    @property
-    def _forward_module(self) -> nn.Module:
-        return self._ddp if self._ddp is not None else self.model
-
     def on_attach(self) -> None:
         super().on_attach()
-        rank_batch = self.trainer.rank_batch_size
-        if rank_batch % self.rank_microbatch_size:
-            raise ConfigurationError(
-                f"the rank batch size ({rank_batch} tokens) must be a multiple of "
-                f"rank_microbatch_size ({self.rank_microbatch_size} tokens)",
-                path="rank_microbatch_size",
-            )
+        check_microbatches_fit(
+            self.trainer.rank_batch_size, self.rank_microbatch_size, "rank_microbatch_size"
+        )
 
     def train_batch(self, batch: dict[str, Any], dry_run: bool = False) -> None:
         if not self.model.training:  # train() walks every submodule: not on every step

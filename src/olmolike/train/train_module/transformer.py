@@ -15,10 +15,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from ...config import Config, DType, StrEnum
+from ...config import Config, DType
 from ...distributed.mesh import ParallelDegrees
 from ...distributed.parallel import DataParallelConfig, DataParallelType, apply_ddp
 from ...distributed.pipeline import PipelineParallelConfig
@@ -30,10 +29,12 @@ from ...optim import AdamWConfig, OptimConfig, Scheduler, SchedulerUnits
 from ...utils import get_default_device
 from ..callbacks.init_weights import InitWeightsCallback
 from ..common import ReduceType
+from .activation_checkpointing import ActivationCheckpointingConfig, ActivationCheckpointingMode
 from .layout import ParallelLayout
 from .train_module import (
     ModelAndOptimTrainModule,
     agreed_microbatches,
+    check_microbatches_fit,
     is_padding,
     labels_from_batch,
     microbatch_rows,
@@ -48,33 +49,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class ActivationCheckpointingMode(StrEnum):
-    """Which blocks recompute their activations in backward instead of keeping them."""
-
-    full = "full"
-    """Recompute every block's activations in backward: the least memory, ~1/3 more compute."""
-    selected_blocks = "selected_blocks"
-    """Recompute every ``block_interval``-th block: a trade between memory and compute."""
-
-
-@dataclass
-class ActivationCheckpointingConfig(Config):
-    """Activation checkpointing: trade compute for memory by recomputing block activations."""
-
-    mode: ActivationCheckpointingMode = ActivationCheckpointingMode.full
-    block_interval: int = 1
-    """With ``selected_blocks``: checkpoint blocks 0, N, 2N, ..."""
-
-    def validate(self) -> None:
-        if self.block_interval <= 0:
-            raise self._invalid("block_interval", f"must be positive, got {self.block_interval}")
-
-    def selects(self, block_index: int) -> bool:
-        if self.mode == ActivationCheckpointingMode.full:
-            return True
-        return block_index % self.block_interval == 0
 
 
 @dataclass
@@ -200,7 +174,6 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         self.dp_process_group = self.layout.dp_process_group
         self.dp_world_size = self.layout.dp_world_size
         self.model = model
-        self._ddp: DDP | None = None
         self._parallelize(model)  # may replace self.model (a pipeline rank's stages)
         self.optim = config.optim.build(self.model)
         self.scheduler = config.scheduler
@@ -275,10 +248,6 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
 
     # -- TrainModule --------------------------------------------------------------------------
 
-    @property
-    def _forward_module(self) -> nn.Module:
-        return self._ddp if self._ddp is not None else self.model
-
     def on_attach(self) -> None:
         super().on_attach()
         self._check_batches()
@@ -295,13 +264,11 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
 
     def _check_batches(self) -> None:
         """Refuse a data loader whose batches this module cannot split (before any step)."""
-        rank_batch = self.trainer.rank_batch_size
-        if rank_batch % self.config.rank_microbatch_size:
-            raise ConfigurationError(
-                f"the rank batch size ({rank_batch} tokens) must be a multiple of "
-                f"rank_microbatch_size ({self.config.rank_microbatch_size} tokens)",
-                path="train_module.rank_microbatch_size",
-            )
+        check_microbatches_fit(
+            self.trainer.rank_batch_size,
+            self.config.rank_microbatch_size,
+            "train_module.rank_microbatch_size",
+        )
 
     def _training_inputs(
         self, batch: dict[str, Any]

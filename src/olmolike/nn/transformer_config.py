@@ -1,0 +1,246 @@
+"""The shape of a :class:`~olmolike.nn.transformer.Transformer`: its config, the named presets
+(OLMo-2 and Llama sizes), the parameter and FLOP counts derived from a shape, and
+:meth:`TransformerConfig.build`.
+
+The model itself is in :mod:`olmolike.nn.transformer`; this module imports it to build one, and
+the model refers to its config for types only, so each reads without the other.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from ..config import Config, StrEnum, register_config_class
+from ..exceptions import ConfigurationError
+from .rope import RopeScalingConfig
+from .transformer import Transformer, TransformerBlockType
+
+__all__ = ["TransformerConfig", "TransformerPreset"]
+
+log = logging.getLogger(__name__)
+
+
+class TransformerPreset(StrEnum):
+    """Named model shapes; ``TransformerConfig.from_preset(name, vocab_size)`` builds one."""
+
+    tiny = "tiny"
+    small = "small"
+    olmo2_30M = "olmo2_30M"
+    olmo2_190M = "olmo2_190M"
+    olmo2_1B = "olmo2_1B"
+    olmo2_7B = "olmo2_7B"
+    llama2_7B = "llama2_7B"
+    llama3_8B = "llama3_8B"
+
+
+# The mid-size OLMo-2 names count non-embedding parameters, so they hold for any vocabulary.
+_PRESETS: dict[TransformerPreset, dict[str, Any]] = {
+    TransformerPreset.tiny: dict(d_model=128, n_layers=4, n_heads=4),
+    TransformerPreset.small: dict(d_model=256, n_layers=6, n_heads=4),
+    TransformerPreset.olmo2_30M: dict(
+        d_model=512, n_layers=8, n_heads=8, mlp_hidden_size=1792, qk_norm=True,
+        block_type=TransformerBlockType.reordered_norm,
+    ),
+    TransformerPreset.olmo2_190M: dict(
+        d_model=1024, n_layers=14, n_heads=16, mlp_hidden_size=3072, qk_norm=True,
+        block_type=TransformerBlockType.reordered_norm,
+    ),
+    TransformerPreset.olmo2_1B: dict(
+        d_model=2048, n_layers=16, n_heads=16, mlp_hidden_size=8192, qk_norm=True,
+        block_type=TransformerBlockType.reordered_norm,
+    ),
+    TransformerPreset.olmo2_7B: dict(
+        d_model=4096, n_layers=32, n_heads=32, mlp_hidden_size=11008, qk_norm=True,
+        block_type=TransformerBlockType.reordered_norm,
+    ),
+    TransformerPreset.llama2_7B: dict(
+        d_model=4096, n_layers=32, n_heads=32, mlp_hidden_size=11008, rope_theta=10_000.0,
+        norm_eps=1e-5,
+    ),
+    TransformerPreset.llama3_8B: dict(
+        d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, mlp_hidden_size=14336,
+        max_sequence_length=8192, norm_eps=1e-5,
+    ),
+}  # fmt: skip
+
+
+@dataclass
+class TransformerConfig(Config):
+    """The shape of a :class:`Transformer`; :meth:`build` makes one.
+
+    ``n_kv_heads`` below ``n_heads`` turns on grouped-query attention; ``qk_norm`` adds
+    RMSNorm on the query and key projections (over all heads at once, as OLMo-2 does);
+    ``tie_weights`` shares the embedding matrix with the output head; ``block_type`` places
+    the norms (:class:`TransformerBlockType`). The ``olmo2_*`` presets are OLMo-2 blocks
+    (reordered norm and QK-norm), the others Llama blocks. ``rope_scaling`` stretches RoPE to
+    a longer context as Llama 3.1 does (:class:`~olmolike.nn.rope.RopeScalingConfig`).
+    """
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None
+    mlp_hidden_size: int | None = None
+    mlp_multiple_of: int = 256
+    max_sequence_length: int = 4096
+    rope_theta: float = 500_000.0
+    rope_scaling: RopeScalingConfig | None = None
+    norm_eps: float = 1e-6
+    qk_norm: bool = False
+    tie_weights: bool = False
+    block_type: TransformerBlockType = TransformerBlockType.default
+    init_std: float = 0.02
+
+    def validate(self) -> None:
+        positive_ints = ("vocab_size", "d_model", "n_layers", "n_heads", "mlp_multiple_of")
+        for name in (*positive_ints, "max_sequence_length"):
+            if getattr(self, name) < 1:
+                raise self._invalid(name, f"must be a positive integer, got {getattr(self, name)}")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            if not getattr(self, name) > 0:
+                raise self._invalid(name, f"must be > 0, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise self._invalid(
+                "n_heads", f"must divide d_model={self.d_model}, got {self.n_heads}; pick a divisor"
+            )
+        if self.head_dim % 2:
+            raise self._invalid(
+                "n_heads",
+                f"gives an odd head_dim {self.head_dim} (d_model / n_heads), but rotary "
+                "embeddings rotate pairs of features; choose n_heads so that head_dim is even",
+            )
+        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+            raise self._invalid(
+                "n_kv_heads",
+                f"must be a positive divisor of n_heads={self.n_heads}, got {self.n_kv_heads} "
+                "(or null for no grouped-query attention)",
+            )
+        if self.mlp_hidden_size is not None and self.mlp_hidden_size < 1:
+            raise self._invalid("mlp_hidden_size", f"must be positive, got {self.mlp_hidden_size}")
+
+    # -- presets ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_preset(cls, name: str, vocab_size: int, **overrides: Any) -> TransformerConfig:
+        """The preset called ``name`` (a :class:`TransformerPreset`), with fields overridden."""
+        try:
+            preset = TransformerPreset(name)
+        except ValueError:
+            valid = ", ".join(p.value for p in TransformerPreset)
+            raise ConfigurationError(
+                f"unknown model preset {name!r}; choose one of: {valid}"
+            ) from None
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigurationError(
+                f"unknown TransformerConfig field(s) {', '.join(unknown)} in overrides of preset "
+                f"{name!r}; valid fields are: {', '.join(sorted(known))}"
+            )
+        return cls(**{**_PRESETS[preset], "vocab_size": vocab_size, **overrides})
+
+    @classmethod
+    def tiny(cls, vocab_size: int, **overrides: Any) -> TransformerConfig:
+        """About 1 M parameters with a byte-level vocabulary: the size CI trains."""
+        return cls.from_preset(TransformerPreset.tiny, vocab_size, **overrides)
+
+    @classmethod
+    def small(cls, vocab_size: int, **overrides: Any) -> TransformerConfig:
+        """About 5 M parameters: learns visibly within minutes on a laptop CPU."""
+        return cls.from_preset(TransformerPreset.small, vocab_size, **overrides)
+
+    @classmethod
+    def olmo2_30M(cls, vocab_size: int, **overrides: Any) -> TransformerConfig:
+        return cls.from_preset(TransformerPreset.olmo2_30M, vocab_size, **overrides)
+
+    @classmethod
+    def olmo2_190M(cls, vocab_size: int, **overrides: Any) -> TransformerConfig:
+        return cls.from_preset(TransformerPreset.olmo2_190M, vocab_size, **overrides)
+
+    @classmethod
+    def olmo2_1B(cls, vocab_size: int, **overrides: Any) -> TransformerConfig:
+        """The shape of OLMo-2-0425-1B (1.48 B parameters with its vocabulary of 100,352)."""
+        return cls.from_preset(TransformerPreset.olmo2_1B, vocab_size, **overrides)
+
+    @classmethod
+    def olmo2_7B(cls, vocab_size: int, **overrides: Any) -> TransformerConfig:
+        """The shape of OLMo-2-1124-7B (7.30 B parameters with its vocabulary of 100,352)."""
+        return cls.from_preset(TransformerPreset.olmo2_7B, vocab_size, **overrides)
+
+    @classmethod
+    def llama2_7B(cls, vocab_size: int, **overrides: Any) -> TransformerConfig:
+        """The shape of Llama-2-7B (6.74 B parameters with its vocabulary of 32,000)."""
+        return cls.from_preset(TransformerPreset.llama2_7B, vocab_size, **overrides)
+
+    @classmethod
+    def llama3_8B(cls, vocab_size: int, **overrides: Any) -> TransformerConfig:
+        """The shape of Llama-3-8B (8.03 B parameters with its vocabulary of 128,256)."""
+        return cls.from_preset(TransformerPreset.llama3_8B, vocab_size, **overrides)
+
+    # -- derived sizes ---------------------------------------------------------------------
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def hidden_size(self) -> int:
+        """The SwiGLU width: 8/3 of ``d_model`` (same parameters as a 4x GELU MLP), rounded up."""
+        if self.mlp_hidden_size is not None:
+            return self.mlp_hidden_size
+        return -(-8 * self.d_model // (3 * self.mlp_multiple_of)) * self.mlp_multiple_of
+
+    def _block_params(self) -> int:
+        d, kv_dim = self.d_model, self.kv_heads * self.head_dim
+        attention = 2 * d * d + 2 * d * kv_dim + ((d + kv_dim) if self.qk_norm else 0)
+        return attention + 3 * d * self.hidden_size + 2 * d
+
+    def num_params(self) -> int:
+        """Every parameter, a tied embedding counted once."""
+        embeddings = self.vocab_size * self.d_model * (1 if self.tie_weights else 2)
+        return embeddings + self.n_layers * self._block_params() + self.d_model
+
+    def num_non_embedding_params(self) -> int:
+        """Parameters outside the embedding and the output head (the usual scaling-law N)."""
+        return self.n_layers * self._block_params() + self.d_model
+
+    def num_flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) per token for sequences of ``seq_len`` tokens.
+
+        ``6 * N`` for the weights, where N is :meth:`num_non_embedding_params` plus the output
+        head (its matmul runs even when its weight is tied; the embedding lookup is no matmul),
+        plus ``12 * n_layers * d_model * seq_len`` for the attention scores and the weighted sum
+        of values. That attention term counts the full score matrix, as PaLM's MFU does: a
+        causal kernel skips about half of it, so this overstates the work done by that much.
+        """
+        weights = self.num_non_embedding_params() + self.vocab_size * self.d_model
+        return 6 * weights + 12 * self.n_layers * self.d_model * seq_len
+
+    def build(
+        self, *, init_device: str | torch.device = "cpu", seed: int | None = None
+    ) -> Transformer:
+        """Build the model; ``init_device="meta"`` allocates nothing (materialise it later)."""
+        self.validate()
+        with torch.device("meta"):
+            model = Transformer(self)
+        if torch.device(init_device).type != "meta":
+            model.materialize(init_device, seed=seed)
+        log.info(
+            "built a transformer with %s parameters (%s non-embedding) on %s",
+            f"{self.num_params():,}", f"{self.num_non_embedding_params():,}", init_device,
+        )  # fmt: skip
+        return model
+
+
+# Its name before it moved here from olmolike.nn.transformer: every config.json saved with a
+# checkpoint until then names it so.
+register_config_class(TransformerConfig, "olmolike.nn.transformer.TransformerConfig")
