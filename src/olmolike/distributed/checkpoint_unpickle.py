@@ -16,7 +16,7 @@ Every DCP read of olmolike goes through this module instead:
   ``torch.load(weights_only=True)`` (numbers, strings, tuples and the like: all an optimizer's
   ``param_groups`` hold).
 
-The readers of :mod:`.checkpoint_storage` use the first and accept no other planner than the
+The readers of :mod:`.checkpoint_loading` use the first and accept no other planner than the
 second, so a load cannot take the unsafe path by accident.
 """
 
