@@ -12,16 +12,19 @@ from __future__ import annotations
 import dataclasses
 import io as io_
 import os
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, cast
 
+import torch
+from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from .. import io
@@ -32,10 +35,16 @@ from .checkpoint_records import (
     Record,
     Window,
     archive_problem,
+    first_problem,
     parse_archive,
 )
 from .checkpoint_storage import default_thread_count
-from .checkpoint_unpickle import WeightsOnlyLoadPlanner, unpickle_metadata
+from .checkpoint_unpickle import (
+    StoredTensor,
+    WeightsOnlyLoadPlanner,
+    stored_tensor,
+    unpickle_metadata,
+)
 
 __all__ = ["ParallelFileSystemReader", "ParallelFsspecReader", "dcp_reader"]
 
@@ -70,6 +79,70 @@ def _read_in_parallel(
     done: Future[None] = Future()
     done.set_result(None)
     return done
+
+
+def _where(sinfo: Any) -> str:
+    start, length = int(sinfo.offset), int(sinfo.length)
+    return f"{sinfo.relative_path} (its record at bytes {start}-{start + length})"
+
+
+def _read_in_place(file: IO[bytes], sinfo: Any, item: ReadItem, planner: LoadPlanner) -> bool:
+    """Read the tensor of ``item`` from its record in ``file`` straight into its destination,
+    checking every record of the archive; ``False`` (nothing written) unless the record holds
+    a plain tensor whose bytes are the whole destination, as they are.
+
+    torch's way is ``torch.load`` on the record (a new tensor: its memory allocated and
+    faulted in, the bytes copied into it) and then a copy into the destination: this reads
+    each byte once, into place. What decides it is read, never assumed: the tensor's header
+    (by :func:`.checkpoint_unpickle.stored_tensor`, which runs no code), the byte order, and
+    the destination's dtype, shape and layout; anything else (a part of a saved tensor, a
+    cast, a non-contiguous destination) is left to torch's way.
+    """
+    window = cast(IO[bytes], Window(file, int(sinfo.offset), int(sinfo.length)))
+    records = parse_archive(window)
+    if isinstance(records, str):
+        _raise_if(_where(sinfo), records)
+    named = {record.name.partition("/")[2]: record for record in cast(list[Record], records)}
+    header, byteorder = named.get("data.pkl"), named.get("byteorder")
+    if header is None or byteorder is None or byteorder.read(window) != _BYTEORDER:
+        return False
+    stored = stored_tensor(header.read(window))
+    data = None if stored is None else named.get(f"data/{stored.key}")
+    if stored is None or data is None or data.size != stored.numel * stored.dtype.itemsize:
+        return False
+    target = _destination(planner, item, stored)
+    if target is None:
+        return False
+    _raise_if(_where(sinfo), first_problem([r for r in named.values() if r is not data], window))
+    if target.numel():
+        data.read_into(window, target.reshape(-1).view(torch.uint8).numpy().data)
+    _raise_if(_where(sinfo), data.problem(window))
+    torch.autograd.graph.increment_version(target)  # written in place, as copy_ would count it
+    planner.commit_tensor(item, target)
+    return True
+
+
+_BYTEORDER = sys.byteorder.encode()
+
+
+def _destination(planner: LoadPlanner, item: ReadItem, stored: StoredTensor) -> Tensor | None:
+    """Where ``item`` loads to, if the bytes of ``stored`` can be read into it as they are."""
+    if any(item.storage_offsets) or tuple(item.lengths) != stored.size:
+        return None
+    if not stored.contiguous_whole:
+        return None
+    target = planner.resolve_tensor(item).detach()
+    plain = type(target) is Tensor and target.layout == torch.strided
+    if (
+        plain
+        and target.device.type == "cpu"
+        and target.dtype == stored.dtype
+        and target.shape == stored.size
+        and target.is_contiguous()
+        and not (target.is_conj() or target.is_neg())
+    ):
+        return target
+    return None
 
 
 class _CheckedRecords(FileSystemReader):
@@ -122,11 +195,32 @@ class _CheckedRecords(FileSystemReader):
             _raise_if(last[0], last[1].problem())
 
     def _read_checked(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """torch's reading of ``plan``, every record checked before it returns."""
+        """Reading of ``plan``, every record checked before it returns: in place
+        (:func:`_read_in_place`) where it can, else torch's way."""
+        rest = plan.items if self.read_once else self._read_in_place(plan.items, planner)
         self._being_read.record = None
-        done = super().read_data(plan, planner)
+        done = super().read_data(dataclasses.replace(plan, items=rest), planner)
         self._check_last_read()
         return done
+
+    def _read_in_place(self, items: list[ReadItem], planner: LoadPlanner) -> list[ReadItem]:
+        """Read what :func:`_read_in_place` can of ``items``, each file in the order of its
+        bytes; returns the others."""
+        rest: list[ReadItem] = []
+        per_file: dict[str, list[tuple[int, ReadItem]]] = {}
+        for item in items:
+            sinfo = self.storage_data[item.storage_index]
+            if item.type == LoadItemType.TENSOR and not sinfo.transform_descriptors:
+                per_file.setdefault(sinfo.relative_path, []).append((sinfo.offset, item))
+            else:
+                rest.append(item)
+        for relative_path, located in per_file.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as file:
+                for _, item in sorted(located, key=lambda pair: pair[0]):
+                    sinfo = self.storage_data[item.storage_index]
+                    if not _read_in_place(cast(IO[bytes], file), sinfo, item, planner):
+                        rest.append(item)
+        return rest
 
 
 def _raise_if(what: str, problem: str | None) -> None:

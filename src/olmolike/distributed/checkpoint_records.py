@@ -57,18 +57,34 @@ class Record:
             self.running = zlib.crc32(part, self.running)
             self.checked += len(part)
 
+    def read_into(self, archive_file: IO[bytes], buffer: memoryview | None = None) -> None:
+        """Read the bytes not checked yet, a chunk at a time, each checked while it is in the
+        CPU's cache: into ``buffer`` (as large as the record, which must be unread) or
+        through a scratch buffer. Stops at the file's end (the record is then cut short)."""
+        archive_file.seek(self.start + self.checked)
+        filling = buffer is not None
+        if buffer is None:
+            buffer = memoryview(bytearray(min(CHUNK, self.size - self.checked)))
+        while self.checked < self.size:
+            want = min(CHUNK, self.size - self.checked)
+            part = buffer[self.checked :][:want] if filling else buffer[:want]
+            got = archive_file.readinto(part)  # type: ignore[attr-defined]
+            if not got:
+                return
+            self.running = zlib.crc32(part[:got], self.running)
+            self.checked += got
+
+    def read(self, archive_file: IO[bytes]) -> bytes:
+        """The record's bytes (a small one's), checked as they are read."""
+        data = bytearray(self.size)
+        self.read_into(archive_file, memoryview(data))
+        return bytes(data[: self.checked])
+
     def problem(self, archive_file: IO[bytes]) -> str | None:
         """Why the record does not match its CRC-32; what was not read yet is read now."""
+        self.read_into(archive_file)
         if self.checked < self.size:
-            archive_file.seek(self.start + self.checked)
-            buffer = memoryview(bytearray(min(CHUNK, self.size - self.checked)))
-            while self.checked < self.size:
-                want = min(len(buffer), self.size - self.checked)
-                got = archive_file.readinto(buffer[:want])  # type: ignore[attr-defined]
-                if not got:
-                    return f"record {self.name!r} is cut short"
-                self.running = zlib.crc32(buffer[:got], self.running)
-                self.checked += got
+            return f"record {self.name!r} is cut short"
         if self.running != self.crc:
             return f"record {self.name!r} does not match its CRC-32"
         return None
