@@ -4,7 +4,9 @@ Every record DCP wrote (a tensor, or a pickled value) is a ``torch.save`` archiv
 records carry CRC-32s that torch writes but never checks, so a garbled shard would load as
 wrong numbers. The readers of :mod:`.checkpoint_loading` check them (:func:`archive_problem`)
 as they read, from the bytes read for the load anyway, and raise
-:class:`~olmolike.exceptions.DamagedCheckpointError` naming the shard.
+:class:`~olmolike.exceptions.DamagedCheckpointError` naming the shard. The CRC-32s are
+computed by ISA-L (``isal``): ~4x the speed of the zlib 1.2 many Pythons come with, which
+cost a load of 773 MB ~0.3 s of CPU time.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import io as io_
 import os
 import struct
 import zipfile
-import zlib
 from pathlib import Path
 from typing import IO, Any, cast
+
+from isal.isal_zlib import crc32
 
 __all__ = [
     "CHUNK",
@@ -54,7 +57,7 @@ class Record:
         offset = self.start + self.checked - position
         if 0 <= offset < len(data):
             part = data[offset : offset + self.size - self.checked]
-            self.running = zlib.crc32(part, self.running)
+            self.running = crc32(part, self.running)
             self.checked += len(part)
 
     def read_into(self, archive_file: IO[bytes], buffer: memoryview | None = None) -> None:
@@ -71,7 +74,7 @@ class Record:
             got = archive_file.readinto(part)  # type: ignore[attr-defined]
             if not got:
                 return
-            self.running = zlib.crc32(part[:got], self.running)
+            self.running = crc32(part[:got], self.running)
             self.checked += got
 
     def read(self, archive_file: IO[bytes]) -> bytes:
@@ -130,7 +133,7 @@ def archive_problem(archive_file: IO[bytes]) -> str | None:
     record matches its CRC-32 (``None`` if it is one).
 
     ``torch.load`` never checks these CRCs: a flipped byte in a tensor's data loads as a wrong
-    value. The records are streamed through ``zlib.crc32`` in chunks of a reused buffer.
+    value. The records are streamed through ``crc32`` in chunks of a reused buffer.
     """
     records = parse_archive(archive_file)
     if isinstance(records, str):
