@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from olmolike.distributed.checkpoint import load_state_dict, save_state_dict
 from olmolike.distributed.checkpoint_format import describe_error
 from olmolike.distributed.checkpoint_records import CheckingWindow, Window, stored_records
+from olmolike.distributed.checkpoint_unpickle import StoredTensor, stored_tensor
 
 PROC_IO = Path("/proc/self/io")
 
@@ -294,3 +295,42 @@ def test_fsdp_checkpoints_load_sharded_and_resharded(
     save_model_and_optim_state(by_one, model, optim, thread_count=1)
     for found in run_distributed_test(_load_sharded, args=(by_one,)):
         _assert_equal(found, saved)
+
+
+def _header(value: Any) -> bytes:
+    """The ``data.pkl`` of ``torch.save(value)``."""
+    import io
+    import zipfile
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    with zipfile.ZipFile(buffer) as archive:
+        return archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+def test_a_tensor_header_is_read_without_running_anything(tmp_path: Path) -> None:
+    import pickle
+
+    stored = stored_tensor(_header(torch.zeros(3, 4, dtype=torch.bfloat16)))
+    assert stored == StoredTensor("0", torch.bfloat16, 12, 0, (3, 4), (4, 1))
+    assert stored.contiguous_whole
+    assert not stored_tensor(_header(torch.zeros(4, 3).t())).contiguous_whole  # type: ignore[union-attr]
+    # Anything but a plain tensor is left to torch.load(weights_only=True).
+    for other in (
+        torch.zeros(2).as_subclass(_Subclass),
+        torch.zeros(2, dtype=torch.complex64).conj(),
+        {"a": 1},
+    ):
+        assert stored_tensor(_header(other)) is None, other
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, (f"touch {marker}",))
+
+    assert stored_tensor(pickle.dumps(Payload())) is None
+    assert not marker.exists()
