@@ -13,11 +13,11 @@ import pytest
 import torch
 from remote_servers import RemoteStore, gcs_bucket, gcs_server, s3_bucket, s3_server
 from testutils import build_trainer
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager
 
 import olmolike.io
-from olmolike.distributed import checkpoint_storage
+from olmolike.distributed import checkpoint_loading, checkpoint_storage
 from olmolike.distributed.checkpoint import load_state_dict, save_state_dict
 from olmolike.distributed.checkpoint_storage import MAX_DEFAULT_THREADS, default_thread_count
 from olmolike.testing import TinyCausalLM
@@ -99,14 +99,15 @@ def test_a_single_file_is_read_by_several_threads(
     )
     assert shard_files(tmp_path) == ["__0_0.distcp"]
     parts: list[tuple[str, set[str]]] = []
-    real_read = FileSystemReader.read_data
+    # Each thread's part of the plan, whichever way its items are then read.
+    real_read = checkpoint_loading._CheckedRecords._read_checked
 
     def recording_read(self: Any, plan: Any, planner: Any) -> Any:
         names = {item.dest_index.fqn for item in plan.items}
         parts.append((threading.current_thread().name, names))
         return real_read(self, plan, planner)
 
-    monkeypatch.setattr(FileSystemReader, "read_data", recording_read)
+    monkeypatch.setattr(checkpoint_loading._CheckedRecords, "_read_checked", recording_read)
     loaded = {k: torch.zeros_like(v) for k, v in state.items()}
     load_state_dict(tmp_path, loaded, thread_count=3)
     assert all(torch.equal(loaded[k], v) for k, v in state.items())

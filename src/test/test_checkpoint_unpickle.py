@@ -298,7 +298,7 @@ def test_a_crafted_trainer_state_is_refused_when_read(tmp_path: Path) -> None:
 def test_readers_refuse_dcps_default_planner(tmp_path: Path) -> None:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    from olmolike.distributed.checkpoint_storage import dcp_reader
+    from olmolike.distributed.checkpoint_loading import dcp_reader
 
     folder = saved(tmp_path / "step1")
     reader = dcp_reader(folder / MODEL_AND_OPTIM)

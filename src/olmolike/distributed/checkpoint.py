@@ -46,8 +46,9 @@ from ..exceptions import CheckpointError, ConfigurationError
 from ..threads import DaemonThreadPool
 from .checkpoint_download import local_copy
 from .checkpoint_format import dcp_dir_of, read_metadata
+from .checkpoint_loading import dcp_reader
 from .checkpoint_reader import load_keys
-from .checkpoint_storage import dcp_reader, dcp_writer, default_thread_count
+from .checkpoint_storage import dcp_writer, default_thread_count
 from .checkpoint_unpickle import WeightsOnlyLoadPlanner
 from .save_failures import SaveFailedError, agree_on_failures, failures_of
 from .save_target import save_target

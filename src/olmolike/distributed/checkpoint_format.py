@@ -34,7 +34,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from .. import io
 from ..config import Config
 from ..exceptions import CheckpointError, DamagedCheckpointError
-from .checkpoint_storage import archive_problem, dcp_reader
+from .checkpoint_loading import dcp_reader
+from .checkpoint_records import archive_problem
 
 __all__ = [
     "DCP_METADATA",
@@ -238,7 +239,7 @@ def verify_checkpoint(dir: str) -> CheckedCheckpoint:
     Checks the marker, the DCP metadata, that every shard it references exists with at least
     the bytes it references, and that every rank's trainer state exists. Reads only the
     marker, the metadata and two listings: the bytes of the shards are checked as the load
-    reads them (see :mod:`.checkpoint_storage`), a trainer state by :func:`load_train_state`.
+    reads them (see :mod:`.checkpoint_loading`), a trainer state by :func:`load_train_state`.
     """
     marker = read_marker(dir)
     dcp_dir = io.join_path(dir, MODEL_AND_OPTIM)

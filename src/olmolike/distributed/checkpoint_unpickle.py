@@ -15,16 +15,22 @@ Every DCP read of olmolike goes through this module instead:
 * :class:`WeightsOnlyLoadPlanner` is DCP's load planner with non-tensor values read by
   ``torch.load(weights_only=True)`` (numbers, strings, tuples and the like: all an optimizer's
   ``param_groups`` hold).
+* :func:`stored_tensor` reads the header of a tensor's record (its ``data.pkl``) for the
+  readers that read the tensor's bytes straight into place: an unpickler that calls nothing
+  of torch's and admits only the names a plain tensor's header holds.
 
-The readers of :mod:`.checkpoint_storage` use the first and accept no other planner than the
+The readers of :mod:`.checkpoint_loading` use the first and accept no other planner than the
 second, so a load cannot take the unsafe path by accident.
 """
 
 from __future__ import annotations
 
 import collections
+import io as io_
+import math
 import pathlib
 import pickle
+from dataclasses import dataclass
 from typing import IO, Any
 
 import torch
@@ -37,7 +43,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ..exceptions import CheckpointError
 
-__all__ = ["WeightsOnlyLoadPlanner", "unpickle_metadata"]
+__all__ = ["StoredTensor", "WeightsOnlyLoadPlanner", "stored_tensor", "unpickle_metadata"]
 
 
 def _metadata_classes() -> dict[tuple[str, str], Any]:
@@ -144,3 +150,114 @@ def _reason(error: pickle.UnpicklingError) -> str:
     """The line of torch's weights-only error that names what was refused."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "")
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTensor:
+    """A plain tensor as its ``torch.save`` header describes it: its bytes are the archive's
+    record ``data/{key}``, ``numel`` elements of ``dtype``, viewed from ``offset`` with
+    ``size`` and ``stride``."""
+
+    key: str
+    dtype: torch.dtype
+    numel: int
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def contiguous_whole(self) -> bool:
+        """Whether the tensor is all of its bytes, in row-major order (as DCP saves one)."""
+        strides, step = [], 1
+        for length in reversed(self.size):
+            strides.append(step)
+            step *= length
+        return (self.offset, self.numel, self.stride) == (
+            0,
+            math.prod(self.size),
+            tuple(reversed(strides)),
+        )
+
+
+class _NotPlain(pickle.UnpicklingError):
+    """The header names something a plain tensor's header does not."""
+
+
+def _storage_dtypes() -> dict[tuple[str, str], torch.dtype]:
+    """The typed storage classes a header names (``torch.FloatStorage``), to their dtypes:
+    the plain ones only (not quantized)."""
+    plain = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+    return {
+        ("torch", name): dtype
+        for dtype, name in torch.storage._dtype_to_storage_type_map().items()
+        if dtype.is_floating_point or dtype.is_complex or dtype in plain
+    }
+
+
+_STORAGE_DTYPES = _storage_dtypes()
+
+
+@dataclass(frozen=True, slots=True)
+class _StorageReference:
+    dtype: torch.dtype
+    key: str
+    numel: int
+
+
+def _plain_tensor(
+    storage: Any,
+    offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any,
+    hooks: Any,
+    metadata: Any = None,
+) -> StoredTensor:
+    """Stands for ``torch._utils._rebuild_tensor_v2``: what it would build, described."""
+    if not (
+        isinstance(storage, _StorageReference)
+        and type(offset) is int
+        and _int_tuple(size)
+        and _int_tuple(stride)
+        and type(requires_grad) is bool
+        and isinstance(hooks, collections.OrderedDict)
+        and not hooks
+        and not metadata  # conj or neg bits
+    ):
+        raise _NotPlain("not a plain tensor")
+    return StoredTensor(storage.key, storage.dtype, storage.numel, offset, size, stride)
+
+
+def _int_tuple(value: Any) -> bool:
+    return type(value) is tuple and all(type(n) is int and n >= 0 for n in value)
+
+
+class _TensorHeaderUnpickler(pickle.Unpickler):
+    """Unpickles a tensor's header into a :class:`StoredTensor`; every global it may name
+    goes through ``find_class``, which resolves only harmless stand-ins."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _plain_tensor
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if (module, name) in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[(module, name)]
+        raise _NotPlain(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> _StorageReference:
+        match pid:
+            case ("storage", torch.dtype() as dtype, str(key), str(), int(numel)) if numel >= 0:
+                return _StorageReference(dtype, key, numel)
+        raise _NotPlain("not a typed storage")
+
+
+def stored_tensor(header: bytes) -> StoredTensor | None:
+    """The plain tensor that ``header`` (a ``torch.save`` archive's ``data.pkl``) describes,
+    or ``None`` for anything else (a tensor subclass, a quantized tensor, a value, damaged
+    bytes): the caller then loads it the general way, with ``torch.load``."""
+    try:
+        found = _TensorHeaderUnpickler(io_.BytesIO(header)).load()
+    except Exception:  # whatever the bytes do, they are not a plain tensor's header
+        return None
+    return found if isinstance(found, StoredTensor) else None

@@ -5,7 +5,7 @@ ranks agree on the outcome in one all-gather: the marker, DCP's metadata, that e
 references is there with its bytes, that every rank's trainer state is there, and the trainer
 state this rank will load, read and checked. Then DCP reads model and optimizer state into
 the train module's tensors, in place, checking each record's CRC as it reads (see
-:mod:`~olmolike.distributed.checkpoint_storage`). Damage found there (DCP tells every rank)
+:mod:`~olmolike.distributed.checkpoint_loading`). Damage found there (DCP tells every rank)
 has already overwritten some tensors: the caller that falls back to another checkpoint
 (:meth:`~olmolike.train.checkpoint.run.RunCheckpoints.resume`) resets what that one
 may not hold.
