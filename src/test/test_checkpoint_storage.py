@@ -1,6 +1,7 @@
-"""How checkpoint files meet the disk (``checkpoint_save``'s writer, ``checkpoint_storage``'s readers): every byte of a shard is fsynced
-before the save ends, the disk is handed each file's bytes as they are written, and a load
-checks every record's CRC-32 from the bytes it reads anyway (one read of each shard, not two).
+"""How checkpoint files meet the disk (``checkpoint_save``'s writer, ``checkpoint_storage``'s
+readers): every byte of a shard is fsynced before the save ends, the disk is handed each file's
+bytes as they are written, and a load checks every record's CRC-32 from the bytes it reads
+anyway (one read of each shard, not two).
 """
 
 from __future__ import annotations
