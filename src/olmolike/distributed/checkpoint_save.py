@@ -3,7 +3,8 @@ the writer, the agreement on each rank's failure, blocking or in the background.
 
 Everything a save does below the train checkpoint's commit protocol is here, so a save enters
 one module of :mod:`olmolike.distributed` besides the on-disk format: saves to an object store
-(:mod:`.checkpoint_upload`) and OLMo-core's API (:mod:`.checkpoint`) are built on it.
+(:mod:`.checkpoint_upload`) and OLMo-core's API (:mod:`~olmolike.distributed.checkpoint`) are
+built on it.
 
 Writing: torch's ``FileSystemWriter`` splits a rank's tensors into ``thread_count`` files
 written by as many threads; :func:`dcp_writer` picks that count (:func:`default_thread_count`

@@ -12,7 +12,8 @@ raises on every rank instead of leaving the others waiting in a collective: what
 on its own (clearing, creating a staging folder) comes before the agreement, never after it.
 
 Train checkpoints upload on their own terms (:mod:`olmolike.train.checkpoint.save`: the
-marker last); this is the upload of :mod:`.checkpoint`'s OLMo-core functions.
+marker last); this is the upload of the OLMo-core functions of
+:mod:`~olmolike.distributed.checkpoint`.
 """
 
 from __future__ import annotations
