@@ -84,13 +84,13 @@ def test_every_n_saves_checks_the_first_and_every_nth(
 def test_a_tampered_checkpoint_stops_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_save = train_checkpoint.save_state_dict
+    real_save = train_checkpoint.save_local
 
     def tampering_save(dir: Any, state: dict[str, Any], **kwargs: Any) -> None:
         tampered = perturb_first_weight(state) if "step2" in str(dir) else state
         real_save(dir, tampered, **kwargs)
 
-    monkeypatch.setattr(train_checkpoint, "save_state_dict", tampering_save)
+    monkeypatch.setattr(train_checkpoint, "save_local", tampering_save)
     with pytest.raises(CheckpointError, match=r"step2 does not reproduce.*largest difference"):
         fit(tmp_path, ReproducibilityCheckCallback())
     assert not (tmp_path / "step4").exists()  # the run stopped at the bad checkpoint
@@ -99,12 +99,12 @@ def test_a_tampered_checkpoint_stops_the_run(
 def test_tolerances_accept_a_small_difference(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, check_logs: pytest.LogCaptureFixture
 ) -> None:
-    real_save = train_checkpoint.save_state_dict
+    real_save = train_checkpoint.save_local
 
     def tampering_save(dir: Any, state: dict[str, Any], **kwargs: Any) -> None:
         real_save(dir, perturb_first_weight(state), **kwargs)
 
-    monkeypatch.setattr(train_checkpoint, "save_state_dict", tampering_save)
+    monkeypatch.setattr(train_checkpoint, "save_local", tampering_save)
     fit(tmp_path, ReproducibilityCheckCallback(atol=1.0, rtol=0.1), steps=2)
     assert checked_steps(check_logs) == ["step0", "step2"]
 
@@ -119,13 +119,13 @@ def test_async_saves_are_checked_once_complete(
 def test_a_tampered_async_checkpoint_fails_by_the_next_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_save = train_checkpoint.async_save_state_dict
+    real_save = train_checkpoint.save_local
 
     def tampering_save(dir: Any, state: dict[str, Any], **kwargs: Any) -> Any:
         tampered = perturb_first_weight(state) if "step2" in str(dir) else state
         return real_save(dir, tampered, **kwargs)
 
-    monkeypatch.setattr(train_checkpoint, "async_save_state_dict", tampering_save)
+    monkeypatch.setattr(train_checkpoint, "save_local", tampering_save)
     with pytest.raises(CheckpointError, match=r"step2 does not reproduce"):
         fit(tmp_path, ReproducibilityCheckCallback(), save_async=True, steps=6)
     assert not (tmp_path / "step6").exists()
@@ -134,13 +134,13 @@ def test_a_tampered_async_checkpoint_fails_by_the_next_save(
 def test_an_async_checkpoint_is_checked_at_the_next_save_even_an_unchecked_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_save = train_checkpoint.async_save_state_dict
+    real_save = train_checkpoint.save_local
 
     def tampering_save(dir: Any, state: dict[str, Any], **kwargs: Any) -> Any:
         tampered = perturb_first_weight(state) if "step0" in str(dir) else state
         return real_save(dir, tampered, **kwargs)
 
-    monkeypatch.setattr(train_checkpoint, "async_save_state_dict", tampering_save)
+    monkeypatch.setattr(train_checkpoint, "save_local", tampering_save)
     check = ReproducibilityCheckCallback(every_n_saves=2)  # step0 is checked, step2 is not
     with pytest.raises(CheckpointError, match=r"step0 does not reproduce"):
         fit(tmp_path, check, save_async=True, steps=6)
@@ -163,13 +163,13 @@ def test_live_model_is_left_as_it_was(tmp_path: Path, monkeypatch: pytest.Monkey
     # The check loads the checkpoint into the live model; a checkpoint that differs (within
     # the tolerance) shows that the live weights are put back, not the checkpoint's kept.
     reference = fit(tmp_path / "ref", ReproducibilityCheckCallback(enabled=False), steps=4)
-    real_save = train_checkpoint.save_state_dict
+    real_save = train_checkpoint.save_local
 
     def tampering_save(dir: Any, state: dict[str, Any], **kwargs: Any) -> None:
         tampered = perturb_first_weight(state) if "step2" in str(dir) else state
         real_save(dir, tampered, **kwargs)
 
-    monkeypatch.setattr(train_checkpoint, "save_state_dict", tampering_save)
+    monkeypatch.setattr(train_checkpoint, "save_local", tampering_save)
     checked = fit(tmp_path / "checked", ReproducibilityCheckCallback(atol=1.0, rtol=0.1), steps=4)
     pairs = zip(reference.train_module.model.parameters(), checked.train_module.model.parameters())
     assert all(torch.equal(a, b) for a, b in pairs)
@@ -257,12 +257,12 @@ def record_checks() -> list[str]:
 
 def tamper_with_saves_of(step: str) -> None:
     """In a spawned rank: from now on, the model state saved at ``step`` is off by 1e-3."""
-    real_save = train_checkpoint.save_state_dict
+    real_save = train_checkpoint.save_local
 
     def tampering_save(dir: Any, state: dict[str, Any], **kwargs: Any) -> None:
         real_save(dir, perturb_first_weight(state) if step in str(dir) else state, **kwargs)
 
-    train_checkpoint.save_state_dict = tampering_save  # type: ignore[assignment]
+    train_checkpoint.save_local = tampering_save  # type: ignore[assignment]
 
 
 def fit_until_error(trainer: Trainer) -> str:

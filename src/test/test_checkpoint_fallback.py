@@ -21,7 +21,7 @@ from olmolike.distributed.checkpoint import (
     load_model_and_optim_state,
     save_model_and_optim_state,
 )
-from olmolike.distributed.checkpoint_format import describe_error
+from olmolike.distributed.checkpoint_save import describe_error
 from olmolike.testing import TinyCausalLM
 from olmolike.train import Callback, Duration
 from olmolike.train.callbacks import CheckpointerCallback

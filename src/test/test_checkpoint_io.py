@@ -1,5 +1,5 @@
 """Checkpoint speed and memory: parallel writes and reads, staging memory freed between async
-saves, and shard uploads that overlap writing (``checkpoint_storage``, ``Checkpointer``)."""
+saves, and shard uploads that overlap writing (``checkpoint_save``, ``Checkpointer``)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager
 
 import olmolike.io
-from olmolike.distributed import checkpoint_loading, checkpoint_storage
+from olmolike.distributed import checkpoint_loading, checkpoint_save
 from olmolike.distributed.checkpoint import load_state_dict, save_state_dict
-from olmolike.distributed.checkpoint_storage import MAX_DEFAULT_THREADS, default_thread_count
+from olmolike.distributed.checkpoint_save import MAX_DEFAULT_THREADS, default_thread_count
 from olmolike.testing import TinyCausalLM
 from olmolike.train import BasicTrainModule, Duration
 from olmolike.train.callbacks import CheckpointerCallback
@@ -65,7 +65,7 @@ def shard_files(dcp_dir: Path) -> list[str]:
 def test_default_thread_count_follows_the_cpus_within_bounds(
     monkeypatch: pytest.MonkeyPatch, cpus: int, expected: int
 ) -> None:
-    monkeypatch.setattr(checkpoint_storage.os, "sched_getaffinity", lambda _: set(range(cpus)))
+    monkeypatch.setattr(checkpoint_save.os, "sched_getaffinity", lambda _: set(range(cpus)))
     assert default_thread_count() == expected
 
 

@@ -1,5 +1,5 @@
-"""How checkpoint files meet the disk (``checkpoint_storage``): every byte of a shard is fsynced
-before the save ends, and the disk is handed each file's bytes as they are written.
+"""How checkpoint files meet the disk (``checkpoint_save``'s writer): every byte of a shard is
+fsynced before the save ends, and the disk is handed each file's bytes as they are written.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from olmolike.distributed import checkpoint_storage
+from olmolike.distributed import checkpoint_save
 from olmolike.distributed.checkpoint import save_state_dict
 
 
@@ -44,16 +44,16 @@ def test_every_byte_of_a_shard_is_on_disk_when_it_is_fsynced(
 def test_the_disk_is_handed_each_16_mb_as_it_is_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if checkpoint_storage._SYNC_FILE_RANGE is None:
+    if checkpoint_save._SYNC_FILE_RANGE is None:
         pytest.skip("no sync_file_range in this C library")
     ranges: list[tuple[int, int]] = []
-    real = checkpoint_storage._SYNC_FILE_RANGE
+    real = checkpoint_save._SYNC_FILE_RANGE
 
     def recording(fd: int, offset: int, length: int, flags: int) -> int:
         ranges.append((offset, length))
         return real(fd, offset, length, flags)
 
-    monkeypatch.setattr(checkpoint_storage, "_SYNC_FILE_RANGE", recording)
+    monkeypatch.setattr(checkpoint_save, "_SYNC_FILE_RANGE", recording)
     save_state_dict(tmp_path, _state(megabytes=40), thread_count=1)
     (shard,) = tmp_path.glob("*.distcp")
     assert ranges and ranges[0][0] == 0

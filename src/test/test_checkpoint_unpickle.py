@@ -252,14 +252,14 @@ def test_the_reproducibility_check_refuses_a_crafted_metadata(
     import olmolike.train.checkpoint.checkpointer as train_checkpoint
     from olmolike.train.callbacks.reproducibility_check import ReproducibilityCheckCallback
 
-    marker, real_save = tmp_path / "ran", train_checkpoint.save_state_dict
+    marker, real_save = tmp_path / "ran", train_checkpoint.save_local
 
     def crafting_save(dir: Any, state: dict[str, Any], **kwargs: Any) -> None:
         real_save(dir, state, **kwargs)
         if "step1" in str(dir):
             craft_metadata(dir, marker)
 
-    monkeypatch.setattr(train_checkpoint, "save_state_dict", crafting_save)
+    monkeypatch.setattr(train_checkpoint, "save_local", crafting_save)
     with pytest.raises(CheckpointError, match=REFUSED_METADATA):
         trained(tmp_path / "run", check=ReproducibilityCheckCallback())
     assert not marker.exists()

@@ -63,15 +63,8 @@ def wrap(owner, name, point, before=False):
         return result
     setattr(owner, name, wrapped)
 
-if mode == "sync":
-    wrap(ckpt, "save_state_dict", "shards_written")
-else:
-    original_async = ckpt.async_save_state_dict
-    def async_then_die(dir, *args, **kwargs):
-        future = original_async(dir, *args, **kwargs)
-        future.add_done_callback(lambda _: die_at("shards_written", dir))
-        return future
-    ckpt.async_save_state_dict = async_then_die
+# Blocking or in the background (on the save's thread), the shards are written by save_local.
+wrap(ckpt, "save_local", "shards_written")
 wrap(CheckpointSave, "_commit", "state_written", before=True)
 original_write = io.write_file
 def write_then_die(dir, name, contents, **kwargs):

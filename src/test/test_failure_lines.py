@@ -397,17 +397,17 @@ def test_a_writer_thread_that_fails_fails_the_save(
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from olmolike.distributed import checkpoint_storage
-    from olmolike.distributed.checkpoint_storage import dcp_writer
+    from olmolike.distributed import checkpoint_save
+    from olmolike.distributed.checkpoint_save import dcp_writer
 
-    open_file = checkpoint_storage._ShardFile.__init__
+    open_file = checkpoint_save._ShardFile.__init__
 
     def full_for_the_first_shard(self: object, path: str, mode: str) -> None:
         if str(path).endswith("__0_0.distcp"):  # a real write fails: raise from the open
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         open_file(self, path, mode)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(checkpoint_storage._ShardFile, "__init__", full_for_the_first_shard)
+    monkeypatch.setattr(checkpoint_save._ShardFile, "__init__", full_for_the_first_shard)
     state = {f"t{i}": torch.randn(100) for i in range(8)}
     with pytest.raises(BaseException, match=r"\[Errno 28\] No space left on device"):
         dcp.save(state, storage_writer=dcp_writer(tmp_path, thread_count=2))

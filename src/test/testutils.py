@@ -20,7 +20,7 @@ import torch
 from rank_processes import AsSpawned
 
 from olmolike.data import TokenTensorDataLoader
-from olmolike.distributed.checkpoint_storage import default_thread_count
+from olmolike.distributed.checkpoint_save import default_thread_count
 from olmolike.testing import TinyCausalLM, busy_machine_factor, random_token_instances
 from olmolike.train import BasicTrainModule, Callback, Trainer, TrainerConfig
 

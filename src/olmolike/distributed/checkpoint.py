@@ -16,12 +16,12 @@ unpickled by :mod:`.checkpoint_unpickle`: reading a checkpoint never runs code f
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -39,19 +38,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import io
-from ..exceptions import CheckpointError, ConfigurationError
-from ..threads import DaemonThreadPool
+from ..exceptions import CheckpointError
 from .checkpoint_download import local_copy
 from .checkpoint_format import dcp_dir_of, read_metadata
 from .checkpoint_loading import dcp_reader
 from .checkpoint_reader import load_keys
-from .checkpoint_storage import dcp_writer, default_thread_count
+from .checkpoint_save import Write, check_checkpoint_backend, in_background, save_local
 from .checkpoint_unpickle import WeightsOnlyLoadPlanner
-from .save_failures import SaveFailedError, agree_on_failures, failures_of
-from .save_target import save_target
+from .checkpoint_upload import save_to_url
 from .state_dict_keys import merge_state_dicts, prune_state_dict, swap_param_keys
 from .unshard import UnshardStrategy, UnshardStrategyType, unshard_checkpoint
 from .utils import is_distributed
@@ -123,89 +119,29 @@ def apply_model_and_optim_state_dict(
         set_optimizer_state_dict(model, optim, state["optim"], options=options)
 
 
-_CPU_BACKENDS = ("gloo", "mpi")
-
-
-def check_checkpoint_backend(backend: str) -> None:
-    """Refuse a process-group backend that cannot run collectives on CPU tensors.
-
-    Checkpoint collectives (DCP's planning, the checkpointer's agreement on success) exchange
-    CPU tensors and objects, also from a background thread; ``"nccl"`` alone cannot. Accepted:
-    a CPU backend (``"gloo"``) or a per-device string with a CPU part (``"cpu:gloo,cuda:nccl"``).
-    """
-    parts = [p.strip().lower() for p in str(backend).split(",") if p.strip()]
-    for part in parts:
-        device, _, name = part.rpartition(":")
-        if device in ("", "cpu") and name in _CPU_BACKENDS:
-            return
-    raise ConfigurationError(
-        f"checkpoints need a process-group backend with CPU collectives, but the backend is "
-        f"{backend!r}. Initialize with backend='cpu:gloo,cuda:nccl' (e.g. "
-        "prepare_training_environment(backend='cpu:gloo,cuda:nccl')), or pass a gloo group "
-        "as checkpointer_pg to TrainerConfig.build()",
-        path="backend",
+def _writing(
+    dir: str | Path,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    save_overwrite: bool = False,
+    thread_count: int | None = None,
+    throttle_uploads: bool = False,
+    on_shard_written: Callable[[Path], None] | None = None,
+) -> Write:
+    """How a save writes ``dir`` (the keyword arguments of :func:`save_state_dict`): into the
+    local directory, or staged and uploaded to a URL; the one writing that every save here
+    runs, blocking or in the background."""
+    where: Callable[..., None] = save_local
+    if io.is_url(dir):
+        where = functools.partial(save_to_url, throttle_uploads=throttle_uploads)
+    return functools.partial(
+        where,
+        str(dir) if io.is_url(dir) else dir,
+        process_group=process_group,
+        save_overwrite=save_overwrite,
+        thread_count=thread_count,
+        on_shard_written=on_shard_written,
     )
-
-
-@dataclass(frozen=True)
-class _Save:
-    """One save of a state dict into ``dir``: the arguments of :func:`save_state_dict`, and
-    the one way both a synchronous and an asynchronous save write the files."""
-
-    dir: str | Path
-    process_group: dist.ProcessGroup | None = None
-    save_overwrite: bool = False
-    thread_count: int | None = None
-    throttle_uploads: bool = False
-    on_shard_written: Callable[[Path], None] | None = None
-
-    def write(self, state_dict: dict[str, Any], failed: BaseException | None) -> None:
-        """Write ``state_dict``'s shards (every rank), agreeing on ``failed`` first."""
-        agree_on_failures(f"saving {self.dir}", failed, self.process_group)
-        threads = self.thread_count or default_thread_count()
-        target = save_target(
-            self.dir,
-            self.process_group,
-            self.save_overwrite,
-            self.throttle_uploads,
-            threads,
-            self.on_shard_written,
-        )
-        try:
-            with target as (local, shard_written):
-                dcp.save(
-                    state_dict,
-                    storage_writer=dcp_writer(local, threads, shard_written),
-                    process_group=self.process_group,
-                    no_dist=not is_distributed(),
-                )
-        except CheckpointException as e:  # DCP's, on every rank; a BaseException: an error
-            raise SaveFailedError(f"saving {self.dir}", failures_of(e, self.process_group)) from e
-
-    def start(
-        self,
-        state_dict: dict[str, Any],
-        stager: AsyncStager | None,
-        failed: BaseException | None,
-    ) -> Future[None]:
-        """Copy ``state_dict`` to CPU memory (with ``stager``, else a stager of its own that
-        is closed after the save), then :meth:`write` the copy on a thread of its own."""
-        if is_distributed():
-            check_checkpoint_backend(str(dist.get_backend(self.process_group)))
-        own = stager is None
-        stager = stager or DefaultStager(StagingOptions(False, False, False, False))  # DCP's
-        staged: dict[str, Any] = {}
-        if failed is None:
-            try:
-                staged = _stage(state_dict, stager)
-            except Exception as e:  # MemoryError, say: one rank's only, so not raised here
-                failed = e
-        pool = DaemonThreadPool(1, "checkpoint-save")
-        future = pool.submit(self.write, staged, failed)
-        pool.shutdown(wait=False)
-        if own:
-            future.add_done_callback(lambda _: stager.close())
-        return future
 
 
 def save_state_dict(
@@ -222,33 +158,34 @@ def save_state_dict(
     """Save every rank's shards of ``state_dict`` into ``dir``, a local directory or a URL.
 
     ``dir`` must be empty or missing unless ``save_overwrite``. A URL is written locally
-    first, then uploaded (see :mod:`.save_target`), one rank after another with
+    first, then uploaded (see :mod:`.checkpoint_upload`), one rank after another with
     ``throttle_uploads``. ``thread_count`` threads (files per rank) write; by default
-    :func:`~.checkpoint_storage.default_thread_count`. ``on_shard_written(path)`` is called
+    :func:`~.checkpoint_save.default_thread_count`. ``on_shard_written(path)`` is called
     on a writing thread as each local shard file is complete (e.g. to upload it at once).
 
-    A save that fails on any rank raises :class:`~.save_failures.SaveFailedError` on every
+    A save that fails on any rank raises :class:`~.checkpoint_save.SaveFailedError` on every
     rank, naming the ranks that failed and their errors. ``failed`` is this rank's error from
     before the save (building its state, say): the rank still calls this, so that every rank
     learns it at the save's first agreement instead of waiting for it in a collective.
     """
-    save = _Save(
-        dir, process_group, save_overwrite, thread_count, throttle_uploads, on_shard_written
+    write = _writing(
+        dir,
+        process_group=process_group,
+        save_overwrite=save_overwrite,
+        thread_count=thread_count,
+        throttle_uploads=throttle_uploads,
+        on_shard_written=on_shard_written,
     )
-    save.write(state_dict, failed)
+    write(state_dict, failed=failed)
 
 
 def async_save_state_dict(
     dir: str | Path,
     state_dict: dict[str, Any],
     *,
-    process_group: dist.ProcessGroup | None = None,
-    save_overwrite: bool = False,
-    thread_count: int | None = None,
-    throttle_uploads: bool = False,
     stager: AsyncStager | None = None,
-    on_shard_written: Callable[[Path], None] | None = None,
     failed: BaseException | None = None,
+    **how: Any,
 ) -> Future[None]:
     """Copy ``state_dict`` to CPU memory now, write it to ``dir`` in a background thread.
 
@@ -256,25 +193,14 @@ def async_save_state_dict(
     ``process_group`` must support CPU tensors (gloo); use one that training does not use.
     Pass a stager kept across saves (torch's ``DefaultStager``) to reuse its CPU buffers
     instead of re-allocating the copy. The future completes once the files are written (and
-    uploaded, for a URL). The other arguments are :func:`save_state_dict`'s, which the
-    background thread runs: a rank whose copy fails passes its error on as ``failed``, so
-    every rank's future raises it.
+    uploaded, for a URL). ``how`` holds the keyword arguments of :func:`save_state_dict`
+    (``process_group``, ``save_overwrite``, ``thread_count``, ``throttle_uploads``,
+    ``on_shard_written``), which the background thread runs: a rank whose copy fails passes
+    its error on as ``failed``, so every rank's future raises it.
     """
-    save = _Save(
-        dir, process_group, save_overwrite, thread_count, throttle_uploads, on_shard_written
-    )
-    return save.start(state_dict, stager, failed)
-
-
-def _stage(state_dict: dict[str, Any], stager: AsyncStager) -> dict[str, Any]:
-    """``stager``'s CPU copy of ``state_dict``, complete (as ``dcp.async_save`` stages)."""
-    state = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
-    staged = stager.stage(state)
-    if isinstance(staged, Future):
-        staged = staged.result()
-    if stager.should_synchronize_after_execute:
-        stager.synchronize_staging()
-    return staged
+    write = _writing(dir, **how)  # a wrong keyword fails here, not in the background
+    group = how.get("process_group")
+    return in_background(write, state_dict, process_group=group, stager=stager, failed=failed)
 
 
 @contextlib.contextmanager
@@ -311,7 +237,7 @@ def load_state_dict(
 
     ``dir`` is a DCP directory or a train checkpoint folder, local or remote; ``pre_download``
     copies a remote one under ``work_dir`` first, once per host. ``thread_count`` threads
-    read (by default :func:`~.checkpoint_storage.default_thread_count`).
+    read (by default :func:`~.checkpoint_save.default_thread_count`).
     """
     with _readable(dir, process_group, pre_download, work_dir, thread_count) as source:
         _load(source, state_dict, process_group, strict=True, thread_count=thread_count)
@@ -358,7 +284,14 @@ def save_model_and_optim_state(
     state = model_and_optim_state_dict(
         model, optim, flatten_optimizer_state=flatten_optimizer_state
     )
-    _Save(dir, process_group, save_overwrite, thread_count, throttle_uploads).write(state, None)
+    save_state_dict(
+        dir,
+        state,
+        process_group=process_group,
+        save_overwrite=save_overwrite,
+        thread_count=thread_count,
+        throttle_uploads=throttle_uploads,
+    )
 
 
 def async_save_model_and_optim_state(
@@ -366,20 +299,18 @@ def async_save_model_and_optim_state(
     model: nn.Module,
     optim: torch.optim.Optimizer | None = None,
     *,
-    process_group: dist.ProcessGroup | None = None,
-    save_overwrite: bool = False,
     flatten_optimizer_state: bool = False,
-    thread_count: int | None = None,
-    throttle_uploads: bool = False,
+    **how: Any,
 ) -> Future[None]:
     """:func:`save_model_and_optim_state` that returns once the state is copied to CPU
-    memory; the future completes when the files are written. ``process_group`` must support
-    CPU collectives (gloo), and must not be used by another thread until it completes."""
+    memory; the future completes when the files are written. ``how`` holds the keyword
+    arguments of :func:`save_model_and_optim_state` (``process_group``, ``save_overwrite``,
+    ``thread_count``, ``throttle_uploads``). ``process_group`` must support CPU collectives
+    (gloo), and must not be used by another thread until it completes."""
     state = model_and_optim_state_dict(
         model, optim, flatten_optimizer_state=flatten_optimizer_state
     )
-    save = _Save(dir, process_group, save_overwrite, thread_count, throttle_uploads)
-    return save.start(state, None, None)
+    return async_save_state_dict(dir, state, **how)
 
 
 def load_model_and_optim_state(

@@ -7,6 +7,16 @@ offline tools such as :mod:`.unshard` that never import :mod:`olmolike.train`.
 ``{save_folder}/step{N}/`` is a checkpoint once its marker exists (see
 :mod:`olmolike.train.checkpoint` for how saves get there). Removal deletes the marker first.
 
+Removing a whole checkpoint (hundreds of megabytes to many gigabytes of shards) can take
+seconds on a slow disk and longer on an object store. :func:`purge` does only the cheap,
+decisive part on the caller's thread: it deletes the marker (from then on no reader trusts the
+folder) and, on a local disk, renames the folder out of the way (``.purging-step{N}-{id}``,
+invisible to finders and to :func:`remove_abandoned`). The files are deleted on a background
+thread. No collective depends on a purge, so there is no step to agree on; a run waits for its
+purges only when it gives up its save folder (:func:`wait_for_purges`), or when it saves a step
+again that is being purged (:func:`in_flight`); a purge killed half-way leaves a marker-less
+folder that a later purge or save removes.
+
 A marker says every rank's files landed; it cannot say they are still there and whole. A
 deleted, truncated or garbled shard (its CRCs are checked as it is read), an unreadable DCP
 ``.metadata``, a truncated or garbled ``rank{R}.pt`` or a malformed marker each becomes one
@@ -20,20 +30,23 @@ from __future__ import annotations
 import io as std_io
 import json
 import logging
-import os
 import re
+import threading
+import uuid
 from collections.abc import Collection, Iterator
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 
 from .. import io
 from ..config import Config
 from ..exceptions import CheckpointError, DamagedCheckpointError
+from ..threads import DaemonThreadPool
 from .checkpoint_loading import dcp_reader
 from .checkpoint_records import archive_problem
 
@@ -49,19 +62,20 @@ __all__ = [
     "contains_checkpoint",
     "dcp_dir_of",
     "dcp_reader",
-    "describe_error",
-    "describe_shape_mismatch",
     "dir_is_checkpoint",
     "find_checkpoints",
+    "in_flight",
     "latest_checkpoint",
     "load_train_state",
     "mark_damaged",
+    "purge",
     "read_marker",
     "read_metadata",
     "remove_abandoned",
     "remove_checkpoint",
+    "step_of",
     "verify_checkpoint",
-    "write_synced",
+    "wait_for_purges",
 ]
 
 log = logging.getLogger(__name__)
@@ -84,6 +98,12 @@ _MARKER_FIELDS: dict[str, type | tuple[type, ...]] = {
     "ephemeral": bool,
 }
 
+
+PURGING_PREFIX = ".purging-"
+"""Local folders being purged are renamed to ``.purging-step{N}-{id}``."""
+_lock = threading.Lock()
+_in_flight: dict[str, Future[None]] = {}
+_pool: DaemonThreadPool | None = None
 
 DAMAGED = ".olmolike-damaged.json"
 
@@ -147,12 +167,13 @@ def remove_checkpoint(dir: str) -> None:
 
 def remove_abandoned(folder: str, keep: Collection[str] = ()) -> list[str]:
     """Delete step folders without a marker (a removal or a save that was killed) and local
-    staging folders of saves that are not in progress; returns what was removed.
+    staging folders of saves that are not in progress; returns what was removed. Folders being
+    purged are not its business: their purge removes them.
 
     Call it only from the run holding the folder's lease, naming in ``keep`` the checkpoints
     it is still saving (a remote save writes in place before its marker).
     """
-    keep_names = {str(k).rstrip("/").rsplit("/", 1)[-1] for k in keep}
+    keep_names = {str(k).rstrip("/").rsplit("/", 1)[-1] for k in [*keep, *in_flight()]}
     removed = []
     for name in io.list_dir(folder):
         step, staging = STEP_DIR.match(name), STAGING_DIR.match(name)
@@ -166,6 +187,67 @@ def remove_abandoned(folder: str, keep: Collection[str] = ()) -> list[str]:
         io.remove(path, recursive=True)
         removed.append(path)
     return removed
+
+
+def purge(dir: str) -> Future[None]:
+    """Remove the checkpoint ``dir``: its marker now, its files in the background.
+
+    The future completes once the files are gone (a failure is logged, not raised: the
+    folder has no marker any more, so nothing trusts what is left).
+    """
+    global _pool
+    path = str(dir).rstrip("/")
+    io.remove(io.join_path(path, MARKER))  # marker first, as for every removal
+    doomed = path
+    if not io.is_url(path) and Path(path).exists():
+        doomed = str(Path(path).with_name(f"{PURGING_PREFIX}{Path(path).name}-{uuid.uuid4().hex}"))
+        Path(path).rename(doomed)
+    with _lock:
+        if _pool is None:
+            _pool = DaemonThreadPool(1, "checkpoint-purge")
+        future = _pool.submit(_remove, path, doomed)
+        _in_flight[path] = future
+    return future
+
+
+def step_of(path: str) -> int | None:
+    """The step of the checkpoint folder ``path`` (``step{N}``), if it is named so."""
+    match = STEP_DIR.match(str(path).rstrip("/").rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
+
+
+def in_flight(within: Collection[str] = ()) -> list[str]:
+    """The checkpoints being purged (all, or those named in ``within``)."""
+    with _lock:
+        paths = list(_in_flight)
+    wanted = {str(p).rstrip("/") for p in within}
+    return [p for p in paths if not wanted or p in wanted]
+
+
+def wait_for_purges() -> None:
+    """Block until every purge started so far is done."""
+    with _lock:
+        futures = list(_in_flight.values())
+    futures_wait(futures)
+
+
+def _remove(path: str, doomed: str) -> None:
+    try:
+        io.remove(doomed, recursive=True)
+        if not io.is_url(path):
+            _remove_leftovers(Path(path).parent)
+        log.info("Removed checkpoint %s", path)
+    except Exception as e:
+        log.warning("Removing checkpoint %s failed (it has no marker any more): %s", path, e)
+    finally:
+        with _lock:
+            _in_flight.pop(path, None)
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """Folders of purges that a killed process left half-removed."""
+    for leftover in folder.glob(f"{PURGING_PREFIX}*"):
+        io.remove(leftover, recursive=True)
 
 
 def dcp_dir_of(dir: str | Path) -> str:
@@ -326,93 +408,6 @@ def _file_sizes(dir: str) -> dict[str, int]:
         }
 
     return io.retry_network(listing, f"listing {dir}")
-
-
-def describe_shape_mismatch(
-    dir: str,
-    metadata: Metadata,
-    model_state: dict[str, Any],
-    current_config: str | bytes | None,
-    held_elsewhere: Collection[str] = (),
-) -> str | None:
-    """A message naming the tensors (and config fields) whose shapes differ, or that one side
-    has and the other lacks (another ``n_layers``, say), or ``None``. ``held_elsewhere``:
-    parameter names other ranks hold (pipeline stages), which this rank may lack."""
-    differing = []
-    for fqn, tensor in model_state.items():
-        saved = metadata.state_dict_metadata.get(f"model.{fqn}")
-        if not isinstance(saved, TensorStorageMetadata) or not hasattr(tensor, "shape"):
-            continue
-        if tuple(saved.size) != tuple(tensor.shape):
-            differing.append(f"{fqn}: {list(saved.size)} saved, {list(tensor.shape)} here")
-    saved_keys = {
-        k[len("model.") :] for k in metadata.state_dict_metadata if k.startswith("model.")
-    }
-    only_here = sorted(k for k in model_state if k not in saved_keys)
-    only_saved = sorted(saved_keys - model_state.keys() - set(held_elsewhere))
-    for keys, where in ((only_here, "not in the checkpoint"), (only_saved, "not in this model")):
-        if keys:
-            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
-            differing.append(f"{', '.join(keys[:3])}{more} {where}")
-    if not differing:
-        return None
-    message = (
-        f"checkpoint {dir} holds a model of another shape: "
-        + "; ".join(differing[:5])
-        + (f"; and {len(differing) - 5} more" if len(differing) > 5 else "")
-    )
-    fields = _config_differences(dir, current_config)
-    if fields:
-        message += ". Config fields that differ (checkpoint -> this run): " + ", ".join(fields)
-    return message + ". Build the model with the checkpoint's settings, or start a new run."
-
-
-def _config_differences(dir: str, current: str | bytes | None) -> list[str]:
-    if current is None:
-        return []
-    try:
-        saved = json.loads(io.read_bytes(io.join_path(dir, "config.json")))
-        now = json.loads(current)
-    except (FileNotFoundError, ValueError):
-        return []
-    old_flat, new_flat = _flatten(saved), _flatten(now)
-    keys = sorted(
-        k for k in old_flat.keys() | new_flat.keys() if old_flat.get(k) != new_flat.get(k)
-    )
-    # The model's own fields decide shapes: name only those when some differ.
-    keys = [k for k in keys if k.startswith("model.")] or keys
-    return [f"{k}: {old_flat.get(k)!r} -> {new_flat.get(k)!r}" for k in keys[:10]]
-
-
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict):
-        flat: dict[str, Any] = {}
-        for key, item in value.items():
-            flat.update(_flatten(item, f"{prefix}{key}."))
-        return flat
-    return {prefix[:-1]: value}
-
-
-def write_synced(path: Path, data: bytes) -> None:
-    """Write a local file and flush it to disk (before a marker vouches for it)."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def describe_error(error: BaseException | None) -> str:
-    """One line for an error; DCP's CheckpointException names each failed rank's error."""
-    if isinstance(error, CheckpointException):
-        failures = "; ".join(
-            f"rank {rank}: {describe_error(f[0] if isinstance(f, tuple) else f)}"
-            for rank, f in sorted(error.failures.items())
-        )
-        return f"CheckpointException ({failures})"
-    if error is None:
-        return "unknown error"
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[-1][:300]}" if lines else type(error).__name__
 
 
 @dataclass

@@ -39,7 +39,7 @@ from .checkpoint_records import (
     first_problem,
     parse_archive,
 )
-from .checkpoint_storage import default_thread_count
+from .checkpoint_save import default_thread_count
 from .checkpoint_unpickle import (
     StoredTensor,
     WeightsOnlyLoadPlanner,

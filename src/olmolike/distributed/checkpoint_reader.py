@@ -26,7 +26,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from .. import io
 from ..exceptions import CheckpointError
 from .checkpoint_download import download_dir
-from .checkpoint_format import dcp_dir_of, dcp_reader, describe_error
+from .checkpoint_format import dcp_dir_of
+from .checkpoint_loading import dcp_reader
+from .checkpoint_save import describe_error
 from .checkpoint_unpickle import WeightsOnlyLoadPlanner
 
 __all__ = ["CheckpointSource", "SavedTensor", "StatePath", "load_keys", "nest", "open_checkpoint"]

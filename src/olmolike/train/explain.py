@@ -19,8 +19,8 @@ from pathlib import Path
 
 from .. import io
 from ..distributed.checkpoint_format import latest_checkpoint
+from ..distributed.checkpoint_save import SaveFailedError
 from ..distributed.failure import find_lost_ranks
-from ..distributed.save_failures import SaveFailedError
 from ..distributed.utils import get_rank
 from ..exceptions import DiskFullError, RankLostError
 

@@ -6,14 +6,18 @@ steps, runs the periodic cancel check, and at the end of every step delivers the
 then: reduced metrics to the ``log_metrics`` hooks and finished saves to
 ``post_checkpoint_saved`` (:meth:`StepResults.deliver_saves`, the one path by which a save's
 completion reaches the callbacks), both at steps every rank agrees on (see
-``docs/callbacks.md``). After the first step it shortens every process group's timeout.
-It never touches the trainer: the trainer passes in the step, and the functions it calls.
+``docs/callbacks.md``). It keeps the future of every save the trainer starts
+(:meth:`StepResults.track_save`) until that save's completion is delivered. After the first
+step it shortens every process group's timeout. It never touches the trainer: the trainer
+passes in the step, and the functions it calls.
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,11 +38,6 @@ class StepResults:
 
     runner: BookkeepingRunner
     cancel: CancelCoordinator
-    saves_done: Callable[[], int]
-    """How many saves of this run have finished on this rank (for the cancel check)."""
-    finished_saves: Callable[..., Iterator[str]]
-    """``finished_saves(upto, wait=...)``: the paths of finished saves, in order (see
-    :meth:`~olmolike.train.checkpoint.run.RunCheckpoints.finished`)."""
     hooks: Callable[..., Any]
     """Calls a hook on every callback: ``hooks(name, *args)``."""
     device: torch.device
@@ -51,6 +50,10 @@ class StepResults:
     """The metrics recorded since the last collection."""
     reducer: MetricReducer = field(default_factory=MetricReducer)
     timeouts_shortened: bool = False
+    pending_saves: list[tuple[str, Future[None]]] = field(default_factory=list)
+    """Saves whose completion has not been delivered, in order (path, future)."""
+    saves_taken: int = 0
+    """How many saves were taken off ``pending_saves`` (delivered, or failed)."""
 
     def __post_init__(self) -> None:
         for name in ("metrics_collect_interval", "cancel_check_interval"):
@@ -75,17 +78,46 @@ class StepResults:
             self.timeouts_shortened = True
             set_group_timeouts(datetime.timedelta(seconds=self.train_timeout_seconds))
 
+    def track_save(self, path: str, future: Future[None]) -> None:
+        """Keep a save the trainer started (a blocking save's future is done) until its
+        completion is delivered."""
+        self.pending_saves.append((path, future))
+
     def deliver_saves(self, upto: int | None = None, *, wait: bool = False) -> None:
         """The one path by which a save's completion reaches the callbacks:
         ``post_checkpoint_saved(path)`` for each finished save, in save order, or the failed
-        save's error. Called at steps every rank agrees on: at the end of a step (``upto``: the
-        finished saves every rank has counted), after a blocking save, and at the end of a run
-        (``wait``: after the saves still running)."""
-        for path in self.finished_saves(upto, wait=wait):
+        save's error (every rank's save holds it, so every rank stops at the same step).
+
+        Called at steps every rank agrees on: at the end of a step (``upto``: how many saves
+        every rank has seen finish, agreed by the periodic cancel check), after a blocking save
+        and at the end of a run (``None``: every finished one; ``wait``: after the saves still
+        running).
+        """
+        if wait:
+            futures_wait([future for _, future in self.pending_saves])
+        while self.pending_saves and self.pending_saves[0][1].done():
+            if upto is not None and self.saves_taken >= upto:
+                break
+            path, future = self.pending_saves.pop(0)
+            self.saves_taken += 1
+            if future.cancelled():
+                continue
+            error = future.exception()
+            if error is not None:
+                raise error
             self.hooks("post_checkpoint_saved", path)
 
+    def _saves_done(self) -> int:
+        """How many saves of this run have finished on this rank so far."""
+        done = self.saves_taken
+        for _, future in self.pending_saves:
+            if not future.done():
+                break
+            done += 1
+        return done
+
     def check_if_canceled(self, step: int) -> None:
-        saves_done = self.saves_done()
+        saves_done = self._saves_done()
         self.cancel.submit_check(
             step, self.runner, self.runner.group, self.device, saves_done=saves_done
         )

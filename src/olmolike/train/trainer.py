@@ -142,8 +142,6 @@ class Trainer:
         self._step_results = StepResults(
             runner=self._bookkeeping,
             cancel=self._cancel,
-            saves_done=self._checkpoints.saves_done,
-            finished_saves=self._checkpoints.finished,
             hooks=self._hooks,
             device=self.device if is_distributed() and not self.async_bookkeeping else CPU,
             metrics_collect_interval=self.metrics_collect_interval,
@@ -403,7 +401,8 @@ class Trainer:
 
     def checkpoint_dir(self, step: int | None = None) -> str:
         """The folder the checkpoint of ``step`` (default: the current step) is saved to."""
-        return self._checkpoints.step_dir(self.global_step if step is None else step)
+        step = self.global_step if step is None else step
+        return io.join_path(self.save_folder, Checkpointer.checkpoint_dirname(step))
 
     def add_checkpoint_file(self, name: str, contents: str | bytes) -> None:
         """Include a file named ``name`` in every checkpoint saved from now on.
@@ -415,17 +414,27 @@ class Trainer:
 
     def save_checkpoint(self, ephemeral: bool = False) -> str:
         """Save a checkpoint of the current step to the save folder; returns its path."""
-        path, _ = self._checkpoints.save(
-            self.global_step, self.state_dict(), ephemeral, background=False
-        )
+        path, _ = self._save(ephemeral, background=False)
         self._step_results.deliver_saves()  # every rank saved it just now: an agreed step
         return path
 
     def save_checkpoint_async(self, ephemeral: bool = False) -> tuple[str, Future[None]]:
         """Start saving a checkpoint of the current step; the future completes when it is whole."""
-        return self._checkpoints.save(
-            self.global_step, self.state_dict(), ephemeral, background=True
+        return self._save(ephemeral, background=True)
+
+    def _save(self, ephemeral: bool, *, background: bool) -> tuple[str, Future[None]]:
+        """The checkpointer saves; the step component delivers the save's completion."""
+        path = self.checkpoint_dir()
+        future = self.checkpointer.save(
+            path,
+            self.train_module,
+            self.state_dict(),
+            ephemeral,
+            self._checkpoints.extra_files,
+            background=background,
         )
+        self._step_results.track_save(path, future)
+        return path, future
 
     def wait_for_checkpoints(self) -> None:
         """Wait for the background saves, then deliver their ``post_checkpoint_saved`` (or raise

@@ -1,5 +1,9 @@
 """Saves checkpoints at intervals, at fixed steps and at the end of training; removes old ones
-by rule (OLMo-core 3.0's ``CheckpointerCallback`` fields and meaning)."""
+by rule (OLMo-core 3.0's ``CheckpointerCallback`` fields and meaning).
+
+Retention (rank 0, once a save is complete) removes whole checkpoints; every removal is a
+purge (:meth:`~olmolike.train.checkpoint.Checkpointer.purge_checkpoint`): the marker now, the
+files on a background thread, so a large checkpoint never holds up training."""
 
 from __future__ import annotations
 
@@ -8,10 +12,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ...config import StrEnum, check_choice
+from ...distributed.checkpoint_format import step_of
 from ...distributed.utils import backend_supports_cpu, get_rank, is_distributed
 from ...exceptions import CheckpointError, ConfigurationError
 from ..checkpoint import Checkpointer
-from ..checkpoint.retention import retain
 from .callback import Callback
 
 __all__ = ["CheckpointRemovalStrategy", "CheckpointerCallback", "checkpoints_to_remove"]
@@ -259,24 +263,43 @@ class CheckpointerCallback(Callback, name="checkpointer"):
 
     def post_checkpoint_saved(self, path: str) -> None:
         """Retention, once a checkpoint this callback saved is complete (the trainer delivers
-        completion, at a step every rank agrees on: see :mod:`olmolike.train.checkpoint.run`).
-
-        Only rank 0 removes anything; see :func:`olmolike.train.checkpoint.retention.retain`.
-        """
+        completion, at a step every rank agrees on: see
+        :meth:`~olmolike.train.step_results.StepResults.deliver_saves`). Only rank 0 removes
+        anything."""
         ephemeral = self._saving.pop(path, None)
         if ephemeral is None or get_rank() != 0:
             return  # another's save (a user's, another checkpointer's)
-        retain(
-            self.trainer.save_folder,
-            path,
-            ephemeral=ephemeral,
-            own_ephemeral=self._own_ephemeral,
-            old_runs=self._old_to_remove,
-            in_progress=list(self._saving),
-            remove_others=self.remove != CheckpointRemovalStrategy.never,
-            max_checkpoints=self.max_checkpoints,
-        )
+        self._retain(path, ephemeral)
         self._old_to_remove = []
+
+    def _retain(self, saved: str, ephemeral: bool) -> None:
+        """Purge what goes once ``saved`` is complete: ephemeral checkpoints of earlier steps
+        (only this run's, unless ``remove`` says otherwise), so a newer one is never removed in
+        favour of an older one (two async saves may complete at once); the checkpoints of
+        earlier runs that ``remove`` picked; step folders without a marker (a removal or save
+        killed half-way), except those of saves in progress; and, after a permanent save, the
+        oldest permanent ones beyond ``max_checkpoints``."""
+        folder = self.trainer.save_folder
+        saved_step = step_of(saved)
+        remove_others = self.remove != CheckpointRemovalStrategy.never
+        for step, old in Checkpointer.find_checkpoints(folder, ephemeral=True):
+            own = old in self._own_ephemeral
+            if saved_step is not None and step < saved_step and (own or remove_others):
+                log.info("Removing ephemeral checkpoint %s", old)
+                Checkpointer.purge_checkpoint(old)
+                if own:
+                    self._own_ephemeral.remove(old)
+        for old in self._old_to_remove:
+            if Checkpointer.dir_is_checkpoint(old):
+                log.info("Removing checkpoint %s of an earlier run (remove)", old)
+                Checkpointer.purge_checkpoint(old)
+        Checkpointer.remove_abandoned(folder, keep=[saved, *self._saving])
+        if ephemeral or self.max_checkpoints is None:
+            return
+        permanent = list(Checkpointer.find_checkpoints(folder, ephemeral=False))
+        for _, old in permanent[: max(0, len(permanent) - self.max_checkpoints)]:
+            log.info("Removing checkpoint %s (max_checkpoints=%d)", old, self.max_checkpoints)
+            Checkpointer.purge_checkpoint(old)
 
 
 def _is_ephemeral(path: str) -> bool:

@@ -5,11 +5,14 @@ What each module holds (see ``docs/contributing-layers.md``, "The checkpoint sta
 * :mod:`.checkpointer`: the :class:`Checkpointer` (and its config): what lasts across saves
   (threads, staging buffers, the lease) and the one save function, sync or in the background;
 * :mod:`.save`: one save's commit protocol (staging folder, uploads, marker last);
-* :mod:`.load`: one load (checks, DCP read, trainer state);
-* :mod:`.retention`: removing checkpoints, marker first, files in the background;
+* :mod:`.load`: one load (checks, DCP read, trainer state, what a failed load tells);
 * :mod:`.lease`: one writer per save folder;
-* :mod:`.run`: a training run's checkpoints: saves at steps, delivery of their completion,
-  resuming with fallback.
+* :mod:`.run`: a training run's loading: resuming with fallback, the files added to every
+  checkpoint, giving the save folder up.
+
+Removal (marker first, files in the background) is the on-disk format's
+(:func:`~olmolike.distributed.checkpoint_format.purge`); which checkpoints go once a save is
+complete is the :class:`~olmolike.train.callbacks.CheckpointerCallback`'s rule.
 
 The package sits on :mod:`olmolike.distributed` (DCP input/output, the on-disk format) and
 imports nothing else of :mod:`olmolike.train`.

@@ -21,11 +21,12 @@ Saving is :mod:`.save`, loading :mod:`.load`; the checkpointer holds
 what lasts across saves (threads, staging buffers, the lease).
 
 Removing a checkpoint deletes its marker first; :meth:`Checkpointer.purge_checkpoint` deletes
-the rest in the background (:mod:`.retention`). A save that fails, at any stage and on
-any rank, raises :class:`~olmolike.exceptions.CheckpointError` on every rank, naming the
-failed ranks and their errors, and removes its staging folder: a rank that fails keeps
-joining the save's collectives and hands its error to the next agreement
-(:mod:`~olmolike.distributed.save_failures`), so no rank waits for it until a timeout.
+the rest in the background (:func:`~olmolike.distributed.checkpoint_format.purge`). A save
+that fails, at any stage and on any rank, raises :class:`~olmolike.exceptions.CheckpointError`
+on every rank, naming the failed ranks and their errors, and removes its staging folder: a
+rank that fails keeps joining the save's collectives and hands its error to the next
+agreement (:mod:`~olmolike.distributed.checkpoint_save`), so no rank waits for it until a
+timeout.
 Loading first checks that the checkpoint is intact (:mod:`.checkpoint_format`). Trainer state
 is saved with ``torch.save`` and loaded with ``weights_only=True``: loading never runs code
 from a file. The run's lease on the save folder (:mod:`.lease`) is held by the checkpointer.
@@ -50,11 +51,6 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ... import io
 from ...config import Config
-from ...distributed.checkpoint import (
-    async_save_state_dict,
-    check_checkpoint_backend,
-    save_state_dict,
-)
 from ...distributed.checkpoint_format import (
     MARKER,
     CheckpointMetadata,
@@ -62,15 +58,22 @@ from ...distributed.checkpoint_format import (
     dir_is_checkpoint,
     find_checkpoints,
     latest_checkpoint,
+    purge,
     read_marker,
+    remove_abandoned,
     remove_checkpoint,
+    wait_for_purges,
 )
-from ...distributed.checkpoint_storage import default_thread_count
+from ...distributed.checkpoint_save import (
+    check_checkpoint_backend,
+    default_thread_count,
+    in_background,
+    save_local,
+)
 from ...distributed.utils import is_distributed, using_group
 from ...threads import DaemonThreadPool
 from .lease import DEFAULT_TIMEOUT, SaveFolderLease, acquire_lease
 from .load import CheckpointLoad
-from .retention import purge, remove_abandoned, wait_for_purges
 from .save import CheckpointSave, check_extra_file_name, encode_extra_files
 
 if TYPE_CHECKING:
@@ -229,12 +232,14 @@ class Checkpointer:
             stager = self._prepared_stager() if background else None
         except Exception as e:
             failed = e
-        how: dict[str, Any] = {
-            "process_group": self.process_group,
-            "thread_count": self.save_thread_count,
-            "on_shard_written": plan.shard_written,
-            "failed": failed,
-        }
+
+        write = functools.partial(
+            save_local,
+            plan.dcp_dir,
+            process_group=self.process_group,
+            thread_count=self.save_thread_count,
+            on_shard_written=plan.shard_written,
+        )
 
         def finish(written: Callable[[], object]) -> None:
             # The group belongs to this save (the save's thread, then this one) until it is done.
@@ -253,11 +258,13 @@ class Checkpointer:
                         return_freed_memory()  # the save's threads have let go of the copy
 
         if not background:
-            finish(lambda: save_state_dict(plan.dcp_dir, state, **how))
+            finish(lambda: write(state, failed=failed))
             done: Future[None] = Future()
             done.set_result(None)
             return done
-        written = async_save_state_dict(plan.dcp_dir, state, stager=stager, **how)
+        written = in_background(
+            write, state, process_group=self.process_group, stager=stager, failed=failed
+        )
         self._pending = self._writer_thread().submit(finish, written.result)
         return self._pending
 

@@ -202,14 +202,17 @@ class SaveFolderLease:
         )
         self._epoch: int | None = None
         self._record: LeaseRecord | None = None
-        self._lost_to: str | None = None
+        self.lost: SaveFolderInUseError | None = None
+        """Set by the heartbeat once another run has taken the lease over: the error a save
+        raises before it touches the folder and before its marker (a value, so that a save
+        reads it without calling into the lease)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
     @property
     def held(self) -> bool:
-        return self._epoch is not None and self._lost_to is None
+        return self._epoch is not None and self.lost is None
 
     def acquire(self) -> None:
         """Take the lease, or raise :class:`SaveFolderInUseError` naming the live holder."""
@@ -261,7 +264,7 @@ class SaveFolderLease:
         return True
 
     def _start(self, epoch: int, record: LeaseRecord, older: list[int]) -> None:
-        self._epoch, self._record, self._lost_to = epoch, record, None
+        self._epoch, self._record, self.lost = epoch, record, None
         for old in older:
             io.remove(_record_path(self.folder, old))
         log.info("Holding the lease on %s as run %s", self.folder, self.run_id)
@@ -280,15 +283,19 @@ class SaveFolderLease:
     def heartbeat(self) -> None:
         """Renew the lease now; notice if another run has taken it over."""
         with self._lock:
-            if self._epoch is None or self._record is None or self._lost_to is not None:
+            if self._epoch is None or self._record is None or self.lost is not None:
                 return
             epochs = _epochs(self.folder)
             current = _read(self.folder, self._epoch)
             newer = [e for e in epochs if e > self._epoch]
             if current is None or not _same_holder(current, self._record) or newer:
                 taker = _read(self.folder, newer[-1]) if newer else current
-                self._lost_to = self._why_lost(taker)
-                log.error("Lost the lease on %s: %s", self.folder, self._lost_to)
+                why = self._why_lost(taker)
+                log.error("Lost the lease on %s: %s", self.folder, why)
+                self.lost = SaveFolderInUseError(
+                    f"another run took over the save folder {self.folder}: {why}; this run "
+                    "stops writing there"
+                )
                 return
             self._record = replace(self._record, heartbeat_at=time.time())
             _write(self.folder, self._epoch, self._record)
@@ -309,11 +316,8 @@ class SaveFolderLease:
 
     def check(self) -> None:
         """Raise if another run has taken the lease over (this run must stop writing)."""
-        if self._lost_to is not None:
-            raise SaveFolderInUseError(
-                f"another run took over the save folder {self.folder}: {self._lost_to}; this "
-                "run stops writing there"
-            )
+        if self.lost is not None:
+            raise self.lost.with_traceback(None)
 
     def release(self) -> None:
         """Stop the heartbeat and mark the lease released (the next run takes it at once)."""
@@ -322,7 +326,7 @@ class SaveFolderLease:
             self._thread.join(timeout=30)
             self._thread = None
         with self._lock:
-            epoch, record, lost = self._epoch, self._record, self._lost_to
+            epoch, record, lost = self._epoch, self._record, self.lost
             self._epoch = self._record = None
             _HELD_HERE.discard(self.run_id)
         if epoch is None or record is None or lost is not None:

@@ -13,13 +13,15 @@ may not hold.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ... import io
 from ...distributed.checkpoint import load_state_dict
@@ -28,18 +30,17 @@ from ...distributed.checkpoint_format import (
     MODEL_AND_OPTIM,
     CheckedCheckpoint,
     DamagedCheckpointError,
-    describe_error,
-    describe_shape_mismatch,
     load_train_state,
     verify_checkpoint,
 )
+from ...distributed.checkpoint_save import describe_error
 from ...distributed.utils import gather_objects, get_rank, using_group
 from ...exceptions import CheckpointError
 
 if TYPE_CHECKING:
     from .checkpointable import Checkpointable
 
-__all__ = ["CheckpointLoad"]
+__all__ = ["CheckpointLoad", "describe_shape_mismatch"]
 
 
 @dataclass
@@ -135,3 +136,68 @@ def _damage(error: BaseException) -> str | None:
         if isinstance(cause, FileNotFoundError):  # removed since it was checked
             return f"a shard is missing ({cause})"
     return None
+
+
+def describe_shape_mismatch(
+    dir: str,
+    metadata: Metadata,
+    model_state: dict[str, Any],
+    current_config: str | bytes | None,
+    held_elsewhere: Collection[str] = (),
+) -> str | None:
+    """A message naming the tensors (and config fields) whose shapes differ, or that one side
+    has and the other lacks (another ``n_layers``, say), or ``None``. ``held_elsewhere``:
+    parameter names other ranks hold (pipeline stages), which this rank may lack."""
+    differing = []
+    for fqn, tensor in model_state.items():
+        saved = metadata.state_dict_metadata.get(f"model.{fqn}")
+        if not isinstance(saved, TensorStorageMetadata) or not hasattr(tensor, "shape"):
+            continue
+        if tuple(saved.size) != tuple(tensor.shape):
+            differing.append(f"{fqn}: {list(saved.size)} saved, {list(tensor.shape)} here")
+    saved_keys = {
+        k[len("model.") :] for k in metadata.state_dict_metadata if k.startswith("model.")
+    }
+    only_here = sorted(k for k in model_state if k not in saved_keys)
+    only_saved = sorted(saved_keys - model_state.keys() - set(held_elsewhere))
+    for keys, where in ((only_here, "not in the checkpoint"), (only_saved, "not in this model")):
+        if keys:
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            differing.append(f"{', '.join(keys[:3])}{more} {where}")
+    if not differing:
+        return None
+    message = (
+        f"checkpoint {dir} holds a model of another shape: "
+        + "; ".join(differing[:5])
+        + (f"; and {len(differing) - 5} more" if len(differing) > 5 else "")
+    )
+    fields = _config_differences(dir, current_config)
+    if fields:
+        message += ". Config fields that differ (checkpoint -> this run): " + ", ".join(fields)
+    return message + ". Build the model with the checkpoint's settings, or start a new run."
+
+
+def _config_differences(dir: str, current: str | bytes | None) -> list[str]:
+    if current is None:
+        return []
+    try:
+        saved = json.loads(io.read_bytes(io.join_path(dir, "config.json")))
+        now = json.loads(current)
+    except (FileNotFoundError, ValueError):
+        return []
+    old_flat, new_flat = _flatten(saved), _flatten(now)
+    keys = sorted(
+        k for k in old_flat.keys() | new_flat.keys() if old_flat.get(k) != new_flat.get(k)
+    )
+    # The model's own fields decide shapes: name only those when some differ.
+    keys = [k for k in keys if k.startswith("model.")] or keys
+    return [f"{k}: {old_flat.get(k)!r} -> {new_flat.get(k)!r}" for k in keys[:10]]
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        flat: dict[str, Any] = {}
+        for key, item in value.items():
+            flat.update(_flatten(item, f"{prefix}{key}."))
+        return flat
+    return {prefix[:-1]: value}

@@ -1,25 +1,19 @@
-"""A training run's checkpoints: a component the trainer builds from its settings and owns.
+"""A training run's checkpoint loading: a component the trainer builds from its settings and
+owns.
 
-:class:`RunCheckpoints` saves the run's checkpoints into its save folder (through the
-:class:`~olmolike.train.checkpoint.Checkpointer`), loads them, resumes at the start of
-``fit()`` (with fallback past damaged checkpoints), and keeps each save until its completion
-is taken.
+:class:`RunCheckpoints` loads the run's checkpoints, resumes at the start of ``fit()`` (with
+fallback past damaged checkpoints), holds the files added to every checkpoint, and gives the
+save folder up when the trainer is done. Saves go from the trainer straight to the
+:class:`~olmolike.train.checkpoint.Checkpointer` (see ``docs/contributing-layers.md``, "A
+save, from the callback to the files and back").
 
-Every save (blocking or in the background) is a future on :attr:`RunCheckpoints.pending`;
-:meth:`RunCheckpoints.finished` takes the finished ones off, in save order, for the trainer's
-one delivery path (:meth:`~olmolike.train.step_results.StepResults.deliver_saves`, see
-``docs/contributing-layers.md``).
-
-It imports nothing of the trainer: the trainer passes in the step and its state, and fires
-the hooks itself.
+It imports nothing of the trainer: the trainer passes in what to restore.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
-from concurrent.futures import wait as futures_wait
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +32,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RunCheckpoints:
-    """A run's checkpoints in its save folder (see the module docstring)."""
+    """A run's checkpoint loading and the files added to its saves (see the module
+    docstring)."""
 
     checkpointer: Checkpointer
     train_module: Checkpointable
@@ -54,69 +49,10 @@ class RunCheckpoints:
     """Files written into every checkpoint saved from now on (name to contents)."""
     loaded: bool = False
     """Whether a checkpoint has been loaded."""
-    pending: list[tuple[str, Future[None]]] = field(default_factory=list)
-    """Saves whose completion has not been delivered, in order."""
-    delivered: int = 0
-    """How many saves were taken off ``pending`` (delivered, or failed)."""
-
-    def step_dir(self, step: int) -> str:
-        return io.join_path(self.save_folder, Checkpointer.checkpoint_dirname(step))
 
     def add_file(self, name: str, contents: str | bytes) -> None:
         check_extra_file_name(name)
         self.extra_files[name] = contents
-
-    # -- saving ------------------------------------------------------------------------------
-
-    def save(
-        self, step: int, state: dict[str, Any], ephemeral: bool, *, background: bool
-    ) -> tuple[str, Future[None]]:
-        """Save the checkpoint of ``step``; returns its path and a future that completes with
-        it (a blocking save's is done on return). Its completion is taken by :meth:`finished`."""
-        path = self.step_dir(step)
-        future = self.checkpointer.save(
-            path,
-            self.train_module,
-            state,
-            ephemeral=ephemeral,
-            extra_files=self.extra_files,
-            background=background,
-        )
-        self.pending.append((path, future))
-        return path, future
-
-    def saves_done(self) -> int:
-        """How many background saves of this run have finished on this rank so far."""
-        done = self.delivered
-        for _, future in self.pending:
-            if not future.done():
-                break
-            done += 1
-        return done
-
-    def finished(self, upto: int | None = None, *, wait: bool = False) -> Iterator[str]:
-        """The paths of finished saves, in save order, each taken off :attr:`pending` as it is
-        yielded; a failed save raises its error instead.
-
-        ``upto`` is how many saves every rank has seen finish (agreed by the periodic cancel
-        check), so the caller's hooks run at the same step on every rank, and a failed save
-        (whose error every rank's save holds) stops every rank at the same step; ``None`` (one
-        process, after a blocking save, or the end of training) takes every finished one.
-        ``wait`` first waits for the saves still running.
-        """
-        if wait:
-            futures_wait([future for _, future in self.pending])
-        while self.pending and self.pending[0][1].done():
-            if upto is not None and self.delivered >= upto:
-                break
-            path, future = self.pending.pop(0)
-            self.delivered += 1
-            if future.cancelled():
-                continue
-            error = future.exception()
-            if error is not None:
-                raise error
-            yield path
 
     # -- loading -----------------------------------------------------------------------------
 

@@ -32,14 +32,15 @@ from ...distributed.checkpoint_format import (
     MODEL_AND_OPTIM,
     TRAIN_STATE,
     dir_is_checkpoint,
+    in_flight,
     remove_checkpoint,
-    write_synced,
+    step_of,
+    wait_for_purges,
 )
-from ...distributed.save_failures import agree_on_failures
+from ...distributed.checkpoint_save import agree_on_failures, write_synced
 from ...distributed.utils import barrier, get_rank, get_world_size, using_group
 from ...exceptions import CheckpointError
 from .lease import SaveFolderLease
-from .retention import in_flight, step_of, wait_for_purges
 
 __all__ = ["CheckpointSave", "check_extra_file_name"]
 
@@ -119,8 +120,7 @@ class CheckpointSave:
 
     def _prepare_target(self) -> None:
         """Rank 0, before any rank writes: check the lease, clear what is in the way."""
-        if self.lease is not None:
-            self.lease.check()
+        self._check_lease()
         if self.remote:
             # Marker first: from here on no reader trusts what the prefix holds.
             remove_checkpoint(self.target)
@@ -138,7 +138,7 @@ class CheckpointSave:
         """Write this rank's trainer state (and rank 0 the extra files), upload, agree, commit.
 
         ``cause`` is the failure of the DCP save, if any (agreed, or this rank's own); every
-        rank raises :class:`~olmolike.distributed.save_failures.SaveFailedError` naming the
+        rank raises :class:`~olmolike.distributed.checkpoint_save.SaveFailedError` naming the
         failed ranks if any rank failed, and the checkpoint then has no marker.
         """
         rank = get_rank()
@@ -223,9 +223,14 @@ class CheckpointSave:
         for future in [self.uploader.submit(self._upload, path) for path in rest]:
             future.result()
 
+    def _check_lease(self) -> None:
+        """A run that lost its save folder's lease must not write there, nor vouch for
+        anything (the lease's heartbeat keeps the error to raise)."""
+        if self.lease is not None and self.lease.lost is not None:
+            raise self.lease.lost.with_traceback(None)
+
     def _commit(self, ephemeral: bool) -> None:
-        if self.lease is not None:
-            self.lease.check()  # a run that lost its lease must not vouch for anything
+        self._check_lease()
         marker = json.dumps(
             {
                 "format_version": FORMAT_VERSION,

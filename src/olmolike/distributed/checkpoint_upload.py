@@ -1,22 +1,25 @@
-"""Where a DCP save writes: an empty local directory, or a local staging directory whose files
-are then uploaded to an object store (``gs://``, ``s3://``, ...).
+"""A DCP save to an object store (``gs://``, ``s3://``, ...): written into a local staging
+directory, and uploaded.
 
 DCP's writer renames files, which object stores cannot do; so a save to a URL writes every
-rank's files into a temporary local directory first, and each rank uploads what it wrote: a
-shard as soon as DCP has written it (on several threads, while DCP writes the others), DCP's
-``.metadata`` once every rank's shards are uploaded (a reader takes a folder with
-``.metadata`` for complete). With ``throttle_uploads`` the ranks upload one after another once
-everything is written, for stores that limit request rates.
-Every step that can fail on one rank ends in an agreement of all ranks, so a failure raises on
-every rank instead of leaving the others waiting in a collective: what a rank does on its own
-(clearing, creating a staging folder) comes before the agreement, never after it.
+rank's files into a temporary local directory first (:func:`.checkpoint_save.write_shards`),
+and each rank uploads what it wrote: a shard as soon as DCP has written it (on several
+threads, while DCP writes the others), DCP's ``.metadata`` once every rank's shards are
+uploaded (a reader takes a folder with ``.metadata`` for complete). With ``throttle_uploads``
+the ranks upload one after another once everything is written, for stores that limit request
+rates. Every step that can fail on one rank ends in an agreement of all ranks, so a failure
+raises on every rank instead of leaving the others waiting in a collective: what a rank does
+on its own (clearing, creating a staging folder) comes before the agreement, never after it.
+
+Train checkpoints upload on their own terms (:mod:`olmolike.train.checkpoint.save`: the
+marker last); this is the upload of the OLMo-core functions of
+:mod:`~olmolike.distributed.checkpoint`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -28,13 +31,37 @@ import torch.distributed as dist
 from .. import io
 from ..threads import DaemonThreadPool
 from .checkpoint_format import DCP_METADATA
-from .save_failures import agree_on_failures
+from .checkpoint_save import (
+    ShardWritten,
+    agree_on_failures,
+    default_thread_count,
+    write_shards,
+)
 from .utils import all_agree, barrier, get_rank, get_world_size, is_distributed
 
-__all__ = ["ShardWritten", "prepare_local_dir", "save_target"]
+__all__ = ["save_to_url"]
 
-ShardWritten = Callable[[Path], None]
-"""Called by DCP's writer (see :func:`.checkpoint_storage.dcp_writer`) with each finished shard."""
+
+def save_to_url(
+    url: str,
+    state_dict: dict[str, Any],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    save_overwrite: bool = False,
+    thread_count: int | None = None,
+    throttle_uploads: bool = False,
+    on_shard_written: ShardWritten | None = None,
+    failed: BaseException | None = None,
+) -> None:
+    """Save every rank's shards of ``state_dict`` to ``url``: written locally, then uploaded
+    (see the module docstring); the arguments are :func:`.checkpoint_save.save_local`'s."""
+    agree_on_failures(f"saving {url}", failed, process_group)
+    threads = thread_count or default_thread_count()
+    staged = _staged(
+        url, process_group, save_overwrite, throttle_uploads, threads, on_shard_written
+    )
+    with staged as (local, shard_written):
+        write_shards(local, state_dict, process_group, threads, shard_written, url)
 
 
 class _EarlyUploads:
@@ -76,45 +103,6 @@ class _EarlyUploads:
             self._pool.shutdown(wait=False)
 
 
-def prepare_local_dir(
-    dir: str | Path, group: dist.ProcessGroup | None, save_overwrite: bool
-) -> Path:
-    """Check on every rank that ``dir`` is a missing or empty local directory, or raise on
-    every rank; DCP's writer creates it.
-
-    Without ``save_overwrite`` a non-empty ``dir`` is a :class:`FileExistsError`; with it, the
-    lowest rank of each host that sees ``dir`` clears it. Every rank passes an agreement (a
-    barrier) before any writes, so no rank writes into a folder another is still clearing.
-    """
-    path = io.local_path(dir)
-    error: str | None = None
-    if save_overwrite:
-        if _lowest_rank_seeing(path, group):
-            with contextlib.suppress(OSError):  # what is left makes DCP's writer fail
-                if path.is_dir():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    path.unlink(missing_ok=True)
-    else:
-        try:
-            if path.exists() and (not path.is_dir() or any(path.iterdir())):
-                error = f"{path} exists and is not empty; pass save_overwrite=True to replace it"
-        except OSError as e:
-            error = f"cannot save into {path}: {e}"
-    if not all_agree(error is None, group):
-        raise FileExistsError(error or f"{path} exists and is not empty on another rank")
-    return path
-
-
-def _lowest_rank_seeing(path: Path, group: dist.ProcessGroup | None) -> bool:
-    if not is_distributed():
-        return True
-    where = (socket.gethostname(), str(path.resolve()))
-    places: list[Any] = [None] * get_world_size(group)
-    dist.all_gather_object(places, where, group=group)
-    return places.index(where) == get_rank(group)
-
-
 def _prepare_remote_dir(
     url: str, group: dist.ProcessGroup | None, save_overwrite: bool, error: str | None
 ) -> None:
@@ -134,37 +122,34 @@ def _prepare_remote_dir(
 
 
 @contextlib.contextmanager
-def save_target(
-    dir: str | Path,
+def _staged(
+    url: str,
     group: dist.ProcessGroup | None,
     save_overwrite: bool,
     throttle: bool,
     threads: int,
-    on_shard_written: ShardWritten | None = None,
+    on_shard_written: ShardWritten | None,
 ) -> Iterator[tuple[Path, ShardWritten | None]]:
-    """The local directory a save writes into, and what its writer calls with each finished
-    shard (``on_shard_written``, and for a URL the start of its upload on one of ``threads``
-    threads). For a URL the rest is uploaded after the save, if it succeeded."""
-    if not io.is_url(dir):
-        yield prepare_local_dir(dir, group, save_overwrite), on_shard_written
-        return
+    """The local directory a save to ``url`` writes into, and what its writer calls with each
+    finished shard (``on_shard_written``, and the start of its upload on one of ``threads``
+    threads). The rest is uploaded after the save, if it succeeded."""
     staging: Path | None = None
     early: _EarlyUploads | None = None
     error: str | None = None
     try:
         staging = Path(tempfile.mkdtemp(prefix="olmolike-save-"))
-        early = _EarlyUploads(staging, str(dir), throttle, threads)
+        early = _EarlyUploads(staging, url, throttle, threads)
     except (OSError, RuntimeError) as e:  # told to every rank by the agreement next
-        error = f"cannot stage the upload to {dir} on rank {get_rank(group)}: {e}"
+        error = f"cannot stage the upload to {url} on rank {get_rank(group)}: {e}"
     try:
-        _prepare_remote_dir(str(dir), group, save_overwrite, error)
+        _prepare_remote_dir(url, group, save_overwrite, error)
         assert staging is not None and early is not None
         try:
             yield staging, early.hook(on_shard_written)
         except BaseException:
             _wait_quietly(early)  # no upload outlives the save
             raise
-        _upload(staging, str(dir), group, throttle, early)
+        _upload(staging, url, group, throttle, early)
     finally:
         if early is not None:
             early.close()
