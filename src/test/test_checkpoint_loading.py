@@ -13,8 +13,8 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from olmolike.distributed.checkpoint import load_state_dict, save_state_dict
-from olmolike.distributed.checkpoint_format import describe_error
 from olmolike.distributed.checkpoint_records import CheckingWindow, Window, stored_records
+from olmolike.distributed.checkpoint_save import describe_error
 from olmolike.distributed.checkpoint_unpickle import StoredTensor, stored_tensor
 
 PROC_IO = Path("/proc/self/io")
