@@ -97,6 +97,7 @@ CHECKED_FIELDS = [
 
 INTERNAL = {
     "olmolike.train.metrics.CollectedMetrics": "built by MetricBuffer from checked values",
+    "olmolike.train.memory_plan.Layout": "frozen (no CheckedChoices): __post_init__ checks it",
 }
 """Dataclasses with an enum-typed field that users never build: their values were checked
 where they came in."""
@@ -306,6 +307,8 @@ DELEGATING = {
     "olmolike.train.train_module.train_module.TrainModule.record_ce_loss": "Trainer.record_metric",
     "olmolike.train.train_module.train_module.TrainModule.record_loss": "Trainer.record_metric",
     "olmolike.train.utils.check_metrics_consistent": "compares the names only",
+    "olmolike.train.callbacks.notifications.NotificationSetting.reports": "compares members of "
+    "checked config fields",
 }
 """Public functions that hand their enum-typed arguments to a checked function unread."""
 

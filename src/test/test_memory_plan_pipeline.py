@@ -150,3 +150,9 @@ def test_plan_lists_pipeline_and_tp_x_pp_layouts_with_each_pipeline_rank() -> No
     report = plan_report(model, module, Layout(pp=2, tp=2, dp_shard=2), 80, 2, 64 * 16)
     assert "pipeline: 1f1b, 1 stage(s) per rank, 8 micro-batches per step" in report
     assert "pp 0: " in report and "2 in flight" in report and "1 in flight" in report
+
+
+def test_a_layout_takes_a_schedule_by_name_and_refuses_a_wrong_one() -> None:
+    assert Layout(pp=2, schedule="gpipe").schedule is PipelineScheduleType.gpipe
+    with pytest.raises(ConfigurationError, match="schedule"):
+        Layout(pp=2, schedule="1f1f")

@@ -211,4 +211,6 @@ class CheckingWindow(Window):
 
 
 def first_problem(records: list[Record], archive_file: IO[bytes]) -> str | None:
+    """What is wrong with the first of ``records`` that does not match its CRC-32 (each read
+    from ``archive_file``), or ``None`` if all match."""
     return next((p for r in records if (p := r.problem(archive_file))), None)

@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from ..config_coerce import check_choice
 from ..distributed.mesh import MESH_DIMS, ParallelDegrees
 from ..distributed.parallel import DataParallelConfig
 from ..distributed.pipeline import PipelineScheduleType, split_layers
@@ -72,6 +73,10 @@ class Layout(ParallelDegrees):
     """Pipeline stages on each pipeline rank (more than 1 with interleaved 1F1B only)."""
     schedule: PipelineScheduleType = PipelineScheduleType.one_f_one_b
     """The pipeline schedule (with ``pp`` 1: none)."""
+
+    def __post_init__(self) -> None:
+        schedule = check_choice(self.schedule, PipelineScheduleType, "schedule")
+        object.__setattr__(self, "schedule", schedule)  # frozen: a name becomes its member
 
     @property
     def data_parallel(self) -> str:
