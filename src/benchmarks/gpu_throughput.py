@@ -10,9 +10,13 @@ tokens/s, over the device's dense bf16 peak).
 Targets on one H200: >= 60,000 tokens/s per GPU and MFU >= 45%.
 
 Run it with ``python src/benchmarks/gpu_throughput.py`` (one GPU) or under
-``torchrun --nproc-per-node=N``; ``--tp T`` splits every layer over T adjacent ranks (tensor
-parallelism, FSDP over the rest: ``torchrun --nproc-per-node=8 ... --tp 2`` is TP=2 x FSDP=4). Without a GPU it runs a small CPU smoke size, so the script
-keeps working; those figures say nothing about GPUs. It always exits 0: it measures.
+``torchrun --nproc-per-node=N``. ``--tp T`` splits every layer over T adjacent ranks (tensor
+parallelism) and ``--pp P`` cuts the model into P pipeline stages (``--pp-schedule``: gpipe,
+1f1b or interleaved_1f1b), FSDP over the ranks they leave: ``torchrun --nproc-per-node=8 ...
+--tp 2`` is TP=2 x FSDP=4, ``--tp 2 --pp 2`` TP=2 x PP=2 x FSDP=2. Tokens/s per device count
+each step's tokens once over all the devices that trained them. Without a GPU it runs a small
+CPU smoke size, so the script keeps working; those figures say nothing about GPUs. It always
+exits 0: it measures.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from rich.table import Table
 from olmolike.config import DType
 from olmolike.data import TokenTensorDataLoader
 from olmolike.distributed.parallel import DataParallelConfig, DataParallelType
+from olmolike.distributed.pipeline import PipelineParallelConfig
 from olmolike.distributed.tensor_parallel import TensorParallelConfig
 from olmolike.distributed.utils import broadcast_object, get_rank, get_world_size
 from olmolike.hardware import peak_flops
@@ -93,6 +98,8 @@ class Setup:
     dtype: DType
     activation_checkpointing: bool
     tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
     """Tensor-parallel degree."""
 
 
@@ -108,12 +115,22 @@ def parse_args() -> Setup:
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--ac", action="store_true", help="full activation checkpointing")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default: 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default: 1)")
+    parser.add_argument(
+        "--pp-schedule",
+        default="1f1b",
+        choices=["gpipe", "1f1b", "interleaved_1f1b"],
+        help="pipeline schedule with --pp (default: 1f1b)",
+    )
     parser.add_argument(
         "--smoke", "--quick", action="store_true", help="the small CPU size, even on a GPU"
     )
     args = parser.parse_args()
     if args.smoke or not torch.cuda.is_available():
-        return Setup("tiny", 512, 128, 4, 2, 6, 2, False, DType.float32, args.ac, args.tp)
+        return Setup(
+            "tiny", 512, 128, 4, 2, 6, 2, False, DType.float32, args.ac, args.tp, args.pp,
+            args.pp_schedule,
+        )  # fmt: skip
     return Setup(
         args.preset,
         args.vocab_size,
@@ -126,10 +143,12 @@ def parse_args() -> Setup:
         DType.bfloat16,
         args.ac,
         args.tp,
+        args.pp,
+        args.pp_schedule,
     )
 
 
-def run(setup: Setup, save_folder: str) -> tuple[StepTimer, int, float]:
+def run(setup: Setup, save_folder: str) -> tuple[StepTimer, int, float, int]:
     model_config = TransformerConfig.from_preset(
         setup.preset, setup.vocab_size, max_sequence_length=setup.seq_len
     )
@@ -143,9 +162,12 @@ def run(setup: Setup, save_folder: str) -> tuple[StepTimer, int, float]:
         dp_config=DataParallelConfig(
             name=DataParallelType.fsdp, param_dtype=DType.bfloat16 if bf16 else None
         )
-        if bf16 or setup.tp > 1
+        if bf16 or setup.tp > 1 or setup.pp > 1
         else None,
         tp_config=TensorParallelConfig(degree=setup.tp) if setup.tp > 1 else None,
+        pp_config=PipelineParallelConfig(degree=setup.pp, schedule=setup.pp_schedule)
+        if setup.pp > 1
+        else None,
         ac_config=ActivationCheckpointingConfig() if setup.activation_checkpointing else None,
     )
     train_module = module_config.build(model_config.build(init_device="meta"))
@@ -176,10 +198,13 @@ def run(setup: Setup, save_folder: str) -> tuple[StepTimer, int, float]:
         timer,
         flops,
         torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
+        degrees.dp,
     )
 
 
-def report(setup: Setup, timer: StepTimer, flops_per_token: int, memory_gib: float) -> None:
+def report(
+    setup: Setup, timer: StepTimer, flops_per_token: int, memory_gib: float, dp: int
+) -> None:
     assert timer.start is not None and timer.end is not None
     device = (
         torch.device("cuda", torch.cuda.current_device())
@@ -187,15 +212,16 @@ def report(setup: Setup, timer: StepTimer, flops_per_token: int, memory_gib: flo
         else torch.device("cpu")
     )
     seconds = timer.end - timer.start
-    # A tensor-parallel group of tp devices trains one data-parallel rank's batch.
-    tokens_per_s = timer.timed_steps * setup.rank_batch * setup.seq_len / setup.tp / seconds
+    # Each of the dp data-parallel ranks' batches is trained by tp x pp devices together.
+    step_tokens = setup.rank_batch * setup.seq_len * dp
+    tokens_per_s = timer.timed_steps * step_tokens / get_world_size() / seconds
     peak = peak_flops(device, setup.dtype.as_pt())
     mfu = tokens_per_s * flops_per_token / peak if peak else None
     console = Console(width=120)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke size)"
     table = Table(
         title=f"{setup.preset}, seq {setup.seq_len}, {setup.dtype}, {get_world_size()} rank(s) "
-        f"(tp {setup.tp}) on {name}"
+        f"(tp {setup.tp}, pp {setup.pp}) on {name}"
     )
     for column in ("tokens/s per device", "ms/step", "TFLOP/s per device", "MFU", "peak memory"):
         table.add_column(column, justify="right")
@@ -227,9 +253,9 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
     # Every rank must name the same (unused: no checkpoints) save folder.
     save_folder = broadcast_object(tempfile.mkdtemp(prefix="gpu-throughput-"))
-    timer, flops, memory = run(setup, save_folder)
+    timer, flops, memory, dp = run(setup, save_folder)
     if get_rank() == 0:
-        report(setup, timer, flops, memory)
+        report(setup, timer, flops, memory, dp)
     teardown_training_environment()
 
 
