@@ -15,6 +15,7 @@ ranks, the dispatch of callback hooks), listed in ``HELPERS``.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from pathlib import Path
@@ -74,6 +75,8 @@ class _Watch:
         room = frame.f_code.co_filename[len(PACKAGE) :]
         if room in self.rooms or room in HELPERS or self._is_content(frame):
             return
+        if frame.f_back is not None and frame.f_back.f_code.co_filename == logging.__file__:
+            return  # a log record through a filter that setup_logging installed: not the save's
         self.rooms[room] = frame.f_code.co_qualname
 
     def _is_content(self, frame: FrameType | None) -> bool:
