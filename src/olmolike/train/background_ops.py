@@ -129,9 +129,16 @@ class BookkeepingRunner:
         **kwargs: Any,
     ) -> Future[T]:
         """Run ``op(*args, **kwargs)``; ``cb(result)`` later runs on the training thread (see
-        the class docstring for the step), and an exception in ``op`` is raised there. An
-        invocation ignored under ``allow_multiple=False`` returns a cancelled future.
-        ``cancel_in_progress`` is OLMo-core's former name for ``not allow_multiple``."""
+        the class docstring for the step: for a distributed op, a step every rank agrees on),
+        and an exception in ``op`` is raised there.
+
+        :param op_name: names the op in logs and for ``allow_multiple`` (default: the op's
+            qualified name, as in OLMo-core).
+        :param allow_multiple: ``False`` runs one invocation of ``op_name`` at a time; an
+            invocation that is skipped returns a cancelled future. For a distributed op, "at a
+            time" means until its result is delivered, the same step on every rank.
+        :param cancel_in_progress: OLMo-core's former name for ``not allow_multiple``.
+        """
         if cancel_in_progress is not None:
             warnings.warn(
                 "run_bookkeeping_op(cancel_in_progress=...) is deprecated (as in OLMo-core): "

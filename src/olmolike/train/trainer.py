@@ -295,18 +295,9 @@ class Trainer:
         distributed: bool = True,
         **kwargs: Any,
     ) -> Future[T]:
-        """Run a bookkeeping op, in the background when bookkeeping is asynchronous; when
-        ``cb(result)`` runs (a step every rank agrees on, for a distributed op) is the
-        :class:`~olmolike.train.background_ops.BookkeepingRunner`'s rule.
-
-        :param op_name: names the op in logs and for ``allow_multiple`` (default: the op's
-            qualified name, as in OLMo-core).
-        :param allow_multiple: ``False`` runs one invocation of ``op_name`` at a time; an
-            invocation that is skipped returns a cancelled future. For a distributed op, "at a
-            time" means until its result is delivered, the same step on every rank (see
-            :class:`~olmolike.train.background_ops.BookkeepingRunner`).
-        :param cancel_in_progress: OLMo-core's former name for ``not allow_multiple``.
-        """
+        """Run a bookkeeping op, in the background when bookkeeping is asynchronous; the
+        arguments and when ``cb(result)`` runs are those of
+        :meth:`~olmolike.train.background_ops.BookkeepingRunner.submit`."""
         return self._bookkeeping.submit(
             op,
             *args,
