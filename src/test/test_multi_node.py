@@ -46,8 +46,12 @@ nodes = [None] * dist.get_world_size()
 dist.all_gather_object(nodes, node)
 for dim in ("tp", "dp_replicate"):
     members = dist.get_process_group_ranks(mesh[dim].get_group())
-    print(f"RANK {dist.get_rank()} {dim} nodes {sorted(nodes[r] for r in members)}", flush=True)
-print(f"NODE DONE step={trainer.global_step}", flush=True)
+    # One write per line: the ranks of a node share a pipe, and print() writes the text and
+    # its newline apart, so two ranks' lines could interleave.
+    sys.stdout.write(f"RANK {dist.get_rank()} {dim} nodes {sorted(nodes[r] for r in members)}\\n")
+    sys.stdout.flush()
+sys.stdout.write(f"NODE DONE step={trainer.global_step}\\n")
+sys.stdout.flush()
 teardown_training_environment()
 """
 
