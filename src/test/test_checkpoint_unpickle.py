@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import io
 import operator
+import pathlib
 import pickle
+import struct
+import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +44,7 @@ from olmolike.distributed.checkpoint_format import (
     read_metadata,
     verify_checkpoint,
 )
-from olmolike.distributed.checkpoint_unpickle import unpickle_metadata
+from olmolike.distributed.checkpoint_metadata import unpickle_metadata
 from olmolike.exceptions import CheckpointError
 from olmolike.nn import TransformerConfig
 from olmolike.train import Duration
@@ -48,7 +52,7 @@ from olmolike.train.callbacks.checkpointer import CheckpointerCallback
 from olmolike.train.train_module.reference import ReferenceModel
 
 REFUSED_METADATA = r"refusing to unpickle operator\.itemgetter"
-REFUSED_VALUE = r"refusing to load checkpoint value 'optim\.param_groups\.0\.lr'"
+REFUSED_VALUE = r"refusing to unpickle operator\.itemgetter from .*'optim\.param_groups\.0\.lr'"
 
 
 # -- payloads (stdlib only: a plain unpickler needs nothing of this module to run them) ---------
@@ -74,12 +78,53 @@ class _RunsCodeThenReturns:
         return (operator.itemgetter(1), ((_RunsCode(self.marker), self.value),))
 
 
-def craft_metadata(dcp_dir: Path | str, marker: Path) -> None:
-    """Replace a DCP directory's ``.metadata`` with one that runs code, then returns it."""
+def craft_metadata(dcp_dir: Path | str, marker: Path, attack: str | None = None) -> None:
+    """Replace a DCP directory's ``.metadata`` with one that runs code (or does ``attack``,
+    one of :data:`ATTACKS`), then returns the real metadata: the load goes on as usual."""
     with fsspec.open(f"{dcp_dir}/{DCP_METADATA}", "rb") as f:
         real = pickle.load(f)  # our own file, written by the test
     with fsspec.open(f"{dcp_dir}/{DCP_METADATA}", "wb") as f:
-        f.write(pickle.dumps(_RunsCodeThenReturns(marker, real)))
+        if attack is None:
+            f.write(pickle.dumps(_RunsCodeThenReturns(marker, real)))
+        else:  # the attack, POP, then the real metadata
+            f.write(b"\x80\x02" + ATTACKS[attack] + b"0" + pickle.dumps(real, protocol=2)[2:])
+
+
+def _text(value: str) -> bytes:
+    return b"X" + struct.pack("<I", len(value)) + value.encode()
+
+
+_DCP = b"torch.distributed.checkpoint.metadata\n"
+ATTACKS = {
+    # BUILD onto a class find_class returned: every rename a silent no-op; every path one file.
+    "PosixPath.rename = PosixPath": b"cpathlib\nPosixPath\n}"
+    + _text("rename")
+    + b"cpathlib\nPosixPath\nsb",
+    "PosixPath._str = '<file>'": b"cpathlib\nPosixPath\nN}"
+    + _text("_str")
+    + _text("<file>")
+    + b"s\x86b",
+    "_get_layout.cache = {}": b"ctorch.serialization\n_get_layout\n}" + _text("cache") + b"}sb",
+    "_get_layout['x'] = 1": b"ctorch.serialization\n_get_layout\n" + _text("x") + b"K\x01s",
+    # The same, through the memo, and on DCP's classes and what they return.
+    "memoized TensorProperties.dtype": b"c"
+    + _DCP
+    + b"TensorProperties\nq\x00h\x00}"
+    + _text("dtype")
+    + b"K\x01sb",
+    "_MEM_FORMAT_ENCODING(0).value": b"c"
+    + _DCP
+    + b"_MEM_FORMAT_ENCODING\nK\x00\x85R}"
+    + _text("_value_")
+    + b"K\x07sb",
+    "a new chunk's __class__": b"c"
+    + _DCP
+    + b"ChunkStorageMetadata\n)\x81}"
+    + _text("__class__")
+    + b"cpathlib\nPosixPath\nsb",
+    # 33 bytes that allocate 1.5 GiB.
+    "bytearray(N)": b"c__builtin__\nbytearray\nJ\x00\x00\x00\x60\x85R",
+}
 
 
 def test_the_payloads_run_under_plain_pickle(tmp_path: Path) -> None:
@@ -153,14 +198,10 @@ def test_verify_refuses_a_crafted_metadata_and_names_the_class(tmp_path: Path) -
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("where", ["local", "in-place", "pre-download"])
-def test_the_functional_api_refuses_a_crafted_metadata(tmp_path: Path, where: str) -> None:
-    folder, marker = saved(tmp_path / "step1"), tmp_path / "ran"
-    craft_metadata(folder / MODEL_AND_OPTIM, marker)
-    source = str(folder) if where == "local" else remote_copy(folder, f"{where}/step1")
-    options: dict[str, Any] = {"pre_download": where == "pre-download", "work_dir": tmp_path / "w"}
+def readers(source: str, out: Path, **options: Any) -> dict[str, Callable[[], Any]]:
+    """Every way to read the checkpoint ``source`` (but training's), by name."""
     model, optim = stepped(seed=1)
-    attempts = {
+    return {
         "load_model_and_optim_state": lambda: load_model_and_optim_state(
             source, model, optim, **options
         ),
@@ -168,19 +209,58 @@ def test_the_functional_api_refuses_a_crafted_metadata(tmp_path: Path, where: st
             source, model_and_optim_state_dict(model, optim), **options
         ),
         "load_keys": lambda: list(load_keys(source, ["model.w1.weight"], **options)),
-        "unshard_checkpoint": lambda: unshard_checkpoint(
-            source, tmp_path / "out", quiet=True, **options
-        ),
+        "unshard_checkpoint": lambda: unshard_checkpoint(source, out, quiet=True, **options),
         "get_checkpoint_metadata": lambda: get_checkpoint_metadata(source),
         "read_metadata": lambda: read_metadata(f"{source}/{MODEL_AND_OPTIM}"),
+        "verify_checkpoint": lambda: verify_checkpoint(source),
     }
-    for name, attempt in attempts.items():
+
+
+@pytest.mark.parametrize("where", ["local", "in-place", "pre-download"])
+def test_the_functional_api_refuses_a_crafted_metadata(tmp_path: Path, where: str) -> None:
+    folder, marker = saved(tmp_path / "step1"), tmp_path / "ran"
+    craft_metadata(folder / MODEL_AND_OPTIM, marker)
+    source = str(folder) if where == "local" else remote_copy(folder, f"{where}/step1")
+    options: dict[str, Any] = {"pre_download": where == "pre-download", "work_dir": tmp_path / "w"}
+    for name, attempt in readers(source, tmp_path / "out", **options).items():
         # load_state_dict reads .metadata inside dcp.load, which wraps every error in its
         # CheckpointException (a BaseException); the others read it first.
         expected = BaseException if name == "load_state_dict" else CheckpointError
         with pytest.raises(expected, match=REFUSED_METADATA):
             attempt()
         assert not marker.exists(), name
+
+
+def _watched() -> list[Any]:
+    """The attributes the attacks aim at: of the path classes, the layout lookup, DCP's."""
+    from torch.distributed.checkpoint import metadata as dcp
+
+    watched = [pathlib.PosixPath, pathlib.PurePosixPath, pathlib.PurePath, pathlib.Path]
+    watched += [torch.serialization._get_layout, dcp.TensorProperties, dcp.ChunkStorageMetadata]
+    watched += [dcp._MEM_FORMAT_ENCODING, *dcp._MEM_FORMAT_ENCODING]
+    found = [sorted((k, id(v)) for k, v in vars(obj).items()) for obj in watched]
+    return [*found, dict(torch.serialization._get_layout.cache)]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_a_metadata_that_acts_on_what_it_names_is_refused_by_every_reader(
+    tmp_path: Path, attack: str
+) -> None:
+    """The crafted file then unpickles to the real metadata, so under plain pickle the load
+    would succeed: every reader refuses it, and nothing in the process changed."""
+    folder, before = saved(tmp_path / "step1"), _watched()
+    craft_metadata(folder / MODEL_AND_OPTIM, tmp_path / "ran", attack)
+    tracemalloc.start()
+    try:
+        for name, attempt in readers(str(folder), tmp_path / "out").items():
+            expected = BaseException if name == "load_state_dict" else CheckpointError
+            with pytest.raises(expected, match="refusing to unpickle"):
+                attempt()
+            assert _watched() == before, name
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak  # bytearray(N) was never called
 
 
 def test_the_unshard_command_refuses_a_crafted_metadata(
@@ -240,7 +320,11 @@ def test_resume_refuses_a_crafted_checkpoint(tmp_path: Path, kind: str) -> None:
             str(step), str(tmp_path / "save" / step.name), recursive=True
         )
         craft(tmp_path / "save" / step.name, kind, marker)
-    expected = {"metadata": REFUSED_METADATA, "value": REFUSED_VALUE, "train state": "Weights only"}
+    expected = {
+        "metadata": REFUSED_METADATA,
+        "value": REFUSED_VALUE,
+        "train state": r"refusing to unpickle builtins\.exec from .*rank0\.pt",
+    }
     with pytest.raises(CheckpointError, match=expected[kind]):
         trained(tmp_path / "save", steps=2)
     assert not marker.exists()

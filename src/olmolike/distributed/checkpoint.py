@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import (
@@ -43,10 +44,9 @@ from .. import io
 from ..exceptions import CheckpointError
 from .checkpoint_download import local_copy
 from .checkpoint_format import dcp_dir_of, read_metadata
-from .checkpoint_loading import dcp_reader
+from .checkpoint_loading import WeightsOnlyLoadPlanner, checkpoint_error_of, dcp_reader
 from .checkpoint_reader import load_keys
 from .checkpoint_save import Write, check_checkpoint_backend, in_background, save_local
-from .checkpoint_unpickle import WeightsOnlyLoadPlanner
 from .checkpoint_upload import save_to_url
 from .state_dict_keys import merge_state_dicts, prune_state_dict, swap_param_keys
 from .unshard import UnshardStrategy, UnshardStrategyType, unshard_checkpoint
@@ -251,13 +251,19 @@ def _load(
     strict: bool,
     thread_count: int | None,
 ) -> None:
-    dcp.load(
-        state_dict,
-        storage_reader=dcp_reader(dir, thread_count),
-        planner=WeightsOnlyLoadPlanner(allow_partial_load=not strict),
-        process_group=group,
-        no_dist=not is_distributed(),
-    )
+    try:
+        dcp.load(
+            state_dict,
+            storage_reader=dcp_reader(dir, thread_count),
+            planner=WeightsOnlyLoadPlanner(allow_partial_load=not strict),
+            process_group=group,
+            no_dist=not is_distributed(),
+        )
+    except CheckpointException as e:  # (a BaseException) one of the readers': one line
+        ours = checkpoint_error_of(e)
+        if ours is None:
+            raise
+        raise ours from None
 
 
 def get_checkpoint_metadata(dir: str | Path) -> Metadata:

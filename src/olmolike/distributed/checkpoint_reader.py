@@ -24,12 +24,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .. import io
-from ..exceptions import CheckpointError
+from ..exceptions import CheckpointError, DamagedCheckpointError
 from .checkpoint_download import download_dir
-from .checkpoint_format import dcp_dir_of
-from .checkpoint_loading import dcp_reader
+from .checkpoint_format import dcp_dir_of, shard_files_problem
+from .checkpoint_loading import WeightsOnlyLoadPlanner, checkpoint_error_of, dcp_reader
 from .checkpoint_save import describe_error
-from .checkpoint_unpickle import WeightsOnlyLoadPlanner
 
 __all__ = ["CheckpointSource", "SavedTensor", "StatePath", "load_keys", "nest", "open_checkpoint"]
 
@@ -65,14 +64,18 @@ class CheckpointSource:
         metadata = self._reader.read_metadata()
         # Unpickle .metadata once, not on each of the many loads.
         setattr(self._reader, "read_metadata", lambda *args, **kwargs: metadata)  # noqa: B010
+        # The sizes in the metadata are bounded by its records: the records by the files.
+        problem = shard_files_problem(dcp_dir, metadata)
+        if problem is not None:
+            raise DamagedCheckpointError(f"{dcp_dir}: {problem}")
         # The save planner's record of how it flattened the nested state: FQNs contain dots,
         # so the keys alone cannot be split back into paths.
-        paths: dict[str, StatePath] = metadata.planner_data or {}
+        paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
         self._tensors: dict[str, list[SavedTensor]] = {}
         self._objects: dict[str, list[tuple[str, StatePath]]] = {}
         self._full_paths: dict[str, StatePath] = {}
         for key, item in metadata.state_dict_metadata.items():
-            if key not in paths:
+            if not _is_path(paths.get(key)):
                 raise CheckpointError(f"{dcp_dir} was not saved by DCP's default planner")
             self._full_paths[key] = tuple(paths[key])
             top, path = str(paths[key][0]), tuple(paths[key][1:])
@@ -99,7 +102,7 @@ class CheckpointSource:
         return self._tensors.get(top, [])
 
     def load_tensor(self, tensor: SavedTensor) -> torch.Tensor:
-        state = {tensor.key: torch.empty(tensor.shape, dtype=tensor.dtype)}
+        state = {tensor.key: torch.zeros(tensor.shape, dtype=tensor.dtype)}
         self._load(state)
         return state[tensor.key]
 
@@ -127,7 +130,7 @@ class CheckpointSource:
             raise KeyError(key)
         tensors = self._metadata.state_dict_metadata
         state: dict[str, Any] = {
-            k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            k: torch.zeros(tuple(m.size), dtype=m.properties.dtype)
             if isinstance(m := tensors[k], TensorStorageMetadata)
             else None
             for k, _ in below
@@ -144,6 +147,9 @@ class CheckpointSource:
         try:
             dcp.load(state, storage_reader=self._reader, planner=planner, no_dist=True)
         except CheckpointException as e:  # a BaseException, one per failed read
+            ours = checkpoint_error_of(e)
+            if ours is not None:
+                raise ours from None
             raise CheckpointError(f"reading {self.dir} failed: {describe_error(e)}") from None
 
 
@@ -190,25 +196,52 @@ def load_keys(
 
 
 def nest(items: Iterable[tuple[StatePath, Any]]) -> dict[str, Any]:
-    """Rebuild the nested state DCP flattened; an int in a path is a list index."""
+    """Rebuild the nested state DCP flattened; an int in a path is a list index.
+
+    :raises CheckpointError: for an index no list of ``items`` can have (at least as large as
+        the number of items: the paths come from a checkpoint's metadata).
+    """
+    items = list(items)
     root: dict[str, Any] = {}
     for path, value in items:
+        if not _is_path(path) or any(type(k) is int and k >= len(items) for k in path):
+            raise CheckpointError(
+                f"a checkpoint's metadata places a value at {list(path)[:8]}, which is not a "
+                f"place in its state of {len(items)} values: it was crafted or damaged"
+            )
         node: Any = root
         for key, next_key in itertools.pairwise(path):
-            child = node.get(key) if isinstance(node, dict) else _list_item(node, key)
+            child = _child(node, key)
             if child is None:
-                child = [] if isinstance(next_key, int) else {}
+                child = [] if type(next_key) is int else {}
                 _put(node, key, child)
             node = child
         _put(node, path[-1], value)
     return root
 
 
-def _list_item(node: list[Any], index: Any) -> Any:
-    return node[index] if index < len(node) else None
+def _is_path(path: Any) -> bool:
+    """Whether ``path`` is a place in a nested state: keys, or list indices."""
+    return (
+        type(path) in (tuple, list)
+        and len(path) > 0
+        and all(type(k) is str or (type(k) is int and k >= 0) for k in path)
+    )
+
+
+def _child(node: Any, key: str | int) -> Any:
+    if isinstance(node, dict) and type(key) is str:
+        return node.get(key)
+    if isinstance(node, list) and type(key) is int:
+        return node[key] if key < len(node) else None
+    raise CheckpointError(
+        f"a checkpoint's metadata nests a value under {key!r} of a "
+        f"{type(node).__name__}: it was crafted or damaged"
+    )
 
 
 def _put(node: Any, key: str | int, value: Any) -> None:
+    _child(node, key)  # (checks the kind of key)
     if isinstance(node, list):
         assert isinstance(key, int)
         node.extend([None] * (key + 1 - len(node)))

@@ -16,14 +16,12 @@ import io as io_
 import os
 import struct
 import zipfile
-from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any
 
 from isal.isal_zlib import crc32
 
 __all__ = [
     "CHUNK",
-    "CheckingWindow",
     "Record",
     "Window",
     "archive_problem",
@@ -99,6 +97,7 @@ def stored_records(archive_file: IO[bytes]) -> list[Record]:
     damaged. A compressed record (torch stores, but another writer may compress) is read and
     checked here."""
     records = []
+    length = archive_file.seek(0, os.SEEK_END)
     with zipfile.ZipFile(archive_file) as archive:
         for info in archive.infolist():
             if info.compress_type != zipfile.ZIP_STORED:
@@ -116,6 +115,8 @@ def stored_records(archive_file: IO[bytes]) -> list[Record]:
             ):
                 raise _Damaged(f"record {info.filename!r} has a damaged header")
             start = info.header_offset + _LOCAL_HEADER.size + name + extra
+            if start + info.file_size > length:  # read by size: never allocate beyond the file
+                raise _Damaged(f"record {info.filename!r} ends beyond its archive")
             records.append(Record(info.filename, start, info.file_size, info.CRC))
     return records
 
@@ -174,40 +175,6 @@ class Window(io_.RawIOBase):
         got = int(self._file.readinto(memoryview(b)[:size]) or 0)
         self._pos += got
         return got
-
-
-class CheckingWindow(Window):
-    """A :class:`Window` over one archive in the local file ``path`` that computes its
-    records' CRC-32s from the bytes it is read for (by ``torch.load``), straight from the
-    reader's buffer: no second read.
-
-    :meth:`problem` then compares them, reading only what was not read in order (records
-    torch skips, if any) from ``path`` anew: the stream torch read through may be closed."""
-
-    def __init__(
-        self, file: Any, start: int, length: int, records: list[Record], path: Path
-    ) -> None:
-        super().__init__(file, start, length)
-        self._records, self._path = records, path
-
-    def readinto(self, b: Any) -> int:
-        position = self._pos
-        got = super().readinto(b)
-        if got:
-            data = memoryview(b).cast("B")[:got]
-            for record in self._records:
-                record.take(position, data)
-        return got
-
-    def problem(self) -> str | None:
-        try:
-            if all(r.checked == r.size for r in self._records):
-                return first_problem(self._records, cast(IO[bytes], self))
-            with open(self._path, "rb") as file:
-                rest = Window(file, self._start, self._length)
-                return first_problem(self._records, cast(IO[bytes], rest))
-        except Exception as e:
-            return f"{type(e).__name__}: {e}"
 
 
 def first_problem(records: list[Record], archive_file: IO[bytes]) -> str | None:
