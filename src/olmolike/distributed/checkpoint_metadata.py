@@ -13,7 +13,7 @@ rely on (:func:`_check_layout`):
 * every tensor is tiled by its chunks, each inside the tensor, and each chunk's record holds
   at least its bytes; the records of a file do not overlap. So a tensor's size is bounded by
   the bytes of the shard files its records are in, which the readers check against the
-  files' lengths (:func:`~.checkpoint_format.check_shard_files`) before allocating it.
+  files' lengths (:func:`~.checkpoint_format.shard_files_problem`) before allocating it.
 """
 
 from __future__ import annotations
