@@ -107,6 +107,7 @@ def snapshot() -> list[Any]:
         found.append(
             (id(obj), _contents(obj), sorted((k, id(v), _contents(v)) for k, v in entries.items()))
         )
+    torch.serialization._get_layout("torch.strided")  # (fills its cache, as torch does lazily)
     found.append(sorted(torch.serialization._get_layout.cache.items(), key=repr))  # type: ignore[attr-defined]
     found.append((copyreg._extension_cache.copy(), copyreg.dispatch_table.copy()))  # type: ignore[attr-defined]
     return found

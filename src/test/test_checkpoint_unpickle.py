@@ -94,34 +94,39 @@ def _text(value: str) -> bytes:
     return b"X" + struct.pack("<I", len(value)) + value.encode()
 
 
-_DCP = b"torch.distributed.checkpoint.metadata\n"
+def _slots(name: str, value: bytes) -> bytes:
+    """The state ``(None, {name: value})``: BUILD sets it with ``setattr``, on a class too."""
+    return b"N}" + _text(name) + value + b"s\x86"
+
+
+def _fields(name: str, value: bytes) -> bytes:
+    """The state ``{name: value}``: BUILD puts it in the object's ``__dict__``."""
+    return b"}" + _text(name) + value + b"s"
+
+
+_DCP = b"ctorch.distributed.checkpoint.metadata\n"
+_PATH = b"cpathlib\nPosixPath\n"
+_LAYOUT = b"ctorch.serialization\n_get_layout\n"
 ATTACKS = {
     # BUILD onto a class find_class returned: every rename a silent no-op; every path one file.
-    "PosixPath.rename = PosixPath": b"cpathlib\nPosixPath\n}"
-    + _text("rename")
-    + b"cpathlib\nPosixPath\nsb",
-    "PosixPath._str = '<file>'": b"cpathlib\nPosixPath\nN}"
-    + _text("_str")
-    + _text("<file>")
-    + b"s\x86b",
-    "_get_layout.cache = {}": b"ctorch.serialization\n_get_layout\n}" + _text("cache") + b"}sb",
-    "_get_layout['x'] = 1": b"ctorch.serialization\n_get_layout\n" + _text("x") + b"K\x01s",
+    "PosixPath.rename = PosixPath": _PATH + _slots("rename", _PATH) + b"b",
+    "PosixPath._str = '<file>'": _PATH + _slots("_str", _text("<file>")) + b"b",
+    # torch.layout's lookup table, which every later torch.load uses.
+    "_get_layout.cache = {}": _LAYOUT + _fields("cache", b"}") + b"b",
+    "_get_layout['x'] = 1": _LAYOUT + _text("x") + b"K\x01s",
     # The same, through the memo, and on DCP's classes and what they return.
-    "memoized TensorProperties.dtype": b"c"
-    + _DCP
-    + b"TensorProperties\nq\x00h\x00}"
-    + _text("dtype")
-    + b"K\x01sb",
-    "_MEM_FORMAT_ENCODING(0).value": b"c"
-    + _DCP
-    + b"_MEM_FORMAT_ENCODING\nK\x00\x85R}"
-    + _text("_value_")
-    + b"K\x07sb",
-    "a new chunk's __class__": b"c"
-    + _DCP
-    + b"ChunkStorageMetadata\n)\x81}"
-    + _text("__class__")
-    + b"cpathlib\nPosixPath\nsb",
+    "memoized TensorProperties.dtype": _DCP
+    + b"TensorProperties\nq\x00h\x00"
+    + _slots("dtype", b"K\x01")
+    + b"b",
+    "_MEM_FORMAT_ENCODING(0)._value_": _DCP
+    + b"_MEM_FORMAT_ENCODING\nK\x00\x85R"
+    + _fields("_value_", b"K\x07")
+    + b"b",
+    "a new chunk's __class__": _DCP
+    + b"ChunkStorageMetadata\n)\x81"
+    + _slots("__class__", _PATH)
+    + b"b",
     # 33 bytes that allocate 1.5 GiB.
     "bytearray(N)": b"c__builtin__\nbytearray\nJ\x00\x00\x00\x60\x85R",
 }
@@ -231,6 +236,29 @@ def test_the_functional_api_refuses_a_crafted_metadata(tmp_path: Path, where: st
         assert not marker.exists(), name
 
 
+def test_the_path_attacks_work_under_plain_pickle() -> None:
+    """What the attacks do to a process that unpickles them as DCP does (in a child process):
+    the rename is gone, every path is one file."""
+    import subprocess
+    import sys
+
+    script = (
+        "import pathlib, pickle, sys\n"
+        "for attack in sys.stdin.buffer.read().split(b'<next>'):\n"
+        "    pickle.loads(b'\\x80\\x02' + attack + b'N.')\n"
+        "print(pathlib.PosixPath.rename is pathlib.PosixPath, str(pathlib.PosixPath('a', 'b')))\n"
+    )
+    attacks = [ATTACKS["PosixPath.rename = PosixPath"], ATTACKS["PosixPath._str = '<file>'"]]
+    child = subprocess.run(
+        [sys.executable, "-c", script],
+        input=b"<next>".join(attacks),
+        capture_output=True,
+        check=True,
+        timeout=60,
+    )
+    assert child.stdout.decode().split() == ["True", "<file>"], child
+
+
 def _watched() -> list[Any]:
     """The attributes the attacks aim at: of the path classes, the layout lookup, DCP's."""
     from torch.distributed.checkpoint import metadata as dcp
@@ -239,6 +267,7 @@ def _watched() -> list[Any]:
     watched += [torch.serialization._get_layout, dcp.TensorProperties, dcp.ChunkStorageMetadata]
     watched += [dcp._MEM_FORMAT_ENCODING, *dcp._MEM_FORMAT_ENCODING]
     found = [sorted((k, id(v)) for k, v in vars(obj).items()) for obj in watched]
+    torch.serialization._get_layout("torch.strided")  # (fills its cache, as torch does lazily)
     return [*found, dict(torch.serialization._get_layout.cache)]  # type: ignore[attr-defined]
 
 

@@ -10,7 +10,9 @@ with a flattened optimizer state, renamed parameters or a partial load), read a 
 metadata or chosen keys in a plain process, unshard it into plain files, and edit nested state
 dicts by dotted keys. A save to a URL is written locally, then uploaded (object stores have
 no rename, which DCP's writer needs). DCP's ``.metadata`` and non-tensor values are
-unpickled by :mod:`.checkpoint_unpickle`: reading a checkpoint never runs code from it.
+read as data (:mod:`.checkpoint_unpickle`): reading a checkpoint runs no code, changes nothing
+in the process and reads nothing outside it; a load that fails in olmolike's reader raises its
+:class:`~olmolike.exceptions.CheckpointError`, not DCP's ``CheckpointException``.
 """
 
 from __future__ import annotations
@@ -232,15 +234,24 @@ def load_state_dict(
     pre_download: bool = False,
     work_dir: str | Path | None = None,
     thread_count: int | None = None,
+    metadata: Metadata | None = None,
 ) -> None:
     """Load saved values into the tensors of ``state_dict`` in place (any sharding, any ranks).
 
     ``dir`` is a DCP directory or a train checkpoint folder, local or remote; ``pre_download``
     copies a remote one under ``work_dir`` first, once per host. ``thread_count`` threads
-    read (by default :func:`~.checkpoint_save.default_thread_count`).
+    read (by default :func:`~.checkpoint_save.default_thread_count`). ``metadata``: the
+    checkpoint's metadata if it was read already (by :func:`read_metadata`), not read again.
     """
     with _readable(dir, process_group, pre_download, work_dir, thread_count) as source:
-        _load(source, state_dict, process_group, strict=True, thread_count=thread_count)
+        _load(
+            source,
+            state_dict,
+            process_group,
+            strict=True,
+            thread_count=thread_count,
+            metadata=metadata,
+        )
 
 
 def _load(
@@ -250,11 +261,12 @@ def _load(
     *,
     strict: bool,
     thread_count: int | None,
+    metadata: Metadata | None = None,
 ) -> None:
     try:
         dcp.load(
             state_dict,
-            storage_reader=dcp_reader(dir, thread_count),
+            storage_reader=dcp_reader(dir, thread_count, metadata),
             planner=WeightsOnlyLoadPlanner(allow_partial_load=not strict),
             process_group=group,
             no_dist=not is_distributed(),
@@ -353,7 +365,14 @@ def load_model_and_optim_state(
         )
         if key_mapping:
             swap_param_keys(state, key_mapping, metadata=metadata)
-        _load(source, state, process_group, strict=strict, thread_count=thread_count)
+        _load(
+            source,
+            state,
+            process_group,
+            strict=strict,
+            thread_count=thread_count,
+            metadata=metadata,
+        )
         if key_mapping:
             swap_param_keys(state, key_mapping, reverse=True, quiet=True)
     apply_model_and_optim_state_dict(

@@ -247,11 +247,16 @@ class _SafeParallelReading(_CheckedRecords):
 
     thread_count: int
 
+    known_metadata: Metadata | None = None
+    """The checkpoint's metadata, when it was read already (by a check before the load)."""
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # torch's FileSystemReader.read_metadata, with pickle.load made safe.
         path = self._get_metadata_path(kwargs.get("rank"))
-        with self._open(os.path.basename(path)) as file:
-            metadata = unpickle_metadata(file, str(path))
+        metadata = self.known_metadata
+        if metadata is None or kwargs.get("rank") is not None:
+            with self._open(os.path.basename(path)) as file:
+                metadata = unpickle_metadata(file, str(path))
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -284,12 +289,19 @@ class ParallelFsspecReader(_SafeParallelReading, FsspecReader):
         self.thread_count = thread_count or default_thread_count()
 
 
-def dcp_reader(dir: str | Path, thread_count: int | None = None) -> FileSystemReader:
-    """A DCP storage reader for the DCP directory ``dir``, local or remote."""
+def dcp_reader(
+    dir: str | Path, thread_count: int | None = None, metadata: Metadata | None = None
+) -> FileSystemReader:
+    """A DCP storage reader for the DCP directory ``dir``, local or remote; given ``metadata``
+    (the directory's, read already), it does not read ``.metadata`` again."""
+    reader: _SafeParallelReading
     if io.is_url(dir):
         # Reading needs no rename, so DCP's fsspec reader works on object stores as they are.
-        return ParallelFsspecReader(str(dir), thread_count)
-    return ParallelFileSystemReader(str(io.local_path(dir)), thread_count)
+        reader = ParallelFsspecReader(str(dir), thread_count)
+    else:
+        reader = ParallelFileSystemReader(str(io.local_path(dir)), thread_count)
+    reader.known_metadata = metadata
+    return reader
 
 
 def checkpoint_error_of(error: BaseException) -> CheckpointError | None:

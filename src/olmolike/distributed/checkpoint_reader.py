@@ -2,8 +2,9 @@
 
 :func:`load_keys` (OLMo-core's name) returns chosen values of a checkpoint unsharded;
 :mod:`.unshard` streams a whole checkpoint into plain files through :class:`CheckpointSource`.
-Its ``.metadata`` and non-tensor values are unpickled by :mod:`.checkpoint_unpickle`:
-reading a checkpoint never runs code from it.
+Its ``.metadata`` and non-tensor values are read as data (:mod:`.checkpoint_metadata`,
+:mod:`.checkpoint_archive`): reading a checkpoint runs no code and changes nothing in the
+process; the metadata's paths (``planner_data``) and sizes are bounded by what it holds.
 """
 
 from __future__ import annotations

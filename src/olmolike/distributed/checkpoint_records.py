@@ -2,9 +2,10 @@
 
 Every record DCP wrote (a tensor, or a pickled value) is a ``torch.save`` archive, whose
 records carry CRC-32s that torch writes but never checks, so a garbled shard would load as
-wrong numbers. The readers of :mod:`.checkpoint_loading` check them (:func:`archive_problem`)
-as they read, from the bytes read for the load anyway, and raise
-:class:`~olmolike.exceptions.DamagedCheckpointError` naming the shard. The CRC-32s are
+wrong numbers. :class:`~.checkpoint_archive.Archive` checks them as it reads, from the bytes
+read for the load anyway, and raises :class:`~olmolike.exceptions.DamagedCheckpointError`
+naming the shard. A record's size comes from the archive's directory: it must lie inside the
+archive before anything is allocated for it. The CRC-32s are
 computed by ISA-L (``isal``): ~4x the speed of the zlib 1.2 many Pythons come with, which
 cost a load of 773 MB ~0.3 s of CPU time.
 """
