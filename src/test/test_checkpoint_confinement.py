@@ -82,8 +82,7 @@ def test_every_reader_refuses_a_shard_outside_the_checkpoint(tmp_path: Path, how
     for name, attempt in readers(str(folder), tmp_path / "out").items():
         if how == "symbolic link" and name in ("get_checkpoint_metadata", "read_metadata"):
             continue  # (the metadata alone names no link)
-        expected = BaseException if name == "load_state_dict" else CheckpointError
-        with pytest.raises(expected, match=REFUSALS[how]):
+        with pytest.raises(CheckpointError, match=REFUSALS[how]):
             attempt()
 
 
@@ -94,9 +93,8 @@ def test_a_remote_checkpoint_refuses_a_name_outside_it(tmp_path: Path, how: str)
     source = remote_copy(folder, f"names-{how[:3]}/step1")
     for pre_download in (False, True):
         options = {"pre_download": pre_download, "work_dir": tmp_path / "w"}
-        for name, attempt in readers(source, tmp_path / "out", **options).items():
-            expected = BaseException if name == "load_state_dict" else CheckpointError
-            with pytest.raises(expected, match=REFUSALS[how]):
+        for attempt in readers(source, tmp_path / "out", **options).values():
+            with pytest.raises(CheckpointError, match=REFUSALS[how]):
                 attempt()
 
 
@@ -218,9 +216,8 @@ def test_sizes_beyond_what_the_checkpoint_holds_are_refused(tmp_path: Path, case
     folder = saved(tmp_path / "step1")
     change, refusal = SIZES[case]
     rewrite_metadata(folder / MODEL_AND_OPTIM, change)
-    for name, attempt in readers(str(folder), tmp_path / "out").items():
-        expected = BaseException if name == "load_state_dict" else CheckpointError
-        with pytest.raises(expected, match=refusal):
+    for attempt in readers(str(folder), tmp_path / "out").values():
+        with pytest.raises(CheckpointError, match=refusal):
             attempt()
 
 
