@@ -135,13 +135,14 @@ _NAMES = {
 }
 
 
-def _storage(pid: Any) -> _StorageReference:
+def _storage(pid: Any, where: str) -> _StorageReference:
+    """A tensor's storage, as its header refers to it: by dtype, key and element count."""
     match pid:
         case ("storage", torch.dtype() as dtype, str(key), str(), int(numel)) if (
             0 <= numel < 1 << 62
         ):
             return _StorageReference(dtype, key, numel)
-    raise CheckpointError("a tensor header refers to something other than a typed storage")
+    raise CheckpointError(f"{where}: a tensor's header refers to something other than a storage")
 
 
 class Archive:
@@ -182,7 +183,10 @@ class Archive:
     def _unpickle(self) -> Any:
         if "data.pkl" not in self.small:
             raise self.damaged("it has no data.pkl record")
-        return unpickle(self.small["data.pkl"], self.where, _NAMES, _storage)
+        return unpickle(self.small["data.pkl"], self.where, _NAMES, self._storage)
+
+    def _storage(self, pid: Any) -> _StorageReference:
+        return _storage(pid, self.where)
 
     def header(self) -> StoredTensor:
         """The plain tensor the archive holds, described; its storage record checked to hold
