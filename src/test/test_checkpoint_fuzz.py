@@ -100,6 +100,7 @@ def _contents(value: Any) -> Any:
 
 def snapshot() -> list[Any]:
     """Every attribute of every watched object, with what its mutable values hold."""
+    torch.serialization._get_layout("torch.strided")  # (fills its cache, as torch does lazily)
     found = []
     for obj in WATCHED:
         attributes = getattr(obj, "__dict__", None)
@@ -107,7 +108,6 @@ def snapshot() -> list[Any]:
         found.append(
             (id(obj), _contents(obj), sorted((k, id(v), _contents(v)) for k, v in entries.items()))
         )
-    torch.serialization._get_layout("torch.strided")  # (fills its cache, as torch does lazily)
     found.append(sorted(torch.serialization._get_layout.cache.items(), key=repr))  # type: ignore[attr-defined]
     found.append((copyreg._extension_cache.copy(), copyreg.dispatch_table.copy()))  # type: ignore[attr-defined]
     return found

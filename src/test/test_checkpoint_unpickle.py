@@ -263,8 +263,8 @@ def _watched() -> list[Any]:
     watched = [pathlib.PosixPath, pathlib.PurePosixPath, pathlib.PurePath, pathlib.Path]
     watched += [torch.serialization._get_layout, dcp.TensorProperties, dcp.ChunkStorageMetadata]
     watched += [dcp._MEM_FORMAT_ENCODING, *dcp._MEM_FORMAT_ENCODING]
-    found = [sorted((k, id(v)) for k, v in vars(obj).items()) for obj in watched]
     torch.serialization._get_layout("torch.strided")  # (fills its cache, as torch does lazily)
+    found = [sorted((k, id(v)) for k, v in vars(obj).items()) for obj in watched]
     return [*found, dict(torch.serialization._get_layout.cache)]  # type: ignore[attr-defined]
 
 
