@@ -450,3 +450,55 @@ def test_mutated_real_files_change_nothing(
 def test_the_real_files_are_read(real_files: dict[str, bytes]) -> None:
     read_metadata(real_files["metadata"])
     read_archive(real_files["archive"])
+
+
+# -- one argument, many calls: what a file makes is bounded by what it holds ---------------------
+
+
+def _text(value: str) -> bytes:
+    return b"X" + struct.pack("<I", len(value)) + value.encode()
+
+
+_MANY = b"(" + b"K\x01" * 100_000
+AMPLIFIERS = {  # a callable, and its arguments: about 1 MB or 100,000 values, memoized
+    "_codecs.encode": (b"c_codecs\nencode\n", _text("x" * (1 << 20)) + _text("latin1") + b"\x86"),
+    "PosixPath": (b"cpathlib\nPosixPath\n", _text("x" * (1 << 20)) + b"\x85"),
+    "torch.Size": (b"ctorch\nSize\n", _MANY + b"t\x85"),
+    "set": (b"c__builtin__\nset\n", _MANY + b"l\x85"),
+    "frozenset": (b"c__builtin__\nfrozenset\n", _MANY + b"l\x85"),
+}
+
+
+@pytest.mark.parametrize("callable_", AMPLIFIERS)
+def test_one_argument_passed_to_many_calls_is_refused(callable_: str) -> None:
+    """Each call is 6 bytes (get the callable, get the arguments, call, append to a list), and
+    could make as much as its memoized arguments hold: 10,000 calls, gigabytes kept."""
+    function, arguments = AMPLIFIERS[callable_]
+    calls = b"h\x00h\x01Ra" * 10_000
+    data = b"\x80\x02" + function + b"q\x00" + arguments + b"q\x010]" + calls + b"."
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match="more values than it holds bytes"):
+            unpickle_metadata(io.BytesIO(data), "amplified")
+        assert tracemalloc.get_traced_memory()[1] < 64 << 20
+    finally:
+        tracemalloc.stop()
+
+
+def test_one_sequence_in_many_places_of_the_metadata_is_refused(
+    real_files: dict[str, bytes],
+) -> None:
+    """DCP's metadata is rebuilt from what the file holds: a tuple shared by 10,000 keys of
+    ``planner_data`` must not become 10,000 copies."""
+    metadata = pickle.loads(real_files["metadata"])  # (the test's own file)
+    shared = tuple(range(100_000))
+    metadata.planner_data = {f"k{i}": shared for i in range(10_000)}
+    data = pickle.dumps(metadata)
+    assert len(data) < 1 << 20
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match="repeats one sequence"):
+            unpickle_metadata(io.BytesIO(data), "shared")
+        assert tracemalloc.get_traced_memory()[1] < 64 << 20
+    finally:
+        tracemalloc.stop()

@@ -107,7 +107,7 @@ def _plain_tensor(arguments: tuple[Any, ...], unpickler: Any) -> StoredTensor:
         and type(offset) is int
         and _lengths(size)
         and _lengths(stride)
-        and len(size) == len(stride)
+        and len(size) == len(stride) <= 64
         and type(requires_grad) is bool
         and type(hooks) is collections.OrderedDict
         and not hooks
@@ -176,6 +176,7 @@ class Archive:
         self._storages: dict[str, torch.Tensor] = {}
         self._seen: dict[int, Any] = {}
         self._tuples: dict[int, Any] = {}
+        self._keys: dict[int, Any] = {}
 
     def damaged(self, problem: str) -> DamagedCheckpointError:
         return DamagedCheckpointError(f"{self.where} {self._damage} ({problem})")
@@ -261,17 +262,17 @@ class Archive:
                 self._key(key, depth + 1)
                 value[key] = self._tree(item, depth + 1)
         elif kind in (set, frozenset):
-            for key in value:
-                self._key(key, depth + 1)
+            self._key(frozenset(value) if kind is set else value, depth)
         elif not _leaf(value):
             raise CheckpointError(f"{self.where} holds a {kind.__name__}, not plain data")
         return value
 
     def _key(self, key: Any, depth: int) -> None:
         """Raise unless ``key`` is plain, hashable and holds no tensor."""
-        if depth > _MAX_DEPTH or not (_leaf(key) or type(key) is tuple):
+        if depth > _MAX_DEPTH or not (_leaf(key) or type(key) in (tuple, frozenset)):
             raise CheckpointError(f"{self.where} holds a key that is not plain data")
-        if type(key) is tuple:
+        if type(key) in (tuple, frozenset) and id(key) not in self._keys:
+            self._keys[id(key)] = key  # (checked once: it may be shared)
             for part in key:
                 self._key(part, depth + 1)
 

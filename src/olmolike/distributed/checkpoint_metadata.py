@@ -38,6 +38,8 @@ __all__ = ["check_shard_name", "unpickle_metadata"]
 
 _MAX_DEPTH = 32
 """How deeply ``planner_data`` may nest (DCP's default planner: a tuple in a dict)."""
+_MAX_DIMS = 64
+"""The most dimensions a tensor may have (torch's own limit for most kernels)."""
 
 
 def _data_class(cls: type, positional: bool = False) -> DataClass:
@@ -98,7 +100,7 @@ def unpickle_metadata(file: IO[bytes], source: str) -> dcp.Metadata:
     if type(found) is not Fields or found.kind.cls is not dcp.Metadata:
         kind = found.kind.cls.__name__ if type(found) is Fields else type(found).__name__
         raise CheckpointError(f"{source} holds a {kind}, not DCP metadata; is it a checkpoint?")
-    metadata = _Builder(source).metadata(found)
+    metadata = _Builder(source, len(data)).metadata(found)
     _check_layout(metadata, source)
     return metadata
 
@@ -144,9 +146,17 @@ _NONE = type(None)
 class _Builder:
     """Builds DCP's metadata objects from the unpickler's records, checking every field."""
 
-    def __init__(self, source: str) -> None:
-        self.source = source
+    def __init__(self, source: str, size: int) -> None:
+        self.source, self.allowance = source, 2 * size + 4096
         self.seen: dict[int, Any] = {}  # (the objects kept alive, so that ids stay unique)
+
+    def copies(self, value: Any) -> Any:
+        """``value`` (a tuple or list that may be memoized, so shared), charged: what is built
+        holds no more values than the file holds bytes."""
+        self.allowance -= len(value)
+        if self.allowance < 0:
+            raise self.wrong("it repeats one sequence more often than it holds bytes")
+        return value
 
     def wrong(self, what: str) -> CheckpointError:
         return CheckpointError(
@@ -219,6 +229,8 @@ class _Builder:
 
     def lengths(self, value: Any, what: str, ndim: int | None = None) -> torch.Size:
         size = self.of(value, torch.Size, what=what)
+        if len(size) > _MAX_DIMS:
+            raise self.wrong(f"{what} has {len(size)} dimensions")
         if ndim is not None and len(size) != ndim:
             raise self.wrong(f"{what} has {len(size)} dimensions, not {ndim}")
         return size
@@ -264,7 +276,7 @@ class _Builder:
         if transforms is not None:
             if type(self.of(transforms, list, tuple, what="transform_descriptors")) is list:
                 self.once(transforms)
-            transforms = [self.of(t, str, what="a transform") for t in transforms]
+            transforms = [self.of(t, str, what="a transform") for t in self.copies(transforms)]
         offset = self.of(f["offset"], int, what="a record's offset")
         length = self.of(f["length"], int, what="a record's length")
         if offset < 0 or length < 0:
@@ -298,7 +310,7 @@ class _Builder:
         if type(value) in (tuple, list):
             if type(value) is list:
                 self.once(value)
-            return type(value)(self.plain(v, depth + 1) for v in value)
+            return type(value)(self.plain(v, depth + 1) for v in self.copies(value))
         if type(value) is dict:
             self.once(value)
             return {self.plain(k, depth + 1): self.plain(v, depth + 1) for k, v in value.items()}

@@ -98,6 +98,11 @@ class Fields:
         return f"<fields of {self.kind.cls.__name__}>"
 
 
+def _length(value: Any) -> int:
+    """How much a call's argument holds, as the size of what a call makes from it."""
+    return len(value) if type(value) in (str, bytes, tuple, list, set, frozenset, dict) else 1
+
+
 def _what(value: Any) -> str:
     return repr(value) if isinstance(value, (Factory, DataClass, Fields)) else type(value).__name__
 
@@ -122,6 +127,7 @@ class PolicedUnpickler(_PurePythonUnpickler):
         super().__init__(self._file)
         self.source, self.size, self._names = source, len(data), names
         self._persistent = persistent_load
+        self._made = 0
 
     def load(self) -> Any:
         """pickle's ``_Unpickler.load``, reading straight from memory: frames are only a hint
@@ -174,12 +180,22 @@ class PolicedUnpickler(_PurePythonUnpickler):
         function = stack[-1]
         if type(function) is not Factory or type(arguments) is not tuple:
             raise self.refuse(f"calls {_what(function)}")
+        self._charge(1 + sum(map(_length, arguments)))
         stack[-1] = function._make(arguments, self)
 
     def _new(self, kind: Any, arguments: Any, keywords: Any = None) -> None:
         if type(kind) is not DataClass or type(arguments) is not tuple or arguments or keywords:
             raise self.refuse(f"creates {_what(kind)} with arguments {_what(arguments)}")
+        self._charge(1)
         self.append(Fields(kind))
+
+    def _charge(self, cost: int) -> None:
+        """Count what a call may make (at most as much as its arguments hold): the calls of a
+        file together may not make more than it holds. A memoized argument is a few bytes
+        per call, and each call could make as much as it holds again."""
+        self._made += cost
+        if self._made > 2 * self.size + 4096:
+            raise self.refuse("makes more values than it holds bytes (one argument, many calls)")
 
     def _newobj(self) -> None:
         arguments = self.stack.pop()
