@@ -85,6 +85,21 @@ def test_a_record_that_ends_beyond_its_archive_is_damage_not_an_allocation(
         Archive(f, "archive.pt")
 
 
+def test_a_window_reads_at_most_what_it_holds() -> None:
+    """``zipfile`` reads the sizes an archive's directory gives: a read of 1 TB of a window
+    of 3 bytes returns 3, allocating nothing more."""
+    import io
+    import tracemalloc
+
+    window = Window(io.BytesIO(b"xabcx"), 1, 3)
+    tracemalloc.start()
+    try:
+        assert window.read(1 << 40) == b"abc" and window.read(1 << 40) == b""
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+
+
 # -- reading in place ---------------------------------------------------------------------------
 
 

@@ -168,6 +168,12 @@ class Window(io_.RawIOBase):
         self._pos = max(0, base + offset)
         return self._pos
 
+    def read(self, size: int | None = -1) -> bytes:
+        """At most what is left of the window: ``RawIOBase.read`` would allocate ``size``
+        first, and ``zipfile`` asks for sizes an archive's directory gives."""
+        left = max(0, self._length - self._pos)
+        return super().read(left if size is None or size < 0 else min(size, left))
+
     def readinto(self, b: Any) -> int:
         size = max(0, min(len(b), self._length - self._pos))
         if size == 0:
