@@ -85,6 +85,26 @@ def test_a_record_that_ends_beyond_its_archive_is_damage_not_an_allocation(
         Archive(f, "archive.pt")
 
 
+def test_a_compressed_record_is_refused_unread() -> None:
+    """torch.save stores its records: a deflated one (64 MB of zeros in 64 KB) is never
+    inflated."""
+    import io
+    import tracemalloc
+    import zipfile
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("archive/data/0", bytes(64 << 20))
+    assert len(buffer.getvalue()) < 1 << 20
+    tracemalloc.start()
+    try:
+        with pytest.raises(DamagedCheckpointError, match="is compressed"):
+            Archive(buffer, "bomb")
+        assert tracemalloc.get_traced_memory()[1] < 8 << 20
+    finally:
+        tracemalloc.stop()
+
+
 def test_a_window_reads_at_most_what_it_holds() -> None:
     """``zipfile`` reads the sizes an archive's directory gives: a read of 1 TB of a window
     of 3 bytes returns 3, allocating nothing more."""

@@ -94,16 +94,14 @@ class Record:
 
 def stored_records(archive_file: IO[bytes]) -> list[Record]:
     """The stored records of the seekable ``torch.save`` archive ``archive_file``, each local
-    header checked against the central directory's copy (as torch reads it); raises if one is
-    damaged. A compressed record (torch stores, but another writer may compress) is read and
-    checked here."""
+    header checked against the central directory's copy (as torch reads it), inside the
+    archive; raises if one is damaged or compressed (torch stores records)."""
     records = []
     length = archive_file.seek(0, os.SEEK_END)
     with zipfile.ZipFile(archive_file) as archive:
         for info in archive.infolist():
-            if info.compress_type != zipfile.ZIP_STORED:
-                archive.read(info)  # checked here: raises on a CRC mismatch
-                continue
+            if info.compress_type != zipfile.ZIP_STORED:  # (it could inflate to any size)
+                raise _Damaged(f"record {info.filename!r} is compressed, as torch.save never is")
             archive_file.seek(info.header_offset)
             header = archive_file.read(_LOCAL_HEADER.size)
             signature, flags, name, extra = _LOCAL_HEADER.unpack(header)
