@@ -25,7 +25,6 @@ __all__ = [
     "CHUNK",
     "Record",
     "Window",
-    "archive_problem",
     "first_problem",
     "parse_archive",
     "stored_records",
@@ -126,22 +125,6 @@ def parse_archive(archive_file: IO[bytes]) -> list[Record] | str:
         return stored_records(archive_file)
     except Exception as e:  # any way of failing to parse the bytes means they are damaged
         return str(e) if isinstance(e, _Damaged) else f"{type(e).__name__}: {e}"
-
-
-def archive_problem(archive_file: IO[bytes]) -> str | None:
-    """Why the seekable ``archive_file`` is not a whole ``torch.save`` archive whose every
-    record matches its CRC-32 (``None`` if it is one).
-
-    ``torch.load`` never checks these CRCs: a flipped byte in a tensor's data loads as a wrong
-    value. The records are streamed through ``crc32`` in chunks of a reused buffer.
-    """
-    records = parse_archive(archive_file)
-    if isinstance(records, str):
-        return records
-    try:
-        return first_problem(records, archive_file)
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
 
 
 class Window(io_.RawIOBase):
