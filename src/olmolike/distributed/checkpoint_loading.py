@@ -180,9 +180,8 @@ class _CheckedRecords(FileSystemReader):
     def _read_checked(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
-                item
-            )
+            name = self.storage_data[item.storage_index].relative_path
+            per_file.setdefault(name, []).append(item)
         for relative_path, items in per_file.items():
             with self._open(relative_path) as file:
                 for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
