@@ -35,6 +35,7 @@ from olmolike.distributed.checkpoint_format import (
     load_train_state,
     verify_checkpoint,
 )
+from olmolike.distributed.checkpoint_reader import nest
 from olmolike.exceptions import CheckpointError
 from olmolike.nn import TransformerConfig
 
@@ -181,6 +182,39 @@ def test_a_list_index_beyond_the_values_is_refused_before_a_list_grows(tmp_path:
         assert tracemalloc.get_traced_memory()[1] < 64 << 20
     finally:
         tracemalloc.stop()
+
+
+def test_lists_grow_no_further_than_the_values_they_hold() -> None:
+    """Many lists, each with an index below the number of values, made a quadratic amount
+    (a 400 KB metadata and 3 MB of shards: 70 MB; 10 times that: 7 GB)."""
+    count = 2000
+    with pytest.raises(CheckpointError, match="not a place in its state of 2000 values"):
+        nest(((f"k{i}", count - 1), None) for i in range(count))
+    # Holes where DCP dropped an empty dict are allowed: [{}, {}, {"x": 1}] saves only x.
+    assert nest([(("a", 2, "x"), 1), (("b", 1), 2)]) == {
+        "a": [None, None, {"x": 1}],
+        "b": [None, 2],
+    }
+
+
+def test_a_path_deeper_than_a_state_is_refused_by_every_reader(tmp_path: Path) -> None:
+    """A value 5,000 keys deep nests fine, then exhausts the stack of the pickler that writes
+    it (unshard): refused when the checkpoint is opened, one CheckpointError."""
+    folder = tmp_path / "c"
+    save_state_dict(folder, {"model": {"w": torch.zeros(2)}, "optim": {"x": torch.ones(2)}})
+
+    def deep(metadata: Any) -> None:
+        metadata.planner_data["optim.x"] = ("optim", *["a"] * 5000)
+
+    rewrite_metadata(folder, deep)
+    for attempt in (
+        lambda: unshard_checkpoint(folder, tmp_path / "out", optim=True, quiet=True),
+        lambda: list(load_keys(folder, ["optim"])),
+    ):
+        with pytest.raises(CheckpointError, match="no place in a nested state"):
+            attempt()
+    with pytest.raises(CheckpointError, match="not a place in its state"):
+        nest([(("a",) * 65, 1)])
 
 
 def _tensor_metadata(metadata: Any) -> Any:

@@ -33,6 +33,9 @@ from .checkpoint_save import describe_error
 
 __all__ = ["CheckpointSource", "SavedTensor", "StatePath", "load_keys", "nest", "open_checkpoint"]
 
+_MAX_DEPTH = 64
+"""The most keys a value's path in a saved state may have (DCP's default planner: a few; the
+nested state of a longer one could not be saved again without exhausting Python's stack)."""
 StatePath = tuple[str | int, ...]
 """Where a value sits in the nested state below its top-level name, e.g. ``("state", fqn, "step")``."""
 
@@ -77,7 +80,11 @@ class CheckpointSource:
         self._full_paths: dict[str, StatePath] = {}
         for key, item in metadata.state_dict_metadata.items():
             if not _is_path(paths.get(key)):
-                raise CheckpointError(f"{dcp_dir} was not saved by DCP's default planner")
+                raise CheckpointError(
+                    f"{dcp_dir} was not saved by DCP's default planner: its planner_data gives "
+                    f"{key[:80]!r} no place in a nested state (keys and list indices, at most "
+                    f"{_MAX_DEPTH} deep)"
+                )
             self._full_paths[key] = tuple(paths[key])
             top, path = str(paths[key][0]), tuple(paths[key][1:])
             if isinstance(item, TensorStorageMetadata):
@@ -199,33 +206,43 @@ def load_keys(
 def nest(items: Iterable[tuple[StatePath, Any]]) -> dict[str, Any]:
     """Rebuild the nested state DCP flattened; an int in a path is a list index.
 
-    :raises CheckpointError: for an index no list of ``items`` can have (at least as large as
-        the number of items: the paths come from a checkpoint's metadata).
+    The paths come from a checkpoint's metadata, so what they make is bounded by the number
+    of ``items``: a path is at most 64 keys long, and the lists together hold at most two
+    entries per item and 64 more (an entry holds a value or what holds one, or is a hole
+    where DCP dropped an empty dict), checked before a list grows.
+
+    :raises CheckpointError: for a path that is not a place in a state of ``items``.
     """
     items = list(items)
+    room = 2 * len(items) + 64  # the list entries still to be made
     root: dict[str, Any] = {}
     for path, value in items:
-        if not _is_path(path) or any(type(k) is int and k >= len(items) for k in path):
-            raise CheckpointError(
-                f"a checkpoint's metadata places a value at {list(path)[:8]}, which is not a "
-                f"place in its state of {len(items)} values: it was crafted or damaged"
-            )
+        if not _is_path(path):
+            raise _misplaced(path, len(items))
         node: Any = root
         for key, next_key in itertools.pairwise(path):
             child = _child(node, key)
             if child is None:
                 child = [] if type(next_key) is int else {}
-                _put(node, key, child)
+                room = _put(node, key, child, room, path, len(items))
             node = child
-        _put(node, path[-1], value)
+        room = _put(node, path[-1], value, room, path, len(items))
     return root
+
+
+def _misplaced(path: Any, count: int) -> CheckpointError:
+    shown = list(path)[:8] if type(path) in (tuple, list) else path
+    return CheckpointError(
+        f"a checkpoint's metadata places a value at {str(shown)[:200]}, which is not a place "
+        f"in its state of {count} values: it was crafted or damaged"
+    )
 
 
 def _is_path(path: Any) -> bool:
     """Whether ``path`` is a place in a nested state: keys, or list indices."""
     return (
         type(path) in (tuple, list)
-        and len(path) > 0
+        and 0 < len(path) <= _MAX_DEPTH
         and all(type(k) is str or (type(k) is int and k >= 0) for k in path)
     )
 
@@ -241,9 +258,15 @@ def _child(node: Any, key: str | int) -> Any:
     )
 
 
-def _put(node: Any, key: str | int, value: Any) -> None:
+def _put(node: Any, key: str | int, value: Any, room: int, path: StatePath, count: int) -> int:
+    """Set ``node[key]``, growing a list by at most ``room`` entries; the room left."""
     _child(node, key)  # (checks the kind of key)
     if isinstance(node, list):
         assert isinstance(key, int)
-        node.extend([None] * (key + 1 - len(node)))
+        grown = max(0, key + 1 - len(node))
+        if grown > room:
+            raise _misplaced(path, count)
+        node.extend([None] * grown)
+        room -= grown
     node[key] = value
+    return room
