@@ -14,6 +14,7 @@ import pathlib
 import pickle
 import struct
 import tracemalloc
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from olmolike.distributed.checkpoint import (
     save_state_dict,
     unshard_checkpoint,
 )
+from olmolike.distributed.checkpoint_archive import Archive
 from olmolike.distributed.checkpoint_format import (
     DCP_METADATA,
     MARKER,
@@ -402,6 +404,50 @@ def test_a_crafted_trainer_state_is_refused_when_read(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"rank0\.pt"):
         load_train_state(str(folder), 0)
     assert not marker.exists()
+
+
+def _with_attack(archive: bytes, attack: bytes) -> bytes:
+    """The ``torch.save`` archive ``archive`` with ``attack`` (then POP) before its data.pkl's
+    value: a plain unpickler does the attack and returns the real value. CRC-32s are right."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(archive)) as source, zipfile.ZipFile(out, "w") as crafted:
+        for info in source.infolist():
+            data = source.read(info)
+            if info.filename.endswith("/data.pkl"):
+                data = data[:2] + attack + b"0" + data[2:]  # (after PROTO 2)
+            crafted.writestr(info.filename, data)
+    return out.getvalue()
+
+
+HEADER_ATTACKS = {
+    **ATTACKS,
+    # What a tensor header's names stand for: the rebuild function, a typed storage class.
+    "_rebuild_tensor_v2.__code__": b"ctorch._utils\n_rebuild_tensor_v2\n"
+    + _slots("__code__", b"N")
+    + b"b",
+    "FloatStorage.dtype": b"ctorch\nFloatStorage\n" + _fields("dtype", b"N") + b"b",
+}
+
+
+@pytest.mark.parametrize("attack", HEADER_ATTACKS)
+def test_a_trainer_state_or_tensor_header_that_acts_on_what_it_names_is_refused(
+    tmp_path: Path, attack: str
+) -> None:
+    """The unpickler of every ``torch.save`` archive in a checkpoint (each record of a shard,
+    each trainer state) polices what the file does as the metadata's does."""
+    folder = saved(tmp_path / "step1")
+    state, tensor = io.BytesIO(), io.BytesIO()
+    torch.save({"global_step": 1, "rng": torch.zeros(4)}, state)
+    torch.save(torch.zeros(4), tensor)
+    before = _watched()
+    crafted = _with_attack(state.getvalue(), HEADER_ATTACKS[attack])
+    (folder / TRAIN_STATE / "rank0.pt").write_bytes(crafted)
+    with pytest.raises(CheckpointError, match="refusing to unpickle"):
+        load_train_state(str(folder), 0)
+    header = io.BytesIO(_with_attack(tensor.getvalue(), HEADER_ATTACKS[attack]))
+    with pytest.raises(CheckpointError, match="refusing to unpickle"):
+        Archive(header, "a shard's record").header()
+    assert _watched() == before
 
 
 def test_readers_refuse_dcps_default_planner(tmp_path: Path) -> None:
