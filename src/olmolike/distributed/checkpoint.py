@@ -244,6 +244,11 @@ def load_state_dict(
     checkpoint's metadata if it was read already (by :func:`read_metadata`), not read again.
     """
     with _readable(dir, process_group, pre_download, work_dir, thread_count) as source:
+        if metadata is None and not is_distributed():
+            # Read (and checked) before dcp.load, which logs tracebacks when it cannot read
+            # it; across ranks, dcp.load gathers every rank's failure (one rank's read
+            # failing here alone would leave the others waiting in its collectives).
+            metadata = read_metadata(source)
         _load(
             source,
             state_dict,
