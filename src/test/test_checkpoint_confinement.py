@@ -255,6 +255,23 @@ def test_sizes_beyond_what_the_checkpoint_holds_are_refused(tmp_path: Path, case
             attempt()
 
 
+@pytest.mark.parametrize("dtype", [torch.qint8, torch.uint4, torch.bits8])
+def test_a_tensor_of_a_dtype_no_reader_makes_is_refused(
+    tmp_path: Path, dtype: torch.dtype, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Quantized, sub-byte and bit-packed dtypes: torch.zeros or torch.save of one raised
+    torch's own error (NotImplementedError, KeyError) from load_keys and unshard."""
+    folder = saved(tmp_path / "step1")
+    rewrite_metadata(
+        folder / MODEL_AND_OPTIM,
+        lambda m: setattr(_tensor_metadata(m).properties, "dtype", dtype),
+    )
+    for name, attempt in readers(str(folder), tmp_path / "out").items():
+        with pytest.raises(CheckpointError, match=f"a tensor of {dtype}, which a checkpoint"):
+            attempt()
+        assert not [r for r in caplog.records if r.exc_info], name  # (no logged traceback)
+
+
 def test_records_beyond_the_end_of_their_shard_are_refused_before_a_tensor_is_made(
     tmp_path: Path,
 ) -> None:

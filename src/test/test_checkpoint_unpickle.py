@@ -514,6 +514,32 @@ def test_a_stock_dcp_checkpoint_loads(tmp_path: Path, single_file_per_rank: bool
     assert_loads(tmp_path / "c", model, optim, tmp_path / "out")
 
 
+def test_tensors_of_dtypes_without_a_storage_class_load(tmp_path: Path) -> None:
+    """float8, uint16 and complex32 tensors are saved by torch.save's _rebuild_tensor_v3 (an
+    untyped storage viewed as the dtype), in a checkpoint and in a trainer state."""
+    torch.manual_seed(0)
+    state = {
+        "f8": torch.randn(4, 3).to(torch.float8_e4m3fn),
+        "u16": torch.arange(6).to(torch.uint16).reshape(2, 3)[:, 1:],  # a view, at an offset
+        "c32": torch.randn(5, dtype=torch.complex64).to(torch.complex32),
+    }
+    save_state_dict(tmp_path / "c", state)
+    (loaded,) = load_keys(tmp_path / "c", ["f8"])
+    target = {key: torch.zeros_like(value) for key, value in state.items()}
+    load_state_dict(tmp_path / "c", target)
+    buffer = io.BytesIO()
+    torch.save({"step": 1, **state}, buffer)
+    buffer.seek(0)
+    decoded = Archive(buffer, "a trainer state").value()
+    for got in (target, decoded, {"f8": loaded}):
+        for key, value in got.items():
+            if key != "step":
+                assert value.dtype == state[key].dtype, key
+                assert torch.equal(
+                    value.view(torch.uint8), state[key].contiguous().view(torch.uint8)
+                )
+
+
 def test_an_olmo_core_3_checkpoint_loads(tmp_path: Path) -> None:
     olmo_checkpoint = pytest.importorskip("olmo_core.distributed.checkpoint")
     model, optim = stepped()

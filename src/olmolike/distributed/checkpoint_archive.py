@@ -33,7 +33,7 @@ from ..exceptions import CheckpointError, DamagedCheckpointError
 from .checkpoint_records import Record, first_problem, parse_archive
 from .checkpoint_unpickle import PLAIN_NAMES, Factory, unpickle
 
-__all__ = ["Archive", "StoredTensor"]
+__all__ = ["TENSOR_DTYPES", "Archive", "StoredTensor"]
 
 _MAX_DEPTH = 64
 _BYTEORDER = sys.byteorder.encode()
@@ -83,15 +83,33 @@ class _StorageReference:
     numel: int
 
 
+def _tensor_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes of plain dense tensors: floating point (float8 included), complex, integers
+    of whole bytes and bool; not quantized, not bit-packed (``bits8``), not ``int4``."""
+    whole = {torch.bool, torch.uint8, torch.uint16, torch.uint32, torch.uint64}
+    whole |= {torch.int8, torch.int16, torch.int32, torch.int64}
+    return frozenset(
+        dtype
+        for dtype in vars(torch).values()
+        if isinstance(dtype, torch.dtype)
+        and (dtype.is_floating_point or dtype.is_complex or dtype in whole)
+    )
+
+
+TENSOR_DTYPES = _tensor_dtypes()
+"""The dtypes a checkpoint's tensors may have: what the readers make tensors of."""
+
+
 def _storage_dtypes() -> dict[tuple[str, str], torch.dtype]:
-    """The typed storage classes a header names (``torch.FloatStorage``), to their dtypes:
-    the plain ones only (not quantized)."""
-    plain = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
-    return {
+    """The storage classes a header names (``torch.FloatStorage``), to the dtype of their
+    elements: the typed ones of plain dtypes, and ``UntypedStorage`` (bytes), which
+    ``_rebuild_tensor_v3`` views as its own dtype (float8, uint16 and the like)."""
+    typed = {
         ("torch", name): dtype
         for dtype, name in torch.storage._dtype_to_storage_type_map().items()
-        if dtype.is_floating_point or dtype.is_complex or dtype in plain
+        if dtype in TENSOR_DTYPES
     }
+    return {**typed, ("torch.storage", "UntypedStorage"): torch.uint8}
 
 
 def _plain_tensor(arguments: tuple[Any, ...], unpickler: Any) -> StoredTensor:
@@ -101,6 +119,25 @@ def _plain_tensor(arguments: tuple[Any, ...], unpickler: Any) -> StoredTensor:
         arguments = arguments[:6]
     if len(arguments) != 6:
         raise unpickler.refuse("rebuilds a tensor that is not plain")
+    return _described(arguments, None, unpickler)
+
+
+def _plain_tensor_v3(arguments: tuple[Any, ...], unpickler: Any) -> StoredTensor:
+    """Stands for ``torch._utils._rebuild_tensor_v3(storage, offset, size, stride,
+    requires_grad, hooks, dtype[, metadata])`` (torch.save's way for dtypes without a typed
+    storage class, float8 say): the storage's bytes viewed as ``dtype``."""
+    if len(arguments) == 8 and not arguments[7]:
+        arguments = arguments[:7]
+    if len(arguments) != 7 or type(arguments[6]) is not torch.dtype:
+        raise unpickler.refuse("rebuilds a tensor that is not plain")
+    return _described(arguments[:6], arguments[6], unpickler)
+
+
+def _described(
+    arguments: tuple[Any, ...], dtype: torch.dtype | None, unpickler: Any
+) -> StoredTensor:
+    """The tensor ``(storage, offset, size, stride, requires_grad, hooks)`` of ``dtype`` (by
+    default its storage's), checked to be plain and to lie inside its storage's bytes."""
     storage, offset, size, stride, requires_grad, hooks = arguments
     if not (
         type(storage) is _StorageReference
@@ -111,15 +148,19 @@ def _plain_tensor(arguments: tuple[Any, ...], unpickler: Any) -> StoredTensor:
         and type(requires_grad) is bool
         and type(hooks) is collections.OrderedDict
         and not hooks
+        and (dtype is None or dtype in TENSOR_DTYPES)
     ):
         raise unpickler.refuse("rebuilds a tensor that is not plain")
-    stored = StoredTensor(
-        storage.key, storage.dtype, storage.numel, offset, size, stride, requires_grad
-    )
+    dtype = storage.dtype if dtype is None else dtype
+    nbytes = storage.numel * storage.dtype.itemsize
+    if nbytes % dtype.itemsize:
+        raise unpickler.refuse(f"views a storage of {nbytes} bytes as {dtype}")
+    numel = nbytes // dtype.itemsize
+    stored = StoredTensor(storage.key, dtype, numel, offset, size, stride, requires_grad)
     # Inside its storage: every element it views, and no more elements than the storage holds
     # (so that nothing sized by the tensor outgrows the file).
     last = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
-    if math.prod(size) and (offset < 0 or last >= storage.numel or math.prod(size) > storage.numel):
+    if math.prod(size) and (offset < 0 or last >= numel or math.prod(size) > numel):
         raise unpickler.refuse("views a tensor beyond its storage")
     return stored
 
@@ -132,14 +173,18 @@ _NAMES = {
     **PLAIN_NAMES,
     **_storage_dtypes(),
     ("torch._utils", "_rebuild_tensor_v2"): Factory("_rebuild_tensor_v2", _plain_tensor),
+    ("torch._utils", "_rebuild_tensor_v3"): Factory("_rebuild_tensor_v3", _plain_tensor_v3),
 }
+
+
+_STORAGE_DTYPES = frozenset(_storage_dtypes().values())
 
 
 def _storage(pid: Any, where: str) -> _StorageReference:
     """A tensor's storage, as its header refers to it: by dtype, key and element count."""
     match pid:
         case ("storage", torch.dtype() as dtype, str(key), str(), int(numel)) if (
-            0 <= numel < 1 << 62
+            dtype in _STORAGE_DTYPES and 0 <= numel < 1 << 62
         ):
             return _StorageReference(dtype, key, numel)
     raise CheckpointError(f"{where}: a tensor's header refers to something other than a storage")

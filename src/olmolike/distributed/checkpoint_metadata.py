@@ -32,6 +32,7 @@ from torch.distributed.checkpoint import metadata as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ..exceptions import CheckpointError
+from .checkpoint_archive import TENSOR_DTYPES
 from .checkpoint_unpickle import PATH_NAMES, PLAIN_NAMES, DataClass, Factory, Fields, unpickle
 
 __all__ = ["check_shard_name", "unpickle_metadata"]
@@ -246,8 +247,11 @@ class _Builder:
     def properties(self, value: Any, key: str) -> dcp.TensorProperties:
         f = self.fields(value, dcp.TensorProperties)
         what = f"a property of {key}"
+        dtype = self.of(f["dtype"], torch.dtype, what=what)
+        if dtype not in TENSOR_DTYPES:  # (quantized, bit-packed: no reader makes such tensors)
+            raise self.wrong(f"{key} is a tensor of {dtype}, which a checkpoint does not hold")
         return dcp.TensorProperties(
-            dtype=self.of(f["dtype"], torch.dtype, what=what),
+            dtype=dtype,
             layout=self.of(f["layout"], torch.layout, what=what),
             requires_grad=self.of(f["requires_grad"], bool, what=what),
             memory_format=self.of(f["memory_format"], torch.memory_format, what=what),
