@@ -197,6 +197,23 @@ def test_lists_grow_no_further_than_the_values_they_hold() -> None:
     }
 
 
+def test_two_values_at_one_place_are_refused(tmp_path: Path) -> None:
+    """unshard wrote both tensors' bytes at the one storage of their place, the larger over
+    the records after it (a broken file, no error); load_keys kept one of them."""
+    folder = saved(tmp_path / "step1")
+
+    def same(metadata: Any) -> None:
+        metadata.planner_data["model.w1.bias"] = ("model", "w1.weight")
+
+    rewrite_metadata(folder / MODEL_AND_OPTIM, same)
+    for attempt in (
+        lambda: unshard_checkpoint(folder, tmp_path / "out", quiet=True),
+        lambda: list(load_keys(folder, ["model"])),
+    ):
+        with pytest.raises(CheckpointError, match=r"places two values at \[.*'w1\.weight'\]"):
+            attempt()
+
+
 def test_a_path_deeper_than_a_state_is_refused_by_every_reader(tmp_path: Path) -> None:
     """A value 5,000 keys deep nests fine, then exhausts the stack of the pickler that writes
     it (unshard): refused when the checkpoint is opened, one CheckpointError."""

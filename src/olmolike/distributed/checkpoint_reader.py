@@ -259,14 +259,23 @@ def _child(node: Any, key: str | int) -> Any:
 
 
 def _put(node: Any, key: str | int, value: Any, room: int, path: StatePath, count: int) -> int:
-    """Set ``node[key]``, growing a list by at most ``room`` entries; the room left."""
+    """Set ``node[key]`` where nothing is yet, growing a list by at most ``room`` entries;
+    the room left."""
     _child(node, key)  # (checks the kind of key)
     if isinstance(node, list):
         assert isinstance(key, int)
         grown = max(0, key + 1 - len(node))
         if grown > room:
             raise _misplaced(path, count)
+        taken = not grown and node[key] is not None
+    else:
+        grown, taken = 0, key in node
+    if taken:
+        raise CheckpointError(
+            f"a checkpoint's metadata places two values at {list(path)[:8]}: it was crafted "
+            "or damaged"
+        )
+    if grown:
         node.extend([None] * grown)
-        room -= grown
     node[key] = value
-    return room
+    return room - grown
