@@ -36,7 +36,7 @@ from olmolike.distributed.checkpoint_format import (
     verify_checkpoint,
 )
 from olmolike.distributed.checkpoint_reader import nest
-from olmolike.exceptions import CheckpointError
+from olmolike.exceptions import CheckpointError, DamagedCheckpointError
 from olmolike.nn import TransformerConfig
 
 
@@ -302,3 +302,16 @@ def test_records_beyond_the_end_of_their_shard_are_refused_before_a_tensor_is_ma
     ):
         with pytest.raises(CheckpointError, match="is truncated"):
             reader()
+
+
+def test_a_missing_shard_is_damage_for_every_reader(tmp_path: Path) -> None:
+    """load_state_dict and load_model_and_optim_state gave DCP's CheckpointException, with
+    a traceback of the FileNotFoundError, not one line."""
+    folder = saved(tmp_path / "step1")
+    (folder / MODEL_AND_OPTIM / "__0_0.distcp").unlink()
+    for name, attempt in readers(str(folder), tmp_path / "out").items():
+        if name in ("get_checkpoint_metadata", "read_metadata"):
+            continue  # (the metadata alone reads no shard)
+        with pytest.raises(DamagedCheckpointError, match=r"__0_0\.distcp.* is missing") as error:
+            attempt()
+        assert "\n" not in str(error.value), name

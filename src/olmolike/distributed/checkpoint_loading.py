@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from .. import io
-from ..exceptions import CheckpointError
+from ..exceptions import CheckpointError, DamagedCheckpointError
 from .checkpoint_archive import Archive, StoredTensor
 from .checkpoint_metadata import unpickle_metadata
 from .checkpoint_records import Window
@@ -183,7 +183,7 @@ class _CheckedRecords(FileSystemReader):
             name = self.storage_data[item.storage_index].relative_path
             per_file.setdefault(name, []).append(item)
         for relative_path, items in per_file.items():
-            with self._open(relative_path) as file:
+            with self._shard(relative_path) as file:
                 for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
                     sinfo = self.storage_data[item.storage_index]
                     if sinfo.transform_descriptors:
@@ -203,6 +203,16 @@ class _CheckedRecords(FileSystemReader):
             return cast(IO[bytes], Window(file, start, length))
         file.seek(start)
         return io_.BytesIO(file.read(length))  # at most what the file holds
+
+    def _shard(self, name: str) -> IO[bytes]:
+        """The shard file ``name``, opened; a missing one is damage (one line, not DCP's
+        traceback of a FileNotFoundError)."""
+        try:
+            return self._open(name)
+        except FileNotFoundError:
+            raise DamagedCheckpointError(
+                f"shard {name} of {self.path} is missing: the checkpoint is incomplete"
+            ) from None
 
     def _open(self, name: str) -> IO[bytes]:
         """The checkpoint's file ``name`` (a plain name: see
