@@ -10,7 +10,9 @@ global, memoized or not, with dict and slot states), and mutations of real files
 save. Each case must end in valid metadata (a value) or a ``CheckpointError``, never another
 exception; no attribute of an admitted class, of ``pathlib``, ``os``, ``torch.serialization``,
 ``copyreg`` or of this project's reader modules may change; and the memory a case allocates is
-bounded by its length.
+bounded by its length. Last, fields of a real ``.metadata`` set to hostile values go through
+the readers that act on them (``load_keys``, unshard, ``load_state_dict``), under the same
+assertions.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import copyreg
+import dataclasses
+import functools
 import io
 import os
 import pathlib
 import pickle
 import random
+import shutil
 import struct
 import sys
 import time
@@ -502,3 +507,112 @@ def test_one_sequence_in_many_places_of_the_metadata_is_refused(
         assert tracemalloc.get_traced_memory()[1] < 64 << 20
     finally:
         tracemalloc.stop()
+
+
+# -- what the readers do with what a metadata says: any field of a real one, changed -------------
+
+_FIELD_VALUES: dict[type, list[Any]] = {
+    int: [0, 1, 3, -1, 1 << 40, (1 << 62) - 1],
+    str: ["", "../__0_0.distcp", "/etc/passwd", "model", "optim.step"],
+    tuple: [("model", 1 << 20), ("model", "w", 0), ("optim", *["a"] * 100), ("model",), ()],
+    torch.Size: [torch.Size([]), torch.Size([1 << 40]), torch.Size([4, 0]), torch.Size([2, 3])],
+    torch.dtype: [torch.float8_e5m2, torch.complex32, torch.int64, torch.qint8, torch.uint4],
+}
+"""Hostile values for a field, by the type of the value it holds: each kind as often."""
+
+
+def _slots(value: Any, found: list[tuple[Any, Any]], depth: int = 0) -> None:
+    """Every place in the (test's own) metadata ``value`` a field could be changed."""
+    if depth > 12:
+        return
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            found.append((value, f.name))
+            _slots(getattr(value, f.name), found, depth + 1)
+    elif isinstance(value, dict):
+        for key in list(value):
+            found.append((value, key))
+            _slots(value[key], found, depth + 1)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found.append((value, index))
+            _slots(item, found, depth + 1)
+
+
+def _changed(real: bytes, rng: random.Random) -> bytes:
+    while True:
+        metadata = pickle.loads(real)  # (the test's own file)
+        for _ in range(rng.choice([1, 1, 1, 2])):
+            slots: list[tuple[Any, Any]] = []
+            _slots(metadata, slots)
+            by_kind: dict[type, list[tuple[Any, Any]]] = collections.defaultdict(list)
+            for owner, key in slots:
+                value = owner[key] if isinstance(owner, (dict, list)) else getattr(owner, key)
+                by_kind[type(value) if type(value) in _FIELD_VALUES else object].append(
+                    (owner, key)
+                )
+            kind = rng.choice(sorted(by_kind, key=str))
+            owner, key = rng.choice(by_kind[kind])
+            if kind is object or rng.random() < 0.2:  # (a value of another kind)
+                kind = rng.choice(list(_FIELD_VALUES))
+            value = rng.choice([None, *_FIELD_VALUES[kind]])
+            if isinstance(owner, (dict, list)):
+                owner[key] = value
+            else:
+                setattr(owner, key, value)
+        with contextlib.suppress(Exception):  # (some changes DCP's classes cannot pickle)
+            return pickle.dumps(metadata)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("readers") / "c"
+    torch.manual_seed(0)
+    state = {
+        "model": {"w": torch.randn(4, 3), "b": torch.randn(3).to(torch.bfloat16)},
+        "optim": {"param_groups": [{"lr": 0.1, "params": ["w", "b"]}], "step": 3},
+    }
+    save_state_dict(folder, state, thread_count=1)
+    return folder, state
+
+
+def test_changed_metadata_fields_through_the_readers(
+    tiny_checkpoint: tuple[Any, dict[str, Any]], tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Any field of a real ``.metadata`` set to a hostile value (a size, an index, a path, a
+    dtype no reader makes, a shard name outside the checkpoint): ``load_keys``, unshard and
+    ``load_state_dict`` end in the values or one ``CheckpointError``, within the memory bound
+    of the files, changing nothing."""
+    from olmolike.distributed.checkpoint import load_keys, load_state_dict, unshard_checkpoint
+
+    folder, state = tiny_checkpoint
+    real = (folder / ".metadata").read_bytes()
+    rng = random.Random(f"{SEED}-readers")
+    before, count, accepted = snapshot(), 0, 0
+    start = time.process_time()
+    tracemalloc.start()
+    try:
+        while count < 48 or time.process_time() - start < CPU_SECONDS:
+            (folder / ".metadata").write_bytes(_changed(real, rng))
+            target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+            for read in (
+                lambda: list(load_keys(folder, ["model", "optim"])),
+                lambda: unshard_checkpoint(folder, tmp_path / "out", quiet=True, optim=True),
+                functools.partial(load_state_dict, folder, target),
+            ):
+                tracemalloc.reset_peak()
+                try:
+                    read()
+                    accepted += 1
+                except CheckpointError:
+                    pass
+                assert tracemalloc.get_traced_memory()[1] < 64 << 20, count
+            shutil.rmtree(tmp_path / "out", ignore_errors=True)
+            count += 1
+    finally:
+        tracemalloc.stop()
+        (folder / ".metadata").write_bytes(real)
+    assert snapshot() == before
+    with capsys.disabled():
+        print(f"\nreaders: {count} changed metadata in {time.process_time() - start:.1f} s CPU")
+    assert accepted > 0
