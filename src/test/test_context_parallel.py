@@ -31,7 +31,11 @@ from olmolike.optim import SGDConfig
 from olmolike.testing import random_token_instances
 from olmolike.train import Callback, Duration, TrainerConfig
 from olmolike.train.callbacks import CheckpointerCallback
-from olmolike.train.train_module import TransformerTrainModuleConfig
+from olmolike.train.train_module import (
+    ActivationCheckpointingConfig,
+    ActivationCheckpointingMode,
+    TransformerTrainModuleConfig,
+)
 
 SEQ, VOCAB = 30, 64
 TOLERANCE = dict(rtol=0, atol=1e-5)
@@ -161,6 +165,7 @@ def train(
     tp: int = 1,
     pp: int = 1,
     dp: str | None = None,
+    ac: bool = False,
     packed: bool = False,
     steps: int = STEPS,
     save_interval: int | None = None,
@@ -173,7 +178,10 @@ def train(
         max_grad_norm=1.0,
         z_loss_multiplier=1e-3,
         label_smoothing=0.1,
-        dp_config=DataParallelConfig(name=DataParallelType(dp)) if dp else None,
+        dp_config=_data_parallel(dp),
+        ac_config=ActivationCheckpointingConfig(mode=ActivationCheckpointingMode.full)
+        if ac
+        else None,
         cp_config=ContextParallelConfig(degree=cp) if cp > 1 else None,
         tp_config=TensorParallelConfig(degree=tp) if tp > 1 else None,
         pp_config=PipelineParallelConfig(degree=pp) if pp > 1 else None,
@@ -208,6 +216,14 @@ def train(
     )
 
 
+def _data_parallel(name: str | None) -> DataParallelConfig | None:
+    """``hsdp`` here means two replicas (of the context-parallel pair's shards)."""
+    if name is None:
+        return None
+    replicas = 2 if name == "hsdp" else None
+    return DataParallelConfig(name=DataParallelType(name), num_replicas=replicas)
+
+
 def assert_same_run(got: Run, want: Run, exact: bool = False) -> None:
     """The same metrics (names and values), first-step gradients, SGD weights and evaluation,
     within 1e-5 (``exact``: bit for bit)."""
@@ -240,21 +256,30 @@ def _two_ranks(save: str) -> dict[str, Run]:
     return runs
 
 
-LAYOUTS = {
+LAYOUTS: dict[str, dict[str, Any]] = {
     "cp4": dict(cp=4),
-    "cp2 x fsdp2": dict(cp=2, dp="fsdp"),
+    "cp2 x fsdp2": dict(cp=2, dp="fsdp", ac=True),
     "cp2 x tp2": dict(cp=2, tp=2, dp="fsdp"),
     "cp2 x pp2": dict(cp=2, pp=2),
 }
+"""Layouts run on plain sequences and packed documents (CP2 x FSDP2 with full activation
+checkpointing: its backward gathers the keys and values again)."""
+PLAIN_ONLY: dict[str, dict[str, Any]] = {
+    "cp2 x ddp2": dict(cp=2, dp="ddp"),
+    "cp2 x hsdp2": dict(cp=2, dp="hsdp"),
+}
+"""Layouts whose gradient reduction differs only: DDP over the data x context ranks, and HSDP
+replicated over the data ranks, sharded over the context pair."""
 
 
 def _four_ranks(save: str, moved: str) -> dict[str, Run]:
     """Every layout on plain and packed sequences, and CP2 x FSDP2 going on from the
     one-process checkpoint (which went on from CP2's)."""
+    cases = [(n, layout, p) for n, layout in LAYOUTS.items() for p in (False, True)]
+    cases += [(n, layout, False) for n, layout in PLAIN_ONLY.items()]
     runs = {
         f"{name} packed={p}": train(Path(save) / f"{name}-{p}".replace(" ", ""), packed=p, **layout)
-        for name, layout in LAYOUTS.items()
-        for p in (False, True)
+        for name, layout, p in cases
     }
     runs["moved"] = train(Path(save) / "moved", cp=2, dp="fsdp", steps=4, load_path=moved)
     return runs
@@ -263,7 +288,8 @@ def _four_ranks(save: str, moved: str) -> dict[str, Run]:
 @pytest.mark.slow
 def test_training_under_context_parallelism_equals_one_process(tmp_path: Path) -> None:
     """CP2, CP4, CP2 x FSDP2, CP2 x TP2 and CP2 x PP2, on plain sequences and packed documents
-    (30 tokens: padded to a multiple of 2 cp x tp): every metric, the first step's gradients,
+    (30 tokens: padded to a multiple of 2 cp x tp), and CP2 x DDP2 and CP2 x HSDP2 on plain
+    sequences: every metric, the first step's gradients,
     the weights after SGD and the evaluation equal one process's. A CP2 run stopped and
     resumed equals the straight run bit for bit, and a checkpoint moves from CP2 to one process
     to CP2 x FSDP2 with the optimizer's momentum."""
@@ -284,5 +310,7 @@ def test_training_under_context_parallelism_equals_one_process(tmp_path: Path) -
     for name in LAYOUTS:
         for p in (False, True):
             assert_same_run(four[f"{name} packed={p}"], want[p])
+    for name in PLAIN_ONLY:
+        assert_same_run(four[f"{name} packed=False"], want[False])
     straight = train(tmp_path / "one-straight", steps=4)
     assert_same_run(four["moved"], straight)
