@@ -19,7 +19,7 @@ a GPU node gets.
 the small preset at cp = 1 (one process), 2 (two pairs of the 4 ranks) and 4: each rank's peak
 of activations, measured by torch's ``MemTracker`` (every tensor that autograd keeps, counted
 as it is allocated), against the planner's figure for that layout
-(:func:`~olmolike.train.activation_memory.activation_bytes` with ``cp``). ``pass`` when every
+(:func:`~olmolike.plan.activations.activation_bytes` with ``cp``). ``pass`` when every
 measurement is within 10% of the plan.
 
 Run ``python src/benchmarks/context_parallel.py``; ``--quick`` is a smoke check (short
@@ -49,10 +49,10 @@ from olmolike.nn import TransformerConfig
 from olmolike.nn.context_parallel import apply_context_parallel
 from olmolike.nn.functional import cross_entropy_loss
 from olmolike.optim import SGDConfig
+from olmolike.plan.activations import activation_bytes
+from olmolike.plan.memory import Layout
 from olmolike.testing import random_token_instances, run_distributed_test
 from olmolike.train import Callback, Duration, TrainerConfig
-from olmolike.train.activation_memory import activation_bytes
-from olmolike.train.memory_plan import Layout
 from olmolike.train.train_module import TransformerTrainModuleConfig
 
 VOCAB, ROWS = 512, 2
@@ -265,7 +265,8 @@ def main() -> None:
     parser.add_argument("--memory-seq", type=int, default=16384)
     parser.add_argument("--quick", action="store_true", help="short sequences, the tiny preset")
     args = parser.parse_args()
-    seq, memory_seq, steps = (256, 512, 2) if args.quick else (args.seq, args.memory_seq, args.steps)
+    quick = (128, 256, 2)
+    seq, memory_seq, steps = quick if args.quick else (args.seq, args.memory_seq, args.steps)
     with tempfile.TemporaryDirectory() as tmp:
         results = {}
         for cp in (1, 2, 4):
