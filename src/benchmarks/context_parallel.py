@@ -4,16 +4,21 @@ planner.
 
 **Throughput.** The real ``Trainer`` trains the tiny preset (GQA, 2 key/value heads) on global
 batches of 2 sequences of ``--seq`` tokens (4,096) for ``--steps`` steps on one rank, on CP2
-(2 ranks) and on CP4 (4 ranks), each rank with one thread. Per layout: tokens/s of the global
-batch after a warm-up step, its ratio to one rank's, and the bytes one rank exchanges per step,
-counted where they are sent: the keys and values each layer all-gathers in forward (the bytes
+(2 ranks) and on CP4 (4 ranks), each rank with one thread, ``--repeats`` times in turn (the
+fastest run counts: other work on the machine only slows a run down). Per layout: tokens/s
+of the global batch after a warm-up step, its ratio to one rank's, and the bytes one rank
+exchanges per step, counted where they are sent: the keys and values each layer all-gathers in forward (the bytes
 that arrive from the other ranks), the reduce-scatter of their gradients in backward (the
 bytes that leave), and DDP's all-reduce of the parameters' gradients over the context ranks
 (a ring all-reduce moves ``2 (n - 1) / n`` of the buffer per rank), with the model's own
 formula for the first two (``2 x kv_dim x tokens x 4 bytes x (n - 1) / n`` per layer, each way).
-On this machine the ranks share 2 cores with other work, so CP4's 4 processes cannot run 4
-times faster; the ratio says what the exchanges cost next to the compute they split, not what
-a GPU node gets.
+On this machine the ranks share 2 cores with other work: wall-clock tokens/s then measures
+the share of the cores the ranks get (4 processes get more of an oversubscribed machine than
+one), so the table also gives tokens per CPU-second summed over the ranks, which other work
+does not change: its ratio to one rank's is what CP's exchanges and extra attention cost in
+compute (1.0 would be free), not what a GPU node gets. One rank's causal attention skips the blocks above the diagonal; a CP rank's
+query chunk attends its keys through a mask, so its diagonal block is computed whole
+(``(2 cp + 1) / 2 cp`` of the balanced share of attention work per rank).
 
 **Memory.** One forward and backward of one sequence of ``--memory-seq`` tokens (16,384) through
 the small preset at cp = 1 (one process), 2 (two pairs of the 4 ranks) and 4: each rank's peak
@@ -86,7 +91,7 @@ class Traffic:
         for name, function in self._saved.items():
             setattr(dist, name, function)
 
-    def count_all_reduce(self, ddp: Any, group: dist.ProcessGroup) -> None:
+    def count_all_reduce(self, ddp: Any, group: dist.ProcessGroup | None) -> None:
         """Count DDP's own all-reduce (ring: ``2 (n - 1) / n`` of each buffer per rank)."""
 
         def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads the annotations
@@ -99,15 +104,17 @@ class Traffic:
 
 @dataclass
 class Timer(Callback):
-    """Wall time of the steps after the first."""
+    """Wall time and this process's CPU time of the steps after the first."""
 
     start: float = 0.0
     end: float = 0.0
+    cpu_start: float = 0.0
+    cpu_end: float = 0.0
 
     def post_step(self) -> None:
         if self.step == 1:
-            self.start = time.perf_counter()
-        self.end = time.perf_counter()
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
+        self.end, self.cpu_end = time.perf_counter(), time.process_time()
 
 
 def throughput_model(seq: int) -> TransformerConfig:
@@ -143,6 +150,7 @@ def _train(cp: int, seq: int, steps: int, save: str) -> dict[str, Any]:
         traffic.uninstall()
     return {
         "tokens/s": ROWS * seq * (steps - 1) / (timer.end - timer.start),
+        "cpu s/step": (timer.cpu_end - timer.cpu_start) / (steps - 1),
         "gathered": traffic.gathered / steps,
         "scattered": traffic.scattered / steps,
         "all-reduced": traffic.all_reduced / steps,
@@ -213,18 +221,22 @@ def report_throughput(seq: int, results: dict[int, list[dict[str, Any]]]) -> Non
         title=f"Context parallelism, tiny preset (GQA), {ROWS} x {seq} tokens per step, CPU gloo "
         "ranks with one thread each: tokens/s against one rank, bytes per rank per step"
     )
-    for column in ("layout", "tokens/s", "ratio", "K/V all-gather in", "formula",
-                   "K/V grad reduce-scatter out", "grad all-reduce (ring)"):  # fmt: skip
+    for column in ("layout", "tokens/s", "ratio", "tokens / CPU s", "ratio", "K/V all-gather in",
+                   "formula", "K/V grad reduce-scatter out", "grad all-reduce (ring)"):  # fmt: skip
         table.add_column(column, justify="right")
+    base_cpu = ROWS * seq / results[1][0]["cpu s/step"]
     config = throughput_model(seq)
     for cp, ranks in results.items():
         r = max(ranks, key=lambda x: x["gathered"])
         kv = 2 * config.kv_heads * config.head_dim * ROWS * seq * 4 * config.n_layers
         formula = kv * (cp - 1) // cp
+        per_cpu = ROWS * seq / sum(x["cpu s/step"] for x in ranks)
         table.add_row(
             "one rank" if cp == 1 else f"CP{cp}",
             f"{min(x['tokens/s'] for x in ranks):,.0f}",
             f"{min(x['tokens/s'] for x in ranks) / base:.2f}",
+            f"{per_cpu:,.0f}",
+            f"{per_cpu / base_cpu:.2f}",
             f"{r['gathered'] / 2**20:.2f} MiB",
             f"{formula / 2**20:.2f} MiB",
             f"{r['scattered'] / 2**20:.2f} MiB",
@@ -262,17 +274,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence (throughput)")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs of each layout, in turn; the fastest counts"
+    )
     parser.add_argument("--memory-seq", type=int, default=16384)
     parser.add_argument("--quick", action="store_true", help="short sequences, the tiny preset")
     args = parser.parse_args()
     quick = (128, 256, 2)
     seq, memory_seq, steps = quick if args.quick else (args.seq, args.memory_seq, args.steps)
     with tempfile.TemporaryDirectory() as tmp:
-        results = {}
-        for cp in (1, 2, 4):
-            out = str(Path(tmp) / f"cp{cp}.pt")
-            run_distributed_test(_throughput, cp, func_args=(cp, seq, steps, out), timeout=3600)
-            results[cp] = torch.load(out, weights_only=False)
+        results: dict[int, list[dict[str, Any]]] = {}
+        for _ in range(1 if args.quick else args.repeats):  # alternating: drifting load hits each
+            for cp in (1, 2, 4):
+                out = str(Path(tmp) / f"cp{cp}.pt")
+                run_distributed_test(_throughput, cp, func_args=(cp, seq, steps, out), timeout=3600)
+                run = torch.load(out, weights_only=False)
+                best = results.get(cp)
+                if best is None or min(r["tokens/s"] for r in run) > min(
+                    r["tokens/s"] for r in best
+                ):
+                    results[cp] = run
         report_throughput(seq, results)
         one, split = str(Path(tmp) / "one.pt"), str(Path(tmp) / "split.pt")
         run_distributed_test(_one_process_memory, 1, func_args=(memory_seq, args.quick, one))

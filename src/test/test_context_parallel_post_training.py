@@ -1,6 +1,6 @@
 """Post-training under context parallelism: SFT (masked labels, packed documents, its
-evaluator), DPO and two-stage KL on CP2 equal one process; GRPO and generation refuse it,
-saying why.
+evaluator), DPO and two-stage KL on CP2 equal one process; GRPO, generation and a model
+without olmolike's attention refuse it, saying why.
 
 Each run uses SGD, so the weights after a few steps compare at 1e-5 as well as every metric.
 The distributed runs share one spawned group of two ranks.
@@ -35,7 +35,7 @@ from olmolike.nn import TransformerConfig
 from olmolike.nn.context_parallel import apply_context_parallel
 from olmolike.nn.generation import sample
 from olmolike.optim import SGDConfig
-from olmolike.testing import random_token_instances
+from olmolike.testing import TinyCausalLM, random_token_instances
 from olmolike.train import Callback, Duration, TrainerConfig
 from olmolike.train.callbacks import SFTEvaluatorCallbackConfig
 from olmolike.train.train_module import TransformerTrainModuleConfig
@@ -133,9 +133,19 @@ def run(kind: str, save: Path, data: Path, cp: int) -> dict[str, Any]:
     return {"metrics": log.metrics, "params": params}
 
 
-def _context_parallel_runs(root: str) -> dict[str, dict[str, Any]]:
+def _context_parallel_runs(root: str) -> dict[str, Any]:
     data = Path(root) / "sft"
-    return {k: run(k, Path(root) / f"cp-{k}", data, cp=2) for k in ("sft", "dpo", "kl")}
+    runs: dict[str, Any] = {
+        k: run(k, Path(root) / f"cp-{k}", data, cp=2) for k in ("sft", "dpo", "kl")
+    }
+    cp = ContextParallelConfig(degree=2)
+    try:  # a model without olmolike's attention cannot be split
+        TransformerTrainModuleConfig(rank_microbatch_size=SEQ, cp_config=cp).build(
+            TinyCausalLM(vocab_size=64, d_model=16, n_layers=1, n_heads=2)
+        )
+    except ConfigurationError as e:
+        runs["refused"] = str(e)
+    return runs
 
 
 @pytest.mark.slow
@@ -147,6 +157,9 @@ def test_post_training_under_context_parallelism_equals_one_process(tmp_path: Pa
     assert "eval/sft/CE loss" in want["sft"]["metrics"][STEPS]
     assert "train/KL to snapshot" in want["kl"]["metrics"][STEPS]
     got = run_distributed_test(_context_parallel_runs, 2, args=(str(tmp_path),), timeout=300)
+    for rank_runs in got:
+        refusal = rank_runs["refused"]
+        assert "set cp_config.degree=1" in refusal and "TinyCausalLM" in refusal, refusal
     for kind, expected in want.items():
         for rank_runs in got:
             result = rank_runs[kind]
