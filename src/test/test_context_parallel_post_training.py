@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from test_tensor_parallel_post_training import _experiments, _train_both
+from test_train_kinds import metrics as saved_metrics
 from testutils import run_distributed_test
 from torch.distributed.tensor import DTensor
 
@@ -133,11 +135,15 @@ def run(kind: str, save: Path, data: Path, cp: int) -> dict[str, Any]:
     return {"metrics": log.metrics, "params": params}
 
 
-def _context_parallel_runs(root: str) -> dict[str, Any]:
+CP_LAYOUT = ["--train_module.cp_config.degree=2", "--train_module.dp_config.name=fsdp"]
+
+
+def _context_parallel_runs(root: str, experiments: dict[str, str]) -> dict[str, Any]:
     data = Path(root) / "sft"
     runs: dict[str, Any] = {
         k: run(k, Path(root) / f"cp-{k}", data, cp=2) for k in ("sft", "dpo", "kl")
     }
+    _train_both(experiments, CP_LAYOUT, f"{root}/files-cp")
     cp = ContextParallelConfig(degree=2)
     try:  # a model without olmolike's attention cannot be split
         TransformerTrainModuleConfig(rank_microbatch_size=SEQ, cp_config=cp).build(
@@ -151,12 +157,25 @@ def _context_parallel_runs(root: str) -> dict[str, Any]:
 @pytest.mark.slow
 def test_post_training_under_context_parallelism_equals_one_process(tmp_path: Path) -> None:
     """SFT (with its evaluator's loss at the end), DPO (sequence log-probs summed over the
-    ranks' shares) and two-stage KL: every metric and the weights equal one process's."""
+    ranks' shares) and two-stage KL: every metric and the weights equal one process's; SFT and
+    DPO experiment files under CP2 x FSDP (dotted overrides) give one process's losses."""
     sft_data(tmp_path)
     want = {k: run(k, tmp_path / f"one-{k}", tmp_path / "sft", cp=1) for k in ("sft", "dpo", "kl")}
     assert "eval/sft/CE loss" in want["sft"]["metrics"][STEPS]
     assert "train/KL to snapshot" in want["kl"]["metrics"][STEPS]
-    got = run_distributed_test(_context_parallel_runs, 2, args=(str(tmp_path),), timeout=300)
+    (tmp_path / "files").mkdir()
+    experiments = {name: str(path) for name, path in _experiments(tmp_path / "files").items()}
+    _train_both(experiments, [], str(tmp_path / "files-one"))
+    args = (str(tmp_path), experiments)
+    got = run_distributed_test(_context_parallel_runs, 2, args=args, timeout=400)
+    # Experiment files with the layout as dotted overrides (the loader split by `olmolike
+    # train` over the data-parallel ranks; DPO with precomputed reference log-probs).
+    for name in experiments:
+        loss = "train/DPO loss" if name == "dpo" else "train/CE loss"
+        one, split = (saved_metrics(tmp_path / r / name) for r in ("files-one", "files-cp"))
+        assert [m["step"] for m in split] == [1, 2]
+        for expected, actual in zip(one, split, strict=True):
+            assert actual["metrics"][loss] == pytest.approx(expected["metrics"][loss], abs=1e-5)
     for rank_runs in got:
         refusal = rank_runs["refused"]
         assert "set cp_config.degree=1" in refusal and "TinyCausalLM" in refusal, refusal
