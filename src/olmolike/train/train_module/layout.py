@@ -72,8 +72,8 @@ class ParallelLayout:
         split = degrees.world_size // degrees.dp > 1
         if degrees.tp > 1 and ddp:
             raise ConfigurationError(
-                "tensor parallelism composes with FSDP or HSDP over the data ranks, not with "
-                "DDP: set train_module.dp_config.name=fsdp",
+                "tensor parallelism composes with FSDP or HSDP over the data (and "
+                "context-parallel) ranks, not with DDP: set train_module.dp_config.name=fsdp",
                 path="train_module.dp_config.name",
             )
         if split and given is not None:
