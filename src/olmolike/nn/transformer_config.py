@@ -19,7 +19,7 @@ from ..exceptions import ConfigurationError
 from .rope import RopeScalingConfig
 from .transformer import Transformer, TransformerBlockType
 
-__all__ = ["TransformerConfig", "TransformerPreset"]
+__all__ = ["TransformerConfig", "TransformerPreset", "computation_changes", "model_override"]
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +239,61 @@ class TransformerConfig(Config):
             f"{self.num_params():,}", f"{self.num_non_embedding_params():,}", init_device,
         )  # fmt: skip
         return model
+
+
+# Fields that change nothing trained weights compute: how fresh weights are drawn, and the
+# longest input accepted (positions below both lengths get the same rotary angles, and the
+# data's sequence length is checked against it). Every other field, one added later
+# included, changes the computation unless it is named here.
+_WEIGHTS_UNAFFECTED = frozenset({"init_std", "max_sequence_length"})
+# Fields that only set a derived size: they differ in effect only when that size does.
+_SETS_DERIVED = {
+    "n_kv_heads": "kv_heads",
+    "mlp_hidden_size": "hidden_size",
+    "mlp_multiple_of": "hidden_size",
+}
+
+
+def computation_changes(
+    saved: TransformerConfig, now: TransformerConfig
+) -> dict[str, tuple[Any, Any]]:
+    """The fields of ``now`` that make weights trained under ``saved`` compute something
+    else, as ``name -> (saved value, value now)``, in field order.
+
+    Every field counts except ``init_std`` and ``max_sequence_length``, and a field that only
+    sets a derived size (``n_kv_heads``: the key/value heads; ``mlp_hidden_size`` and
+    ``mlp_multiple_of``: the MLP width) counts when that size differs: ``n_kv_heads=null``
+    and ``n_kv_heads`` equal to ``n_heads`` are the same model. A field changing the tensor
+    shapes (``d_model``) is named too.
+    """
+    changes = {}
+    for f in fields(saved):
+        old, new = getattr(saved, f.name), getattr(now, f.name)
+        if f.name in _WEIGHTS_UNAFFECTED or old == new:
+            continue
+        derived = _SETS_DERIVED.get(f.name)
+        if derived is None or getattr(saved, derived) != getattr(now, derived):
+            changes[f.name] = (_plain(old), _plain(new))
+    return changes
+
+
+def _plain(value: Any) -> Any:
+    """A field's value as a config file writes it: an option's value, a section as a dict."""
+    if isinstance(value, Config):
+        return {k: v for k, v in value.as_config_dict().items() if k != Config.CLASS_NAME_FIELD}
+    return value.value if isinstance(value, StrEnum) else value
+
+
+def model_override(name: str, value: Any, prefix: str = "model") -> str:
+    """The command-line override that sets the model config's field ``name`` to ``value``
+    (a plain value, as :func:`computation_changes` gives it), e.g. ``--model.n_heads=4``."""
+    if value is None:
+        return f"--{prefix}.{name}=null"
+    if isinstance(value, dict):
+        return " ".join(model_override(f"{name}.{k}", v, prefix) for k, v in value.items())
+    if isinstance(value, bool):
+        return f"--{prefix}.{name}={str(value).lower()}"
+    return f"--{prefix}.{name}={value}"
 
 
 # Its name before it moved here from olmolike.nn.transformer: every config.json saved with a

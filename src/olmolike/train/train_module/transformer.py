@@ -29,6 +29,7 @@ from ...optim import AdamWConfig, OptimConfig, Scheduler, SchedulerUnits
 from ...utils import get_default_device
 from ..callbacks.init_weights import InitWeightsCallback
 from ..common import ReduceType
+from ..weights import check_allowed_changes
 from .activation_checkpointing import ActivationCheckpointingConfig, ActivationCheckpointingMode
 from .layout import ParallelLayout
 from .train_module import (
@@ -92,6 +93,11 @@ class TransformerTrainModuleConfig(Config):
     remote. Weights only: the optimizer, schedule and step count start fresh. Loaded when
     ``fit()`` starts, after sharding and before step 1, and only if the run did not resume
     from a checkpoint: a resumed run continues from its own weights."""
+    init_weights_allowed_changes: list[str] = field(default_factory=list)
+    """Model config fields (``n_heads``, ``rope_theta``, ...) that may differ from the config
+    ``init_weights`` were trained with, to start from them under another architecture on
+    purpose (a longer context's ``rope_theta``, say). Empty: any difference that changes what
+    the weights compute is refused."""
 
     pipeline_refusal: ClassVar[str | None] = None
     """Why this kind of training refuses ``pp_config`` (``None``: it runs pipelined). The
@@ -106,6 +112,7 @@ class TransformerTrainModuleConfig(Config):
             )
         if self.rank_microbatch_size <= 0:
             raise self._invalid("rank_microbatch_size", "must be a positive number of tokens")
+        check_allowed_changes(self.init_weights_allowed_changes, "init_weights_allowed_changes")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise self._invalid("max_grad_norm", f"must be positive, got {self.max_grad_norm}")
         if self.z_loss_multiplier is not None and self.z_loss_multiplier < 0:
@@ -259,7 +266,11 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
                 raise e.under("train_module.scheduler") from None
         if self.config.init_weights is not None:
             self.trainer.add_callback(
-                "init_weights", InitWeightsCallback(source=self.config.init_weights)
+                "init_weights",
+                InitWeightsCallback(
+                    source=self.config.init_weights,
+                    allowed_changes=list(self.config.init_weights_allowed_changes),
+                ),
             )
 
     def _check_batches(self) -> None:
