@@ -47,12 +47,21 @@ def _run(args: argparse.Namespace) -> int:
         shard_tokens=args.shard_tokens,
         overwrite=args.overwrite,
         progress=True,
+        keep_binary=args.keep_binary,
     )
     for split in SPLITS:
         print(
             f"{split}: {prepared.num_tokens(split):,d} tokens in {len(prepared.paths(split))} shard(s)"
         )
     print(f"metadata: {prepared.output_dir / METADATA_FILE}")
+    skipped = prepared.metadata.get("skipped", [])
+    if skipped:
+        print(
+            f"warning: skipped {len(skipped)} of {len(skipped) + len(prepared.metadata['sources'])}"
+            " input file(s) that are not UTF-8 text (listed under 'skipped' in the metadata); "
+            "--keep-binary tokenizes them anyway",
+            file=sys.stderr,
+        )
     return _say_what_is_empty(prepared, args.val_fraction)
 
 
@@ -131,6 +140,12 @@ def add_prepare_data_command(cmd: argparse.ArgumentParser) -> None:
         "--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard"
     )
     cmd.add_argument("--overwrite", action="store_true", help="replace different earlier output")
+    cmd.add_argument(
+        "--keep-binary",
+        action="store_true",
+        help="tokenize files that are not UTF-8 text (NUL bytes, mostly invalid UTF-8) instead "
+        "of skipping them with a warning; their invalid bytes become U+FFFD",
+    )
     cmd.add_argument(
         "--stdlib",
         action="store_true",

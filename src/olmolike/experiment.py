@@ -122,6 +122,7 @@ def train(config: ExperimentConfig, rewards: RewardRegistry | None = None) -> Tr
     registry = load_rewards(config.train_module, rewards)
     degrees = config.train_module.parallel_degrees()  # checked against the world size here
     data_loader = build_data_loader(config.dataset, config.data_loader, config.model, degrees)
+    _check_ids_within_tokenizer(data_loader, config.tokenizer)
     # Built on the meta device: the train module shards it (if asked), then materialises it.
     model = config.model.build(init_device="meta")
     train_module = build_train_module(config.train_module, model, config.tokenizer, registry)
@@ -139,6 +140,22 @@ def train(config: ExperimentConfig, rewards: RewardRegistry | None = None) -> Tr
     )
     trainer.fit()
     return trainer
+
+
+def _check_ids_within_tokenizer(data_loader: object, tokenizer: TokenizerConfig) -> None:
+    """Token ids the experiment's tokenizer has no token for (data prepared with another
+    one) are refused like ids beyond the model's vocabulary: at build where the data's
+    metadata records its largest id, else as each instance is read, before any step."""
+    check = getattr(getattr(data_loader, "dataset", None), "check_token_ids_below", None)
+    if check is not None:
+        vocab_size = tokenizer.resolve().vocab_size
+        assert vocab_size is not None
+        check(
+            vocab_size,
+            "the tokenizer's vocabulary size",
+            f"the data was prepared with another tokenizer than this experiment's "
+            f"({tokenizer.identifier!r}): set --tokenizer.identifier to the one that prepared it",
+        )
 
 
 def _train_command(args: argparse.Namespace) -> int:

@@ -43,7 +43,7 @@ from .prepared_io import (
     token_dtype,
     write_atomically,
 )
-from .sources import Source, read_documents, resolve_inputs, stdlib_python_files
+from .sources import Source, not_text, read_documents, resolve_inputs, stdlib_python_files
 from .tokenizer import Tokenizer, TokenizerConfig
 
 __all__ = [
@@ -299,11 +299,15 @@ def prepare_data(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     overwrite: bool = False,
     progress: bool = False,
+    keep_binary: bool = False,
 ) -> PreparedData:
     """Tokenize ``inputs`` into ``.npy`` shards under ``output_dir`` (see the module docstring).
 
     Documents go to the validation split with probability ``val_fraction``, decided by a hash
-    of ``(seed, source name, document index)``.
+    of ``(seed, source name, document index)``. A file that is not UTF-8 text (a binary: see
+    :func:`~olmolike.data.sources.not_text`) is skipped with a warning naming it, and listed
+    under ``skipped`` in the metadata, unless ``keep_binary`` (its invalid bytes then become
+    U+FFFD).
     """
     check_settings(val_fraction)
     if shard_tokens < 1 or workers < 1:
@@ -312,7 +316,7 @@ def prepare_data(
     resolved = (tokenizer or TokenizerConfig()).resolve()
     assert resolved.vocab_size is not None and resolved.eos_token_id is not None
     dtype = token_dtype(resolved.vocab_size)
-    sources = resolve_inputs(inputs, exclude=out)
+    sources, skipped = _text_sources(resolve_inputs(inputs, exclude=out), keep_binary)
     # Everything the output depends on; not ``workers``, which never changes it.
     arguments = run_arguments(
         resolved,
@@ -343,8 +347,43 @@ def prepare_data(
         _run_jobs(jobs, resolved, workers, bar)
         splits = {s: _write_split(out, s, parts, dtype, shard_tokens, bar) for s in SPLITS}
     _refuse_an_empty_training_split(out, splits, len(sources), val_fraction)
-    metadata = finish_output(out, resolved, arguments, **_shard_fields(arguments, splits))
+    fields = _shard_fields(arguments, splits)
+    metadata = finish_output(out, resolved, arguments, **fields, skipped=skipped)
     return PreparedData(out, metadata)
+
+
+def _text_sources(sources: list[Source], keep_binary: bool) -> tuple[list[Source], list[str]]:
+    """The sources to tokenize and the names of those skipped as not text (with a warning
+    each); all of them with ``keep_binary``. Only binaries is an error.
+
+    The standard library's ``.py`` files (``--stdlib``, the embedded default corpus) are kept
+    whatever they hold: one is a test module in KOI8-R, and the corpus must be the same on
+    every run for the documented numbers to hold.
+    """
+    if keep_binary:
+        return sources, []
+    kept, skipped = [], []
+    stdlib: set[Path] | None = None
+    for source in sources:
+        reason = not_text(source)
+        if reason is not None and stdlib is None:
+            stdlib = {path.resolve() for path in stdlib_python_files()}
+        if reason is None or (stdlib is not None and source.path.resolve() in stdlib):
+            kept.append(source)
+            continue
+        log.warning(
+            "skipping %s: not UTF-8 text (%s); keep_binary (--keep-binary) tokenizes it anyway",
+            source.name,
+            reason,
+        )
+        skipped.append(source.name)
+    if not kept:
+        raise DataError(
+            f"none of the {len(sources)} input file(s) is UTF-8 text (e.g. {skipped[0]}: "
+            f"{not_text(sources[0])}); give text or JSONL files, or set keep_binary "
+            "(--keep-binary) to tokenize them anyway"
+        )
+    return kept, skipped
 
 
 def _refuse_an_empty_training_split(
