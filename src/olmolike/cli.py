@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import platform
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -151,6 +152,8 @@ def _add_unshard_command(unshard: argparse.ArgumentParser) -> None:
 def _generate(args: argparse.Namespace) -> int:
     if args.tp < 1:
         raise ConfigurationError(f"must be >= 1, got {args.tp}", path="tp")
+    if args.nproc_per_node is not None:
+        return _launch_generate(args)
     if args.tp == 1:
         return _sample_and_print(args, args.device)
     import torch
@@ -159,9 +162,9 @@ def _generate(args: argparse.Namespace) -> int:
     from .train import prepare_training_environment, teardown_training_environment
 
     if not (is_distributed() or launched_distributed()):
+        command = ["olmolike", "generate", f"--nproc-per-node={args.tp}", *_command_args(args)]
         raise ConfigurationError(
-            f"splits the model over {args.tp} ranks: launch with torchrun "
-            f"--nproc-per-node={args.tp} olmolike generate ... --tp {args.tp}",
+            f"splits the model over {args.tp} ranks: start them with {shlex.join(command)}",
             path="tp",
         )
     prepared = not is_distributed()
@@ -175,6 +178,36 @@ def _generate(args: argparse.Namespace) -> int:
     finally:
         if prepared:
             teardown_training_environment()
+
+
+def _command_args(args: argparse.Namespace) -> list[str]:
+    """The arguments the subcommand was given (after its name), as typed."""
+    argv: list[str] = args.argv
+    return argv[argv.index(args.command) + 1 :]
+
+
+def _launch_generate(args: argparse.Namespace) -> int:
+    """``generate --nproc-per-node N``: start N ranks here, each running ``generate --tp N``."""
+    from .distributed.utils import launched_distributed
+    from .launch import launch, without_option
+
+    nproc = args.nproc_per_node
+    if nproc < 1:
+        raise ConfigurationError(f"must be >= 1, got {nproc}", path="--nproc-per-node")
+    if launched_distributed():
+        raise ConfigurationError(
+            "starts the ranks itself: drop it under torchrun (or drop torchrun)",
+            path="--nproc-per-node",
+        )
+    if args.tp not in (1, nproc):
+        raise ConfigurationError(
+            f"is {args.tp} but --nproc-per-node starts {nproc} ranks, one per part of the "
+            f"model: give both the same number",
+            path="--tp",
+        )
+    rest = without_option(_command_args(args), "--nproc-per-node", len("--np"))
+    tp = [] if args.tp == nproc else ["--tp", str(nproc)]
+    return launch(nproc, ["generate", *rest, *tp])
 
 
 def _sample_and_print(args: argparse.Namespace, device: str | torch.device) -> int:
@@ -265,8 +298,15 @@ def _add_generate_command(generate: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="split the model over N ranks with tensor parallelism, for a model too large for "
-        "one device: run under torchrun --nproc-per-node=N; loads a checkpoint of any layout "
-        "and prints the text one process prints (default: %(default)s)",
+        "one device: start them with --nproc-per-node N (or run under torchrun "
+        "--nproc-per-node=N -m olmolike generate ...); loads a checkpoint of any layout and "
+        "prints the text one process prints (default: %(default)s)",
+    )
+    generate.add_argument(
+        "--nproc-per-node",
+        type=int,
+        metavar="N",
+        help="start N ranks on this machine that split the model (--tp N), without torchrun",
     )
     generate.set_defaults(run=_generate)
 
@@ -405,6 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command if command in COMMANDS else None).parse_args(argv)
+    args.argv = argv  # as typed, for the commands an error suggests
     try:
         return int(args.run(args))
     except (OLMoLikeError, FileExistsError) as e:

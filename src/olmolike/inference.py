@@ -122,8 +122,10 @@ def _tensor_parallel_mesh(degree: int, device: torch.device) -> DeviceMesh:
     world = get_world_size() if is_distributed() else 1
     if world != degree:
         raise ConfigurationError(
-            f"splits the model over {degree} ranks, but this job has {world}: launch it with "
-            f"torchrun --nproc-per-node={degree} (or drop --tp)",
+            f"splits the model over {degree} ranks, but this job has {world}: start "
+            f"{degree} ranks (olmolike generate --nproc-per-node={degree} CHECKPOINT --tp "
+            f"{degree}, or torchrun --nproc-per-node={degree} -m olmolike generate CHECKPOINT "
+            f"--tp {degree}), or drop --tp",
             path="tp",
         )
     return init_device_mesh(device.type, (degree,), mesh_dim_names=("tp",))
