@@ -54,7 +54,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "evaluate": (
         "print the cross-entropy loss and perplexity of a checkpoint on token data",
-        "olmolike.inference:add_evaluate_command",
+        "olmolike.cli_args:add_evaluate_command",
     ),
     "plan": (
         "print a config's memory per GPU (parameters, gradients, optimizer state, "
@@ -64,7 +64,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": (
         "train from an experiment config file (YAML or JSON) with dotted overrides; under "
         "torchrun: torchrun --nproc-per-node=N -m olmolike train CONFIG.yaml",
-        "olmolike.experiment:add_train_command",
+        "olmolike.cli_args:add_train_command",
     ),
 }
 """Subcommand -> (its one-line help, ``module:function`` that adds its arguments to the
@@ -122,9 +122,12 @@ def _unshard(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_unshard_command(unshard: argparse.ArgumentParser) -> None:
-    from .distributed.unshard import UnshardStrategyType
+# UnshardStrategyType's values, written out: its module imports torch, which would make
+# `olmolike unshard --help` take seconds (test_cli_help.py checks they agree).
+UNSHARD_STRATEGIES = ("one_file", "one_file_per_tensor", "chunks")
 
+
+def _add_unshard_command(unshard: argparse.ArgumentParser) -> None:
     unshard.add_argument("checkpoint", help="a train checkpoint folder (stepN) or a DCP directory")
     unshard.add_argument("output", help="the directory to write the files into")
     unshard.add_argument(
@@ -136,8 +139,8 @@ def _add_unshard_command(unshard: argparse.ArgumentParser) -> None:
     unshard.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     unshard.add_argument(
         "--strategy",
-        choices=[s.value for s in UnshardStrategyType],
-        default=UnshardStrategyType.one_file.value,
+        choices=UNSHARD_STRATEGIES,
+        default=UNSHARD_STRATEGIES[0],
         help="one model file, one file per tensor, or chunks of whole tensors (default: %(default)s)",
     )
     unshard.add_argument(
@@ -408,11 +411,24 @@ def _add_plan_command(plan: argparse.ArgumentParser) -> None:
 
 
 def _add_info_command(info: argparse.ArgumentParser) -> None:
+    info.description = (
+        "Print the versions of olmolike, Python and torch, the CUDA devices torch sees and "
+        "whether the gloo backend (distributed training on CPUs) is available: what a bug "
+        "report needs."
+    )
     info.set_defaults(run=_info)
 
 
 def _add_check_config_command(check: argparse.ArgumentParser) -> None:
-    check.add_argument("path")
+    check.description = (
+        "Read a TrainerConfig file (YAML or JSON), apply dotted overrides, check every field "
+        "and print the result as YAML with every default filled in; a mistake is one line "
+        "naming the field. For a whole experiment file (model, data, trainer), use olmolike "
+        "train CONFIG --dry-run."
+    )
+    check.add_argument(
+        "path", help="the trainer config file (.yaml, .yml or .json; local or a URL)"
+    )
     check.add_argument("overrides", nargs=argparse.REMAINDER, help="--dotted.key=value ...")
     check.set_defaults(run=_check_config)
 
@@ -435,7 +451,9 @@ def build_parser(command: str | None = None, *, full: bool = False) -> argparse.
     commands = parser.add_subparsers(dest="command", required=True)
     for name, (help, _) in COMMANDS.items():
         if full or name == command:
-            _adder(name)(commands.add_parser(name, help=help))
+            # The one-line help is the description, unless the command writes a longer one.
+            description = f"{help[0].upper()}{help[1:]}."
+            _adder(name)(commands.add_parser(name, help=help, description=description))
         else:
             commands.add_parser(name, help=help, add_help=False)
     return parser

@@ -44,7 +44,7 @@ from .train.callbacks import ConfigSaverCallback
 from .train.train_module import TransformerTrainModuleConfig
 from .train.train_module.grpo import RewardRegistry
 
-__all__ = ["ExperimentConfig", "add_train_command", "load_experiment", "train"]
+__all__ = ["ExperimentConfig", "load_experiment", "train", "train_command"]
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,8 @@ def _check_ids_within_tokenizer(data_loader: object, tokenizer: TokenizerConfig)
         )
 
 
-def _train_command(args: argparse.Namespace) -> int:
+def train_command(args: argparse.Namespace) -> int:
+    """``olmolike train`` (its arguments: :mod:`olmolike.cli_args`)."""
     from .train import prepare_training_environment, teardown_training_environment
     from .utils import seed_all
 
@@ -193,28 +194,3 @@ def _launch(args: argparse.Namespace) -> int:
         )
     dry_run = ["--dry-run"] if args.dry_run else []
     return launch(args.nproc_per_node, ["train", args.config, *dry_run, *args.overrides])
-
-
-def add_train_command(cmd: argparse.ArgumentParser) -> None:
-    """The arguments of ``olmolike train`` (its parser and help come from :mod:`olmolike.cli`)."""
-    cmd.description = (
-        "Train from an experiment config file: model, train_module, dataset, "
-        "data_loader, trainer (the train_lm example's --dry-run prints one). The train "
-        "module's _CLASS_ picks pretraining or SFT (transformer), dpo or grpo, and the "
-        "dataset's _CLASS_ its data (numpy, sft, preference_pairs, prompts). GRPO's reward "
-        "functions come from installed packages' olmolike.rewards entry points. Any field can "
-        "be overridden: --trainer.max_duration.value=100."
-    )
-    cmd.add_argument(
-        "--nproc-per-node",
-        type=int,
-        metavar="N",
-        help="start N ranks on this machine (gloo on CPU, NCCL on GPUs) instead of one process, "
-        "without torchrun; give it before the config file",
-    )
-    cmd.add_argument("config", help="the experiment config file (.yaml, .yml or .json)")
-    cmd.add_argument(
-        "--dry-run", action="store_true", help="print the config with the overrides; train nothing"
-    )
-    cmd.add_argument("overrides", nargs=argparse.REMAINDER, help="--dotted.key=value ...")
-    cmd.set_defaults(run=_train_command)

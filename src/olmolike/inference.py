@@ -39,8 +39,8 @@ from .train.train_module import BasicTrainModule
 
 __all__ = [
     "LoadedCheckpoint",
-    "add_evaluate_command",
     "evaluate_checkpoint",
+    "evaluate_command",
     "export_checkpoint_to_hf",
     "generate_text",
     "load_checkpoint_model",
@@ -259,7 +259,8 @@ def _config_sequence_length(config: dict[str, Any]) -> int:
     return value
 
 
-def _evaluate(args: argparse.Namespace) -> int:
+def evaluate_command(args: argparse.Namespace) -> int:
+    """``olmolike evaluate`` (its arguments: :mod:`olmolike.cli_args`)."""
     metrics = evaluate_checkpoint(
         args.checkpoint,
         args.data,
@@ -271,36 +272,3 @@ def _evaluate(args: argparse.Namespace) -> int:
     for name, value in metrics.items():
         print(f"{name}: {value:.6f}")
     return 0
-
-
-def add_evaluate_command(evaluate: argparse.ArgumentParser) -> None:
-    """The arguments of ``olmolike evaluate`` (held-out loss and perplexity of a checkpoint)."""
-    evaluate.add_argument(
-        "checkpoint", help="a checkpoint folder (runs/my-run/step600) or a save folder (its newest)"
-    )
-    evaluate.add_argument(
-        "--data",
-        nargs="+",
-        action="extend",
-        required=True,
-        metavar="PATH_OR_GLOB",
-        help="token files (.npy/.bin), folders of them, or globs, as prepare-data writes them "
-        "(repeatable; put the checkpoint first or it is taken for data)",
-    )
-    evaluate.add_argument(
-        "--sequence-length",
-        type=int,
-        metavar="N",
-        help="tokens per instance (default: the experiment config's dataset.sequence_length)",
-    )
-    evaluate.add_argument(
-        "--batch-size", type=int, default=8, metavar="N", help="instances per forward pass"
-    )
-    evaluate.add_argument(
-        "--max-batches",
-        type=int,
-        metavar="N",
-        help="evaluate at most this many batches (default: all data)",
-    )
-    evaluate.add_argument("--device", default="cpu")
-    evaluate.set_defaults(run=_evaluate)
