@@ -58,8 +58,12 @@ class SourceMixtureConfig(Config):
     """One source of a mixture: its files and the share of each epoch's instances it supplies."""
 
     name: str
+    """The source's name, unique in the mixture (it names the source in errors and logs)."""
     paths: list[str]
+    """The source's token files, folders or globs, as ``NumpyDatasetConfig.paths``."""
     rate: float
+    """The share of each epoch's instances this source supplies, in (0, 1]; the rates of a mixture
+    sum to 1."""
     max_repetition: float = 1.0
     """How many times the source's instances may be used per epoch; beyond it is an error."""
 
@@ -81,6 +85,8 @@ class NumpyDatasetConfig(Config):
     paths: list[str] = field(default_factory=list)
     """Files, folders (their ``.npy``/``.bin`` files, recursively) and globs; local or URLs."""
     sequence_length: int = 1024
+    """Tokens per training instance (each instance is one window of a token file; the tail of a file
+    shorter than it is dropped)."""
     dtype: str | None = None
     """Token dtype; ``None`` reads it from ``.npy`` headers (required for raw files)."""
     vocab_size: int | None = None

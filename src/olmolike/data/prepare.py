@@ -237,7 +237,11 @@ class PreparedData:
     """The result of :func:`prepare_data`: where the shards are and what ``metadata.json`` says."""
 
     output_dir: Path
+    """The folder ``prepare_data`` wrote: the shards under ``train/`` and ``val/``, and
+    ``metadata.json``."""
     metadata: dict[str, Any]
+    """The contents of ``metadata.json``: the tokenizer and its ids, the shards of each split with
+    their token counts, the sources, and the arguments of the run."""
 
     @classmethod
     def load(cls, output_dir: str | Path) -> PreparedData:

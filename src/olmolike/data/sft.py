@@ -77,7 +77,10 @@ class SFTExample:
     """One tokenized example: its ids and which of them are trained on."""
 
     ids: np.ndarray
+    """The example's token ids, prompt and completion, in order."""
     trained: np.ndarray
+    """One boolean per id: whether the loss is taken on it (the completion's tokens, not the
+    prompt's)."""
 
 
 # -- reading -----------------------------------------------------------------------------------

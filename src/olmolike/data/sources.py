@@ -26,8 +26,12 @@ class Source:
     so the validation split, which hashes it, does not depend on the current directory."""
 
     path: Path
+    """The file, as found on disk."""
     name: str
+    """The path as the user's input expanded to it (not resolved): it names the file in messages and
+    the metadata, and seeds the validation split."""
     size: int
+    """The file's size in bytes (recorded, so that a rerun on changed inputs is refused)."""
 
 
 def stdlib_python_files() -> list[Path]:

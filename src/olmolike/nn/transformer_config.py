@@ -81,20 +81,48 @@ class TransformerConfig(Config):
     """
 
     vocab_size: int
+    """Rows of the embedding and of the output head: at least the tokenizer's vocabulary (often
+    rounded up to a multiple of 128, which keeps the matmuls fast). Every token id must be below it.
+    """
     d_model: int
+    """The width of the residual stream: the size of each token's hidden vector, and of the
+    embeddings."""
     n_layers: int
+    """Transformer blocks, each attention then MLP."""
     n_heads: int
+    """Attention (query) heads per block; must divide ``d_model``, and each head's width ``d_model /
+    n_heads`` must be even (rotary embeddings rotate pairs)."""
     n_kv_heads: int | None = None
+    """Key/value heads per block, a divisor of ``n_heads``: fewer than ``n_heads`` is grouped-query
+    attention (a smaller KV cache and fewer parameters). ``None``: as many as ``n_heads``."""
     mlp_hidden_size: int | None = None
+    """The inner width of each SwiGLU MLP. ``None``: 8/3 of ``d_model`` rounded up to
+    ``mlp_multiple_of`` (the parameters of a 4x GELU MLP)."""
     mlp_multiple_of: int = 256
+    """With ``mlp_hidden_size`` unset, the MLP width is rounded up to a multiple of this."""
     max_sequence_length: int = 4096
+    """The longest input in tokens: the rotary tables are built this long. It changes no weight:
+    raise it to take longer sequences (the data's ``sequence_length`` must not exceed it)."""
     rope_theta: float = 500_000.0
+    """The base of the rotary position embeddings' frequencies: larger bases rotate slower, for
+    longer contexts (Llama 2: 10,000; Llama 3 and OLMo-2: 500,000)."""
     rope_scaling: RopeScalingConfig | None = None
+    """Llama 3.1's stretch of the rotary frequencies to a longer context
+    (:class:`~olmolike.nn.rope.RopeScalingConfig`); ``None``: none."""
     norm_eps: float = 1e-6
+    """The epsilon added to the mean square in every RMSNorm, for numerical safety."""
     qk_norm: bool = False
+    """Apply RMSNorm to the query and key projections (over all heads at once, as OLMo-2 does),
+    which keeps attention logits from growing."""
     tie_weights: bool = False
+    """Share the embedding matrix with the output head (one ``vocab_size x d_model`` matrix instead
+    of two)."""
     block_type: TransformerBlockType = TransformerBlockType.default
+    """Where each block normalizes (:class:`~olmolike.nn.TransformerBlockType`): ``default`` before
+    attention and MLP (Llama), ``reordered_norm`` on their outputs (OLMo-2)."""
     init_std: float = 0.02
+    """The standard deviation of the initial weights (truncated normal at 3 std; output projections
+    scaled down with depth). Only a fresh model uses it."""
 
     def validate(self) -> None:
         positive_ints = ("vocab_size", "d_model", "n_layers", "n_heads", "mlp_multiple_of")

@@ -49,11 +49,18 @@ class CheckpointLoad:
     """One load of the checkpoint ``dir`` into ``train_module``, on every rank of ``group``."""
 
     dir: str
+    """The checkpoint folder (``step{N}``), local or a URL."""
     train_module: Checkpointable
+    """What the model and optimizer state are read into, in place."""
     group: dist.ProcessGroup | None
+    """The process group of the ranks that load together (``None``: the default group)."""
     load_trainer_state: bool | None
+    """Whether to read the trainer state too; ``None``: if the checkpoint has it."""
     load_optim_state: bool | None
+    """Whether to read the optimizer state; ``None``: if the checkpoint has it."""
     current_config: str | bytes | None
+    """This run's ``config.json`` (``None`` if it has none): a checkpoint whose model config differs
+    is refused, naming the fields."""
 
     def run(self, work_dir: Path, pre_download: bool, thread_count: int | None) -> Any:
         """Load; returns this rank's trainer state (``None`` if not loaded). ``pre_download``

@@ -59,6 +59,7 @@ class TransformerTrainModuleConfig(Config):
     rank_microbatch_size: int
     """Tokens per forward/backward pass on one rank; the rank batch must be a multiple of it."""
     optim: OptimConfig = field(default_factory=AdamWConfig)
+    """The optimizer (default AdamW with its defaults), built over the model's parameters."""
     scheduler: Scheduler | None = None
     """LR schedule over the trainer's ``max_duration``; ``None`` keeps the optimizer's LR."""
     max_grad_norm: float | None = None
@@ -67,12 +68,17 @@ class TransformerTrainModuleConfig(Config):
     """Weight of the z-loss (squared log-partition), which keeps logits from drifting; 1e-4 is
     a common choice for large runs."""
     label_smoothing: float = 0.0
+    """Label smoothing of the cross-entropy loss, from 0 (none) to below 1: the share of the target
+    probability spread evenly over the vocabulary."""
     label_ignore_index: int = -100
+    """Label value whose positions are not trained on (padding, masked prompt tokens)."""
     autocast_precision: DType | None = None
     """Run forward and backward under ``torch.autocast`` in this dtype (e.g. bfloat16)."""
     compile_model: bool = False
     """``torch.compile`` each transformer block (the blocks are identical, so one compile)."""
     compile_backend: str = "inductor"
+    """The ``torch.compile`` backend with ``compile_model`` (``inductor``; ``aot_eager`` compiles
+    without generating kernels)."""
     dp_config: DataParallelConfig | None = None
     """Data parallelism over the ranks the other degrees leave; ``None`` means DDP when there
     are several data-parallel ranks."""
@@ -85,6 +91,8 @@ class TransformerTrainModuleConfig(Config):
     """Pipeline parallelism: the layers split into stages over ``pp_config.degree`` ranks
     (:mod:`olmolike.train.train_module.pipeline`); the data dimensions take the other ranks."""
     ac_config: ActivationCheckpointingConfig | None = None
+    """Activation checkpointing: recompute activations in the backward pass to save memory;
+    ``None``: keep them all."""
     init_seed: int = 0
     """Seed for the weights when the model was built on the ``meta`` device."""
     init_weights: str | None = None
