@@ -73,6 +73,9 @@ class Layout(ParallelDegrees):
     """Pipeline stages on each pipeline rank (more than 1 with interleaved 1F1B only)."""
     schedule: PipelineScheduleType = PipelineScheduleType.one_f_one_b
     """The pipeline schedule (with ``pp`` 1: none)."""
+    hsdp: bool = False
+    """The config asks for HSDP: replication alone (``dp_shard`` 1) then runs as HSDP with
+    one-rank shards, not as DDP."""
 
     def __post_init__(self) -> None:
         schedule = check_choice(self.schedule, PipelineScheduleType, "schedule")
@@ -80,10 +83,17 @@ class Layout(ParallelDegrees):
 
     @property
     def data_parallel(self) -> str:
-        """``ddp``, ``fsdp``, ``hsdp`` or ``none``: how the data-parallel ranks hold the model."""
+        """``ddp``, ``fsdp``, ``hsdp`` or ``none``: how the data-parallel ranks hold the model
+        as training runs them. Replication alone is DDP, except with tensor or context
+        parallelism (DDP does not compose with them: training runs these degrees only as
+        HSDP with one-rank shards), under a pipeline (which runs DDP so), or when the config
+        asks for HSDP."""
         if self.dp_shard > 1:
             return "hsdp" if self.dp_replicate > 1 else "fsdp"
-        return "ddp" if self.dp_replicate > 1 else "none"
+        if self.dp_replicate == 1:
+            return "none"
+        plain = self.tp * self.cp == 1 and self.pp == 1 and not self.hsdp
+        return "ddp" if plain else "hsdp"
 
     @property
     def num_stages(self) -> int:
@@ -116,9 +126,14 @@ class StateBytes:
     """What one rank holds between steps, in bytes."""
 
     params: int
+    """The parameter shards the rank holds, in bytes."""
     grads: int
+    """The gradients the rank holds, in bytes (like its parameters)."""
     optim: int
+    """The optimizer state the rank holds, in bytes (AdamW: two moments like each parameter and a
+    float32 step per tensor)."""
     buffers: int
+    """Non-parameter tensors the rank holds (the RoPE tables), in bytes."""
 
     @property
     def total(self) -> int:
