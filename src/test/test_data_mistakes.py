@@ -117,8 +117,7 @@ def test_nothing_to_train_on_is_an_error_at_prepare_time_that_leaves_no_output(
     assert result.returncode == 2
     assert result.stderr.splitlines() == [result.stderr.strip()], result.stderr
     assert result.stderr.startswith(says), result.stderr
-    assert not (out / METADATA_FILE).exists()
-    assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
+    assert not out.exists()  # a refused preparation leaves no folder behind
     if text:  # the corrected rerun is not refused as "prepared with different arguments"
         again = run_cli("prepare-data", str(tmp_path / "in.txt"), "-o", str(out))
         assert again.returncode == 0, again.stderr
@@ -202,3 +201,24 @@ def test_the_standard_library_corpus_is_kept_whole() -> None:
     module in KOI8-R, is not UTF-8), so that the documented numbers hold."""
     sources = resolve_inputs(stdlib_python_files())
     assert _text_sources(sources, keep_binary=False) == (sources, [])
+
+
+@pytest.mark.parametrize("kind", ["--sft", "--dpo"])
+def test_fine_tuning_data_from_an_empty_file_is_refused_leaving_nothing_behind(
+    tmp_path: Path, kind: str
+) -> None:
+    """And the corrected rerun is not refused as another preparation's (its work folder,
+    which recorded the empty file's size, is gone too)."""
+    data, out = tmp_path / "chat.jsonl", tmp_path / "out"
+    data.write_text("")
+    result = run_cli("prepare-data", str(data), "-o", str(out), kind, "--sequence-length", "128")
+    assert result.returncode == 2 and "error: no " in result.stderr, result.stderr
+    assert not out.exists()
+    record = (
+        {"prompt": "hi", "completion": "hello"}
+        if kind == "--sft"
+        else {"prompt": "hi", "chosen": "hello", "rejected": "go away"}
+    )
+    data.write_text(json.dumps(record) + "\n")
+    again = run_cli("prepare-data", str(data), "-o", str(out), kind, "--sequence-length", "128")
+    assert again.returncode == 0, again.stderr

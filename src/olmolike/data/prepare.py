@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
-import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,10 +30,12 @@ import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..exceptions import DataError
+from ..io import removed_if_left_empty
 from .numpy_dataset import METADATA_FILE, NumpyDatasetConfig
 from .prepared_io import (
     SPLITS,
     WORK_DIR,
+    abandon_output,
     begin_output,
     check_settings,
     finish_output,
@@ -320,40 +321,44 @@ def prepare_data(
     resolved = (tokenizer or TokenizerConfig()).resolve()
     assert resolved.vocab_size is not None and resolved.eos_token_id is not None
     dtype = token_dtype(resolved.vocab_size)
-    sources, skipped = _text_sources(resolve_inputs(inputs, exclude=out), keep_binary)
-    # Everything the output depends on; not ``workers``, which never changes it.
-    arguments = run_arguments(
-        resolved,
-        sources,
-        dtype=dtype.name,
-        text_field=text_field,
-        val_fraction=val_fraction,
-        seed=seed,
-        shard_tokens=shard_tokens,
-    )
-    finished = begin_output(out, arguments, overwrite)
-    if finished is not None:
-        return PreparedData(out, finished)
-    parts_dir = out / WORK_DIR / "parts"
-    parts_dir.mkdir(parents=True, exist_ok=True)
-    _clean_temporaries(out)
-    groups = _group_sources(sources)
-    parts = [parts_dir / f"{i:06d}.npz" for i in range(len(groups))]
-    jobs = [
-        _PartJob(tuple(group), part, text_field, seed, val_fraction, dtype.name)
-        for group, part in zip(groups, parts)
-        if not part.exists()
-    ]
-    if len(jobs) < len(parts):
-        log.info("Resuming: %d of %d parts already tokenized", len(parts) - len(jobs), len(parts))
-    columns = (TextColumn("{task.description}"), BarColumn(), TimeRemainingColumn())
-    with Progress(*columns, disable=not progress) as bar:
-        _run_jobs(jobs, resolved, workers, bar)
-        splits = {s: _write_split(out, s, parts, dtype, shard_tokens, bar) for s in SPLITS}
-    _refuse_an_empty_training_split(out, splits, len(sources), val_fraction)
-    fields = _shard_fields(arguments, splits)
-    metadata = finish_output(out, resolved, arguments, **fields, skipped=skipped)
-    return PreparedData(out, metadata)
+    # A refused preparation leaves no empty output folder behind.
+    with removed_if_left_empty(out):
+        sources, skipped = _text_sources(resolve_inputs(inputs, exclude=out), keep_binary)
+        # Everything the output depends on; not ``workers``, which never changes it.
+        arguments = run_arguments(
+            resolved,
+            sources,
+            dtype=dtype.name,
+            text_field=text_field,
+            val_fraction=val_fraction,
+            seed=seed,
+            shard_tokens=shard_tokens,
+        )
+        finished = begin_output(out, arguments, overwrite)
+        if finished is not None:
+            return PreparedData(out, finished)
+        parts_dir = out / WORK_DIR / "parts"
+        parts_dir.mkdir(parents=True, exist_ok=True)
+        _clean_temporaries(out)
+        groups = _group_sources(sources)
+        parts = [parts_dir / f"{i:06d}.npz" for i in range(len(groups))]
+        jobs = [
+            _PartJob(tuple(group), part, text_field, seed, val_fraction, dtype.name)
+            for group, part in zip(groups, parts)
+            if not part.exists()
+        ]
+        if len(jobs) < len(parts):
+            log.info(
+                "Resuming: %d of %d parts already tokenized", len(parts) - len(jobs), len(parts)
+            )
+        columns = (TextColumn("{task.description}"), BarColumn(), TimeRemainingColumn())
+        with Progress(*columns, disable=not progress) as bar:
+            _run_jobs(jobs, resolved, workers, bar)
+            splits = {s: _write_split(out, s, parts, dtype, shard_tokens, bar) for s in SPLITS}
+        _refuse_an_empty_training_split(out, splits, len(sources), val_fraction)
+        fields = _shard_fields(arguments, splits)
+        metadata = finish_output(out, resolved, arguments, **fields, skipped=skipped)
+        return PreparedData(out, metadata)
 
 
 def _text_sources(sources: list[Source], keep_binary: bool) -> tuple[list[Source], list[str]]:
@@ -399,8 +404,7 @@ def _refuse_an_empty_training_split(
     if sum(s["tokens"] for s in splits["train"]):
         return
     held_out = sum(s["documents"] for s in splits["val"])
-    for name in (*SPLITS, WORK_DIR):
-        shutil.rmtree(out / name, ignore_errors=True)
+    abandon_output(out)
     if held_out:
         raise DataError(
             f"the training split is empty: val_fraction {val_fraction:g} (--val-fraction) held "

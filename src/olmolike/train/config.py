@@ -20,7 +20,7 @@ from ..distributed.utils import (
     is_shared_filesystem,
     new_group,
 )
-from ..io import is_url, local_path, url_to_fs
+from ..io import is_url, local_path, removed_if_left_empty, url_to_fs
 from ..utils import get_default_device
 from .callbacks.callback import Callback
 from .callbacks.checkpointer import CheckpointerCallback
@@ -250,24 +250,26 @@ class TrainerConfig(Config):
         self.validate()
         if dp_process_group is None:
             dp_process_group = train_module.dp_process_group
-        self._check_save_folder()
-        self._check_same_on_every_rank()
-        work_dir = Path(self.work_dir) if self.work_dir else self._default_work_dir()
-        owned: list[dist.ProcessGroup] = []
-        if checkpointer_pg is None and is_distributed():
-            # Checkpoint collectives may run in a background thread: give them their own group.
-            # It keeps the run's timeout: ranks take turns uploading a checkpoint, and the
-            # others wait at a barrier meanwhile, for as long as the upload takes.
-            checkpointer_pg = new_group("checkpointer", shorten_timeout=False)
-            owned += [checkpointer_pg] if checkpointer_pg is not None else []
-        try:
-            return self._build_trainer(
-                train_module, data_loader, work_dir, dp_process_group, checkpointer_pg, owned
-            )
-        except BaseException:
-            for group in owned:  # the trainer that would have destroyed it does not exist
-                destroy_group(group, barrier=False)
-            raise
+        # A run refused here leaves no empty save folder (or work_dir) behind.
+        with removed_if_left_empty(self.save_folder, self.work_dir):
+            self._check_save_folder()
+            self._check_same_on_every_rank()
+            work_dir = Path(self.work_dir) if self.work_dir else self._default_work_dir()
+            owned: list[dist.ProcessGroup] = []
+            if checkpointer_pg is None and is_distributed():
+                # Checkpoint collectives may run in a background thread: their own group.
+                # It keeps the run's timeout: ranks take turns uploading a checkpoint, and
+                # the others wait at a barrier meanwhile, for as long as the upload takes.
+                checkpointer_pg = new_group("checkpointer", shorten_timeout=False)
+                owned += [checkpointer_pg] if checkpointer_pg is not None else []
+            try:
+                return self._build_trainer(
+                    train_module, data_loader, work_dir, dp_process_group, checkpointer_pg, owned
+                )
+            except BaseException:
+                for group in owned:  # the trainer that would have destroyed it does not exist
+                    destroy_group(group, barrier=False)
+                raise
 
     def _build_trainer(
         self,
