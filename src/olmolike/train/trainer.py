@@ -561,17 +561,17 @@ class Trainer:
             self._hooks.call_except("post_train", evaluators)
 
     def _fit(self) -> None:
-        log.info(
-            "Training from step %d to step %d (%s tokens per step, %d rank(s))",
-            self.global_step,
-            self._stop_step(),
-            f"{self.global_batch_size:,d}",
-            get_world_size(),
-        )
-        # Warns, naming the field to change.
-        durations.nothing_to_train(
+        # Warns, naming the field to change; else says what it trains.
+        if not durations.nothing_to_train(
             self.max_duration, self.hard_stop, self._progress(), self.save_folder
-        )
+        ):
+            log.info(
+                "Training from step %d to step %d (%s tokens per step, %d rank(s))",
+                self.global_step,
+                self._stop_step(),
+                f"{self.global_batch_size:,d}",
+                get_world_size(),
+            )
         self._hooks("pre_train")
         while not self.training_complete:
             self._fit_epoch()
