@@ -83,6 +83,10 @@ def test_another_n_heads_is_refused_and_both_suggested_ways_run(
     # with those weights.
     start = re.search(r"(--train_module\.init_weights=\S+ --train_module\.\S+)$", message)
     assert start is not None
+    # init_weights alone refuses the difference too, naming the same allowance.
+    alone = [start[1].split()[0], f"--trainer.save_folder={tmp_path / 'alone'}"]
+    assert main(["train", str(config), "--model.n_heads=4", *alone]) == 2
+    assert start[1].split()[1] in _refusal(capsys)
     new = tmp_path / "new"
     args = [*shlex.split(start[1]), f"--trainer.save_folder={new}"]
     assert main(["train", str(config), "--model.n_heads=4", *args]) == 0
