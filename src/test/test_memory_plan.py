@@ -332,7 +332,7 @@ def test_every_listed_layout_trains_as_labelled(
     with TP or a pipeline is HSDP with one-rank shards, counted with FSDP's buffers."""
     assert main(["plan", str(config_file), "--gpus", "8", "--gpu-memory", "80"]) == 0
     table = capsys.readouterr().out.split("longest seq\n")[1]
-    rows = [line.split() for line in table.splitlines()]
+    rows = [line.split() for line in table.splitlines() if line.split()[:1] != ["..."]]
     assert any(row[5] == "hsdp" and row[2] == "1" and row[4] != "1" for row in rows)
     for pp, replicate, shard, cp, tp, name, *_ in rows:
         degrees = ParallelDegrees(
