@@ -53,6 +53,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from ..config import Config, StrEnum
 
@@ -173,7 +174,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
 
     def forward(self, x: Tensor) -> Routing:
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x, local(self.weight))
         probs = logits.softmax(dim=-1, dtype=torch.float32)
         # A stable sort: equal probabilities keep expert order, so the lower index wins a tie
         # on every device and layout (torch.topk leaves the choice among equals open).
@@ -225,14 +226,13 @@ class TokenDispatcher:
     def __init__(self, num_experts: int) -> None:
         self.num_experts = num_experts
 
-    def dispatch(self, x: Tensor, experts: Tensor) -> Dispatched:
-        """``x`` (T, d) and ``experts`` (T, top_k): the ``T x top_k`` copies grouped by expert,
-        tokens in their order within a group (a stable sort: deterministic)."""
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        top_k = experts.shape[-1]
-        tokens = x.index_select(0, order // top_k)
-        return Dispatched(tokens, count_tokens(flat, self.num_experts), order)
+    def dispatch(self, x: Tensor, experts: Tensor, counts: Tensor) -> Dispatched:
+        """``x`` (T, d), ``experts`` (T, top_k) and ``counts`` (num_experts,), the copies each
+        expert is routed: the ``T x top_k`` copies grouped by expert, tokens in their order
+        within a group (a stable sort: deterministic)."""
+        order = torch.argsort(experts.reshape(-1), stable=True)
+        tokens = x.index_select(0, order // experts.shape[-1])
+        return Dispatched(tokens, counts, order)
 
     def combine(self, expert_out: Tensor, dispatched: Dispatched, shape: torch.Size) -> Tensor:
         """The experts' results of each routed copy, back in ``(T, top_k, d)`` order."""
@@ -287,12 +287,16 @@ class Experts(nn.Module):
         d, h = self.w_gate.shape[1:]
         return grouped_mm_supported(x.device, _compute_dtype(x), d, h)
 
+    def _weights(self) -> tuple[Tensor, Tensor, Tensor]:
+        return local(self.w_gate), local(self.w_up), local(self.w_down)
+
     def _loop(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
         counts = tokens_per_expert.tolist()  # the group sizes on the host (a sync on a GPU)
+        w_gate, w_up, w_down = self._weights()
         outs = []
         for e, group in enumerate(x.split(counts)):
-            hidden = F.silu(group @ self.w_gate[e]) * (group @ self.w_up[e])
-            outs.append(hidden @ self.w_down[e])
+            hidden = F.silu(group @ w_gate[e]) * (group @ w_up[e])
+            outs.append(hidden @ w_down[e])
         return torch.cat(outs) if outs else x.new_zeros(x.shape)
 
     def _grouped_mm(self, x: Tensor, tokens_per_expert: Tensor) -> Tensor:
@@ -300,11 +304,19 @@ class Experts(nn.Module):
         dtype = _compute_dtype(x)
         x = x.to(dtype)
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)
-        w_gate, w_up, w_down = (w.to(dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        w_gate, w_up, w_down = (w.to(dtype) for w in self._weights())
         hidden = F.silu(torch._grouped_mm(x, w_gate, offs=offsets)) * torch._grouped_mm(
             x, w_up, offs=offsets
         )
         return torch._grouped_mm(hidden, w_down, offs=offsets)
+
+
+def local(weight: Tensor) -> Tensor:
+    """This rank's part of a parameter as a plain tensor: a layer's computation runs on
+    plain tensors whatever its parameters are (replicated DTensors under tensor parallelism,
+    whose gradients are then the same on every rank; sharded experts under expert
+    parallelism)."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -418,22 +430,22 @@ class MoEFeedForward(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         routing = self.router(flat)
-        dispatched = self.dispatcher.dispatch(flat, routing.experts)
+        counts = count_tokens(routing.experts, self.num_experts)
+        dispatched = self.dispatcher.dispatch(flat, routing.experts, counts)
         expert_out = self.experts(dispatched.tokens, dispatched.tokens_per_expert)
         slots = self.dispatcher.combine(expert_out, dispatched, routing.experts.shape)
         weights = routing.weights.to(slots.dtype).unsqueeze(-1)
         out = (slots * weights).sum(dim=1)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(flat)
+            out = out + _swiglu(self.shared_expert, flat)
         weight = _AUX_LOSS_WEIGHT.get()
         if self.training and torch.is_grad_enabled() and weight != 0:
-            out = self._with_aux_losses(out, routing, expert_out.shape[0], weight)
+            out = self._with_aux_losses(out, routing, counts, expert_out.shape[0], weight)
         return out.view(*shape[:-1], out.shape[-1])
 
     def _with_aux_losses(
-        self, out: Tensor, routing: Routing, computed: int, weight: float
+        self, out: Tensor, routing: Routing, counts: Tensor, computed: int, weight: float
     ) -> Tensor:
-        counts = count_tokens(routing.experts, self.num_experts)
         lb = load_balancing_loss(routing.probs, counts)
         z = router_z_loss(routing.logits)
         out = _AttachAuxLoss.apply(out, self.lb_coefficient * lb + self.z_coefficient * z, weight)
@@ -444,6 +456,12 @@ class MoEFeedForward(nn.Module):
                 counts, counts.new_full((), dropped), lb.detach() * weight, z.detach() * weight
             )
         return out
+
+
+def _swiglu(mlp: nn.Module, x: Tensor) -> Tensor:
+    """A dense SwiGLU MLP (``w_gate``, ``w_up``, ``w_down`` linear layers) on plain weights."""
+    gate, up, down = (local(getattr(mlp, name).weight) for name in ("w_gate", "w_up", "w_down"))
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
 def moe_layers(model: nn.Module) -> dict[int, MoEFeedForward]:

@@ -19,6 +19,7 @@ import torch.nn as nn
 from ...data.preference import PreferenceDataLoader
 from ...exceptions import ConfigurationError
 from ...nn.functional import DPOLossType, check_label_smoothing, dpo_loss, sequence_log_probs
+from ...nn.moe import aux_loss_weight
 from ...utils import get_default_device
 from ..common import ReduceType
 from .reference import ReferenceModel, cached_reference_logps, check_same_architecture
@@ -196,7 +197,8 @@ class DPOTrainModule(TransformerTrainModule):
                 mb_ids, mb_labels = ids[rows], labels[rows]
                 mb_index = None if index is None else index[pair_rows]
                 ref_c, ref_r, lengths = self._reference_log_probs(mb_ids, mb_labels, mb_index)
-                with self._autocast:
+                # An MoE policy's auxiliary losses: the mean over the step's pairs, as the loss.
+                with self._autocast, aux_loss_weight(len(rows) // 2 * scale):
                     logits = self._forward_module(mb_ids)
             pol, _ = sequence_log_probs(logits, mb_labels, ignore_index=ignore)
             pol_c, pol_r = pol.chunk(2)
@@ -214,6 +216,7 @@ class DPOTrainModule(TransformerTrainModule):
                 (margin > 0).float().sum(), margin.sum(), pol_c.detach().sum(),
                 pol_r.detach().sum(),
             ])  # fmt: skip
+        self._record_moe(dry_run)
         if not dry_run:
             self._record(stats * scale)
 
