@@ -218,3 +218,24 @@ def test_generate_on_an_moe_checkpoint_equals_transformers_greedy(
     for use_cache in (True, False):
         ours = generate(loaded.model, prompt, max_new_tokens=20, temperature=0, use_cache=use_cache)
         assert torch.equal(ours, hf)
+
+
+def test_training_starts_from_olmoe_weights_and_refuses_other_routing(
+    theirs: torch.nn.Module, folder: Path
+) -> None:
+    from olmolike.train.weights import load_pretrained_weights
+
+    config = transformer_config_from_hf(theirs.config.to_dict())
+    model = config.build(seed=5).eval()
+    load_pretrained_weights(model, str(folder))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(token_ids()), theirs(token_ids()).logits, rtol=0, atol=1e-5
+        )
+    assert config.moe is not None
+    other = config.replace(moe=config.moe.replace(top_k=1, load_balancing_loss_coefficient=0.5))
+    with pytest.raises(ConfigurationError, match=r"moe\.top_k: 1 vs 2.*--model\.moe\.top_k=2"):
+        load_pretrained_weights(other.build(seed=5), str(folder))
+    dense = config.replace(moe=None)
+    with pytest.raises(ConfigurationError, match="--model.moe.num_experts=N"):
+        load_pretrained_weights(dense.build(seed=5), str(folder))

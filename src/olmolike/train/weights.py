@@ -53,6 +53,10 @@ _ARCHITECTURE_FIELDS = (
     "block_type", "qk_norm", "tie_weights", "rope_theta", "rope_scaling", "norm_eps",
 )  # fmt: skip
 _SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "hidden_size")
+# A mixture of experts' routing and experts (not its loss coefficients, which fine-tuning may
+# change): the values of its MoEConfig, compared as ``moe.<field>``.
+_MOE_FIELDS = ("num_experts", "top_k", "hidden_size", "shared_expert_hidden_size",
+               "normalize_top_k", "layers")  # fmt: skip
 # The config field that sets each derived size.
 _FIELD_TO_SET = {"kv_heads": "n_kv_heads", "hidden_size": "mlp_hidden_size"}
 
@@ -143,13 +147,10 @@ def _check_config(model: nn.Module, weights: Mapping[str, Any], source: str) -> 
     ours = _model_config(model)
     if ours is None:
         return
-    differ = [
-        name
-        for name in (*_SHAPE_FIELDS, *_ARCHITECTURE_FIELDS)
-        if name in weights and getattr(ours, name) != weights[name]
-    ]
+    mine = _config_fields(ours)
+    differ = [name for name in mine if name in weights and mine[name] != weights[name]]
     if differ:
-        found = "; ".join(f"{n}: {getattr(ours, n)} vs {weights[n]}" for n in differ)
+        found = "; ".join(f"{n}: {mine[n]} vs {weights[n]}" for n in differ)
         fix = " ".join(_override(n, weights[n]) for n in differ)
         raise ConfigurationError(
             f"the model is not built like the weights in {source} (model vs weights: {found}); "
@@ -159,8 +160,12 @@ def _check_config(model: nn.Module, weights: Mapping[str, Any], source: str) -> 
 
 def _override(name: str, value: Any) -> str:
     """The command-line override that sets the model config's ``name`` to ``value``."""
+    if name == "moe":  # whether the model is a mixture of experts at all
+        return "--model.moe=null" if not value else "--model.moe.num_experts=N (their moe)"
     if value is None:
         return f"--model.{name}=null"
+    if isinstance(value, list):
+        return f"--model.{name}=[{','.join(str(v) for v in value)}]"
     if isinstance(value, RopeScalingConfig):
         return " ".join(f"--model.{name}.{k}={v}" for k, v in vars(value).items())
     return f"--model.{_FIELD_TO_SET.get(name, name)}={value}"
@@ -253,7 +258,11 @@ def _copy_in(
 
 
 def _config_fields(config: TransformerConfig) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in (*_SHAPE_FIELDS, *_ARCHITECTURE_FIELDS)}
+    fields = {name: getattr(config, name) for name in (*_SHAPE_FIELDS, *_ARCHITECTURE_FIELDS)}
+    fields["moe"] = config.moe is not None  # a dense model is no mixture of experts
+    if config.moe is not None:
+        fields |= {f"moe.{name}": getattr(config.moe, name) for name in _MOE_FIELDS}
+    return fields
 
 
 # -- olmolike checkpoints -----------------------------------------------------------------
