@@ -288,7 +288,7 @@ def _add_export_hf_command(export: argparse.ArgumentParser) -> None:
 
 def _plan(args: argparse.Namespace) -> int:
     from .experiment import load_experiment
-    from .train.memory_report import config_layout, plan_report
+    from .plan.report import config_layout, plan_report
 
     # Options may follow the config file too (`plan CONFIG --gpus 8`): the rest are overrides.
     parser = argparse.ArgumentParser(prog="olmolike plan", add_help=False)

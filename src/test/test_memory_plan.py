@@ -19,10 +19,10 @@ from olmolike.nn import TransformerConfig
 from olmolike.nn.functional import cross_entropy_loss
 from olmolike.nn.transformer_stage import TransformerStage
 from olmolike.optim import AdamWConfig
+from olmolike.plan.activations import activation_bytes, pipeline_actions
+from olmolike.plan.memory import Layout, gathered_bytes, state_bytes
+from olmolike.plan.report import plan_report, rank_memory
 from olmolike.train import Duration, TrainerConfig
-from olmolike.train.activation_memory import activation_bytes, pipeline_actions
-from olmolike.train.memory_plan import Layout, gathered_bytes, state_bytes
-from olmolike.train.memory_report import plan_report, rank_memory
 from olmolike.train.train_module import (
     ActivationCheckpointingConfig,
     ActivationCheckpointingMode,

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from olmolike.distributed.pipeline import PipelineScheduleType
 from olmolike.distributed.utils import get_rank
 from olmolike.nn import TransformerConfig
-from olmolike.train.memory_plan import Layout, StateBytes, state_bytes
+from olmolike.plan.memory import Layout, StateBytes, state_bytes
 from olmolike.train.train_module import TransformerTrainModuleConfig
 
 # Every dimension uneven over 2 and 4 ranks (67 vocabulary rows, 40 MLP rows, 24 kv rows in

@@ -1,7 +1,7 @@
 """Activation checkpointing's settings: which transformer blocks recompute their activations
 in backward instead of keeping them. The train module applies them
 (:class:`~olmolike.train.train_module.TransformerTrainModule`); the memory planner counts the
-blocks they select (:mod:`olmolike.train.activation_memory`).
+blocks they select (:mod:`olmolike.plan.activations`).
 """
 
 from __future__ import annotations

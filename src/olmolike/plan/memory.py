@@ -24,7 +24,7 @@ parallelism shards them:
 Gradients have the parameters' shapes and dtype (FSDP casts the reduced gradient back to it).
 AdamW keeps ``exp_avg`` and ``exp_avg_sq`` like each parameter plus a 4-byte float32 ``step``
 per parameter tensor; SGD with momentum one buffer like each parameter. Activations follow
-:mod:`olmolike.train.activation_memory`.
+:mod:`olmolike.plan.activations`.
 """
 
 from __future__ import annotations

@@ -24,16 +24,16 @@ from ..distributed.parallel import DataParallelType
 from ..distributed.pipeline import PipelineParallelConfig
 from ..exceptions import ConfigurationError
 from ..nn import TransformerConfig
-from .activation_memory import activation_bytes, microbatches_in_flight
-from .memory_plan import Layout, StateBytes, gathered_bytes, layouts, state_bytes
-from .train_module.dpo import DPOTrainModuleConfig
-from .train_module.transformer import (
+from ..train.train_module.dpo import DPOTrainModuleConfig
+from ..train.train_module.transformer import (
     ActivationCheckpointingConfig,
     ActivationCheckpointingMode,
     TransformerTrainModuleConfig,
 )
+from .activations import activation_bytes, microbatches_in_flight
+from .memory import Layout, StateBytes, gathered_bytes, layouts, state_bytes
 
-__all__ = ["RankMemory", "plan_report", "rank_memory"]
+__all__ = ["RankMemory", "config_layout", "plan_report", "rank_memory"]
 
 GIB = 1024**3
 FULL_AC = ActivationCheckpointingConfig(mode=ActivationCheckpointingMode.full)

@@ -48,8 +48,8 @@ from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _Com
 
 from ..distributed.pipeline import PipelineScheduleType, split_layers
 from ..nn import TransformerConfig
-from .memory_plan import Layout
-from .train_module.transformer import ActivationCheckpointingConfig
+from ..train.train_module.transformer import ActivationCheckpointingConfig
+from .memory import Layout
 
 __all__ = ["ActivationBytes", "activation_bytes", "microbatches_in_flight", "pipeline_actions"]
 
