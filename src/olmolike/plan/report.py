@@ -302,7 +302,9 @@ def plan_report(
     checkpointed_busiest = checkpointed[busiest.pp_rank]
     dtype_bytes, autocast = _compute_dtype_bytes(module, layout)
     lines = [
-        f"model: {model.num_params():,} parameters; {forward_tokens(module):,} tokens per "
+        f"model: {model.num_params():,} parameters"
+        + (f" ({model.num_active_params():,} active per token)" if model.moe else "")
+        + f"; {forward_tokens(module):,} tokens per "
         f"forward pass on each rank; activations in {dtype_bytes}-byte dtype"
         + (" (autocast)" if autocast else ""),
         f"layout from the config: {layout} ({layout.data_parallel} on "

@@ -352,6 +352,9 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         updates), so the recorded losses are their mean."""
         if self._moe is None:
             return
+        if dry_run:  # a step that records nothing counts no routing either
+            self._moe.record(self, weight_sum=1, collect=True, dry_run=True)
+            return
         trainer = self.trainer
         step = trainer.global_step
         collect = step % trainer.metrics_collect_interval == 0 or step == trainer.max_steps
