@@ -257,6 +257,9 @@ def fitting(
     return fits, None if fits else closest
 
 
+_MOE_FORMULA = "; an MoE block a(3kd+4k h_e+4h_s)+(a+8)E for 4ah, not divided by tp"
+
+
 def _gib(n: int) -> str:
     return f"{n / GIB:9.3f}"
 
@@ -323,8 +326,9 @@ def plan_report(
         *_pipeline_lines(layout, n, configured),
         "activations per token: block 2(8+a)d + a(2d+2kv+4h) + 4(H+2); outside the blocks "
         "(8+a)d + 4 + (a+4)V; a checkpointed block a*d; divided by tp; under a pipeline, times "
-        "the micro-batches its schedule holds (GPipe n, 1F1B pp - r on pipeline rank r) "
-        "(docs/memory-planner.md)",
+        "the micro-batches its schedule holds (GPipe n, 1F1B pp - r on pipeline rank r)"
+        + (_MOE_FORMULA if model.moe else "")
+        + " (docs/memory-planner.md)",
     ]
     if type(module) is not TransformerTrainModuleConfig:
         lines.append(
