@@ -26,6 +26,7 @@ BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
         ("generation.py", "cached >= 5x recompute"),
         ("cli_startup.py", "ratio olmolike --help / python -c pass"),
         ("parallel_layouts.py", "ratios against FSDP"),
+        ("context_parallel.py", "measured / planned"),
         ("moe.py", "MoE / dense tokens/s"),
     ],
 )
