@@ -41,6 +41,17 @@ run: install
 	@echo "--- a sample from the trained model (olmolike generate runs/$(RUN_NAME) --prompt '$(PROMPT) ') ---"
 	@$(VENV)/bin/olmolike generate runs/$(RUN_NAME) --prompt '$(PROMPT) ' --max-new-tokens 300
 
+# `make moe`: a mixture of experts (moe_tiny: top-2 of 8 experts, tiny's active size) on the
+# same embedded corpus, a few CPU minutes; prints each layer's expert load at the end.
+# MOE_ARGS takes dotted overrides, e.g. --model.moe.load_balancing_loss_coefficient=0.
+.PHONY: moe
+MOE_RUN ?= moe-demo
+MOE_ARGS ?=
+
+moe: install
+	$(VENV)/bin/olmolike prepare-data --stdlib -o $(DATA_DIR) --val-fraction 0.02 --workers 2
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) src/examples/moe/train.py $(MOE_RUN) $(MOE_ARGS)
+
 # `make sft`: fine-tune the `make run` model (trained first if runs/$(RUN_NAME) is missing) to
 # write standard-library functions from their docstrings; prints the masked loss on held-out
 # completions before and after. SFT_ARGS takes dotted overrides.
@@ -122,6 +133,7 @@ bench: install
 	$(PY) src/benchmarks/data_loader.py
 	$(PY) src/benchmarks/gpu_throughput.py
 	$(PY) src/benchmarks/generation.py
+	$(PY) src/benchmarks/moe.py
 	$(PY) src/benchmarks/cli_startup.py
 	$(PY) src/benchmarks/vs_olmo_core.py
 

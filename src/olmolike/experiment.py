@@ -129,11 +129,13 @@ def train(config: ExperimentConfig, rewards: RewardRegistry | None = None) -> Tr
     saver = ConfigSaverCallback(config=config.as_config_dict())  # for generate, evaluate
     trainer = config.trainer.with_callback("config_saver", saver).build(train_module, data_loader)
     kind = kind_of(config.train_module, config.dataset)
+    active = config.model.num_active_params()
     log.info(
-        "%s (%s): %s parameters, %s %s per step, %s steps",
+        "%s (%s): %s parameters%s, %s %s per step, %s steps",
         config.run_name,
         kind,
         f"{config.model.num_params():,d}",
+        f" ({active:,d} active per token)" if config.model.moe is not None else "",
         f"{trainer.global_batch_size:,d}",
         "prompts" if kind == "GRPO" else "tokens",
         trainer.max_steps,

@@ -350,3 +350,36 @@ def test_every_listed_layout_trains_as_labelled(
     replicated_tp = rank_memory(model, module, Layout(dp_replicate=4, tp=2), None)
     assert replicated_tp.layout.data_parallel == "hsdp"
     assert replicated_tp.gathered < replicated_tp.state.params  # no DDP bucket copy
+
+
+# -- mixtures of experts -------------------------------------------------------------------------
+
+
+def test_a_mixture_of_experts_is_counted_whole_and_its_summary_says_active() -> None:
+    olmoe = TransformerConfig.olmoe_1B_7B(50304)
+    held = state_bytes(olmoe, Layout(dp_shard=8), AdamWConfig())
+    unsharded = state_bytes(olmoe, Layout(), AdamWConfig())
+    assert unsharded.params == 4 * olmoe.num_params()
+    # FSDP chunks every tensor along dim 0, the 64 experts 8 per rank.
+    assert held.params == pytest.approx(unsharded.params / 8, rel=1e-4)
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_moe_activation_estimate_within_15_percent_of_mem_tracker(ac: str) -> None:
+    from olmolike.nn import MoEConfig
+
+    config = TransformerConfig(
+        vocab_size=256, d_model=64, n_layers=3, n_heads=4, mlp_hidden_size=192, qk_norm=True,
+        max_sequence_length=128, moe=MoEConfig(num_experts=8, top_k=2, hidden_size=96, layers=[1, 2]),
+    )  # fmt: skip
+    module = TransformerTrainModuleConfig(rank_microbatch_size=4 * 128, ac_config=AC_MODES[ac])
+    train_module = module.build(config.build(seed=0), device=torch.device("cpu"))
+    input_ids = torch.randint(0, 256, (4, 128), generator=torch.Generator().manual_seed(0))
+    tracker = _ActivationPeak()
+    tracker.track_external(train_module.model, input_ids)
+    with tracker:
+        logits = train_module.model(input_ids)
+        loss, _ = cross_entropy_loss(logits, input_ids, reduction="sum")
+        loss.backward()
+    estimate = activation_bytes(config, 4 * 128, 4, AC_MODES[ac])
+    assert abs(estimate - tracker.peak) <= 0.15 * tracker.peak, (estimate, tracker.peak)

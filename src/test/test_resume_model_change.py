@@ -26,6 +26,7 @@ from olmolike.optim import AdamWConfig
 from olmolike.train import Duration, TrainerConfig
 from olmolike.train.callbacks import CheckpointerCallback
 from olmolike.train.train_module import TransformerTrainModuleConfig
+from olmolike.train.weights import check_allowed_changes
 
 SEQ = 16
 
@@ -137,3 +138,33 @@ def test_another_d_model_names_the_field_first_in_a_short_line(
     message = _refusal(capsys)
     assert message.index("model.d_model: 16 -> 32") < message.index("saved,")
     assert "and " in message and len(message) < 600, message
+
+
+def test_a_mixture_of_experts_counts_its_routing_not_its_loss_weights() -> None:
+    from olmolike.nn.moe import ExpertCompute, MoEConfig
+
+    def moe(**kwargs: object) -> TransformerConfig:
+        return TransformerConfig(
+            vocab_size=64,
+            d_model=64,
+            n_layers=2,
+            n_heads=4,
+            moe=MoEConfig(**kwargs),  # type: ignore[arg-type]
+        )
+
+    base = moe(num_experts=4, top_k=2)
+    # The losses' weights and how the matmuls run change training only; an unset width or
+    # layer list written out is the same model.
+    same = moe(
+        num_experts=4, top_k=2, load_balancing_loss_coefficient=0.0,
+        router_z_loss_coefficient=0.1, expert_compute=ExpertCompute.loop,
+        hidden_size=base.hidden_size, layers=[0, 1],
+    )  # fmt: skip
+    assert computation_changes(base, same) == {}
+    assert computation_changes(base, moe(num_experts=4, top_k=1)) == {"moe.top_k": (2, 1)}
+    assert computation_changes(base, moe(num_experts=4, top_k=2, layers=[1])) == {
+        "moe.layers": (None, [1])
+    }
+    dense = TransformerConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4)
+    assert set(computation_changes(base, dense)) == {"moe"}
+    check_allowed_changes(["moe.top_k", "n_heads"])

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..config import StrEnum
 from .context_parallel import ContextParallel, ShardAttention
 from .kv_cache import KVCache, LayerKVCache
+from .moe import MoEFeedForward
 from .rope import RotaryEmbedding, apply_rotary, document_attention
 
 if TYPE_CHECKING:
@@ -139,15 +140,22 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """A residual block: attention, then the MLP, each with its RMSNorm (see ``block_type``)."""
+    """A residual block: attention, then the MLP, each with its RMSNorm (see ``block_type``).
+    The MLP of layer ``index`` is a mixture of experts if ``config.moe`` says so."""
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, index: int = 0) -> None:
         super().__init__()
         self.reordered_norm = config.block_type == TransformerBlockType.reordered_norm
         self.attention_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attention = Attention(config)
         self.feed_forward_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.feed_forward = FeedForward(config.d_model, config.hidden_size)
+        self.feed_forward: FeedForward | MoEFeedForward
+        if config.is_moe_layer(index):
+            shared = config.moe.shared_expert_hidden_size if config.moe else None
+            shared_expert = FeedForward(config.d_model, shared) if shared else None
+            self.feed_forward = MoEFeedForward(config, index, shared_expert)
+        else:
+            self.feed_forward = FeedForward(config.d_model, config.hidden_size)
 
     def forward(
         self,
@@ -191,7 +199,7 @@ class Transformer(nn.Module):
         self.rope = RotaryEmbedding(
             config.head_dim, config.max_sequence_length, config.rope_theta, config.rope_scaling
         )
-        self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_weights:
@@ -299,9 +307,17 @@ def init_draws(config: TransformerConfig) -> Iterator[tuple[str, float]]:
         for name in ("w_q", "w_k", "w_v"):
             yield f"{prefix}.attention.{name}.weight", std
         yield f"{prefix}.attention.w_out.weight", out_std
-        yield f"{prefix}.feed_forward.w_gate.weight", std
-        yield f"{prefix}.feed_forward.w_up.weight", std
-        yield f"{prefix}.feed_forward.w_down.weight", out_std
+        mlps = [f"{prefix}.feed_forward"]
+        if config.is_moe_layer(i):  # the router, every expert at once, the shared expert
+            yield f"{prefix}.feed_forward.router.weight", std
+            yield f"{prefix}.feed_forward.experts.w_gate", std
+            yield f"{prefix}.feed_forward.experts.w_up", std
+            yield f"{prefix}.feed_forward.experts.w_down", out_std
+            mlps = [f"{prefix}.feed_forward.shared_expert"] if config.has_shared_expert else []
+        for mlp in mlps:
+            yield f"{mlp}.w_gate.weight", std
+            yield f"{mlp}.w_up.weight", std
+            yield f"{mlp}.w_down.weight", out_std
     if not config.tie_weights:
         yield "lm_head.weight", std
 

@@ -20,6 +20,7 @@ sharded on the vocabulary for the vocabulary-parallel loss.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -29,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .context_parallel import ShardAttention
+from .moe import aux_loss_weight
 from .rope import RotaryEmbedding, document_attention
 from .transformer import Transformer, init_parameters
 from .transformer_config import TransformerConfig
@@ -103,6 +105,11 @@ class TransformerStage(_Parts):
         self.rope.to(model.rope.cos.device)
         self.tp_mesh = tp_mesh
         self.context_parallel = model.context_parallel
+
+    def shape_inference(self) -> contextlib.AbstractContextManager[None]:
+        """Where the pipeline runs a forward only to learn the output shapes (on placeholder
+        inputs): MoE blocks then attach no auxiliary loss and count no routing."""
+        return aux_loss_weight(0.0)
 
     def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         cp = self.context_parallel

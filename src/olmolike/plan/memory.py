@@ -13,7 +13,9 @@ parallelism shards them:
   :func:`~olmolike.nn.parallel_plan.block_plan`, read here, not restated): a column-wise
   linear layer along dim 0 of its weight, a row-wise one along dim 1, a row-wise embedding
   along the vocabulary (dim 0), a feature-sharded norm along its features; what the plan
-  leaves out or sequence-parallelises stays whole. FSDP then chunks the TP-local tensor.
+  leaves out or sequence-parallelises stays whole (a mixture of experts' router and experts
+  too: they are replicated over the tensor-parallel ranks). FSDP then chunks the TP-local
+  tensor (the stacked experts ``(E, ...)`` along the expert dimension).
 * **CP** (``cp``) splits the sequences, not the parameters: FSDP/HSDP cut each tensor over
   ``dp_shard x cp`` ranks (the train module shards over both), DDP replicates over them.
 * **PP** (``pp``) gives each pipeline rank the stages the pipeline train module gives it
@@ -218,8 +220,10 @@ def tensor_parallel_dims(model: TransformerConfig) -> dict[str, int]:
     :mod:`olmolike.nn.parallel_plan`'s plan (a parameter not named is replicated)."""
     meta = _meta_model(model)
     plans: list[tuple[str, nn.Module, dict[str, ParallelStyle]]] = [("", meta, root_plan())]
-    qk_norm = model.qk_norm
-    plans += [(f"blocks.{i}.", b, block_plan(qk_norm)) for i, b in meta.blocks.named_children()]
+    plans += [
+        (f"blocks.{i}.", b, block_plan(model.qk_norm, moe=model.is_moe_layer(int(i))))
+        for i, b in meta.blocks.named_children()
+    ]
     dims = {}
     for prefix, root, plan in plans:
         for path, style in plan.items():

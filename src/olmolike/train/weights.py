@@ -37,6 +37,7 @@ from ..nn.hf_import import (
     read_hf_tensors,
     transformer_config_from_hf,
 )
+from ..nn.moe import MoEConfig
 from ..nn.transformer_config import TransformerConfig, computation_changes, model_override
 from ..nn.transformer_stage import TransformerParts
 from .checkpoint import Checkpointer
@@ -136,8 +137,11 @@ def _model_config(model: nn.Module) -> TransformerConfig | None:
 
 
 def check_allowed_changes(names: Collection[str], path: str = "allowed_changes") -> set[str]:
-    """``names`` as a set, each checked to be a :class:`TransformerConfig` field."""
-    known = {f.name for f in fields(TransformerConfig)}
+    """``names`` as a set, each checked to be a :class:`TransformerConfig` field (or
+    ``moe.<field>``, a field of its :class:`~olmolike.nn.moe.MoEConfig`)."""
+    known = {f.name for f in fields(TransformerConfig)} | {
+        f"moe.{f.name}" for f in fields(MoEConfig)
+    }
     unknown = sorted(set(names) - known)
     if unknown:
         raise ConfigurationError(

@@ -19,6 +19,7 @@ import torch.nn as nn
 from ...data.preference import PreferenceDataLoader
 from ...exceptions import ConfigurationError
 from ...nn.functional import DPOLossType, check_label_smoothing, dpo_loss
+from ...nn.moe import aux_loss_weight
 from ...utils import get_default_device
 from ..common import ReduceType
 from .reference import (
@@ -204,7 +205,8 @@ class DPOTrainModule(TransformerTrainModule):
                 mb_ids, mb_labels = ids[rows], labels[rows]
                 mb_index = None if index is None else index[pair_rows]
                 ref_c, ref_r, lengths = self._reference_log_probs(mb_ids, mb_labels, mb_index)
-                with self._autocast:
+                # An MoE policy's auxiliary losses: the mean over the step's pairs, as the loss.
+                with self._autocast, aux_loss_weight(len(rows) // 2 * scale):
                     logits = self._forward_module(mb_ids)
             pol, _ = self._log_probs(logits, mb_labels)
             pol_c, pol_r = pol.chunk(2)
@@ -222,6 +224,7 @@ class DPOTrainModule(TransformerTrainModule):
                 (margin > 0).float().sum(), margin.sum(), pol_c.detach().sum(),
                 pol_r.detach().sum(),
             ])  # fmt: skip
+        self._record_moe(dry_run)
         if not dry_run:
             self._record(stats * scale)
 

@@ -8,6 +8,9 @@ trainer and callbacks see is what they see without a pipeline:
 - the loss (CE, z-loss) is computed on the last stage, normalised by the global token count
   exactly as without a pipeline, and shared with every pipeline rank by one all-reduce per
   step, so each rank records the same metric values;
+- a mixture of experts' auxiliary losses are attached to each MoE block's output
+  (:mod:`olmolike.nn.moe`), so every stage's backward backpropagates its own blocks' losses,
+  each micro-batch's weighted by its share of the step as without a pipeline;
 - the gradient norm is that of the whole model (squares summed over the pipeline ranks), and
   clipping uses it;
 - data parallelism (FSDP, HSDP, or replication for ``ddp``) runs over the data dimensions of
@@ -42,6 +45,7 @@ from ...distributed.pipeline import (
 from ...distributed.utils import gather_objects, get_world_size
 from ...exceptions import ConfigurationError
 from ...nn.functional import cross_entropy_loss
+from ...nn.moe import aux_loss_weight
 from ...nn.transformer import Transformer
 from ...nn.transformer_stage import TransformerParts, TransformerStage
 from ..common import ReduceType
@@ -273,7 +277,9 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
         labels = self._local_labels(labels)
         self._losses = []
         schedule = self._schedule(n, tuple(input_ids.shape), docs is not None, train=True)
-        with self._autocast:
+        # Every rank of the data group runs n micro-batches of one shape: each is 1 / (n x dp)
+        # of the step's tokens, times dp for the gradients' average over the data ranks.
+        with self._autocast, aux_loss_weight(1.0 / n):
             schedule.step(
                 *([input_ids] if self.is_first_stage_rank else []),
                 target=labels if self.is_last_stage_rank else None,
@@ -288,6 +294,7 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
         # The loss exists on the last stage only: one all-reduce per step on every pipeline
         # rank (the others add zeros) gives each rank the same values to record.
         dist.all_reduce(totals, group=self.pp_group)
+        self._record_moe(dry_run)
         if dry_run:
             return
         self.record_ce_loss(totals[0], ReduceType.mean)

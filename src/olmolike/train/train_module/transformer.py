@@ -25,13 +25,16 @@ from ...distributed.tensor_parallel import ContextParallelConfig, TensorParallel
 from ...distributed.utils import get_world_size
 from ...exceptions import ConfigurationError
 from ...nn.functional import cross_entropy_loss
+from ...nn.moe import aux_loss_weight
 from ...optim import AdamWConfig, OptimConfig, Scheduler, SchedulerUnits
 from ...utils import get_default_device
 from ..callbacks.init_weights import InitWeightsCallback
+from ..callbacks.moe_load import MoELoadCallback
 from ..common import ReduceType
 from ..weights import check_allowed_changes
 from .activation_checkpointing import ActivationCheckpointingConfig, ActivationCheckpointingMode
 from .layout import ParallelLayout
+from .moe import MoEMetrics
 from .train_module import (
     ModelAndOptimTrainModule,
     agreed_microbatches,
@@ -202,6 +205,9 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         self.dp_world_size = self.layout.dp_world_size
         self.model = model
         self._parallelize(model)  # may replace self.model (a pipeline rank's stages)
+        self._moe = MoEMetrics.of(self.model, replicas=self.layout.degrees.tp)
+        self._step_tokens = 1
+        """Tokens of the step over the data-parallel ranks (the MoE auxiliary losses' mean)."""
         self.optim = config.optim.build(self.model)
         self.scheduler = config.scheduler
         self._check_rewarm = False
@@ -292,6 +298,8 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
                     allowed_changes=list(self.config.init_weights_allowed_changes),
                 ),
             )
+        if self._moe is not None and not self.trainer.has_callback(MoELoadCallback):
+            self.trainer.add_callback("moe_load", MoELoadCallback())
 
     def _check_batches(self) -> None:
         """Refuse a data loader whose batches this module cannot split (before any step)."""
@@ -326,7 +334,7 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
                     self._padding_step()
                     continue
                 docs = None if doc_ids is None else doc_ids[rows]
-                with self._autocast:
+                with self._autocast, self._moe_share(input_ids[rows].numel()):
                     logits = self._forward_module(input_ids[rows], **_doc_kwargs(docs))
                     ce_loss, z_loss = cross_entropy_loss(
                         logits,
@@ -341,6 +349,7 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
             ce_total += ce_loss.detach()
             if z_loss is not None:
                 z_total += z_loss.detach()
+        self._record_moe(dry_run)
         if dry_run:
             return
         # Mean-reduced across ranks, these are exactly the global per-token means.
@@ -357,7 +366,34 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         per = microbatch_rows(
             input_ids, self.config.rank_microbatch_size, "train_module.rank_microbatch_size"
         )
-        return agreed_microbatches(input_ids.shape[0], per, self.dp_process_group)[0]
+        slices, agreed = agreed_microbatches(
+            input_ids.shape[0], per, self.dp_process_group, also=(input_ids.numel(),)
+        )
+        self._step_tokens = max(1, agreed.sum[1])
+        return slices
+
+    def _moe_share(self, tokens: int) -> contextlib.AbstractContextManager[None]:
+        """The MoE auxiliary losses' gradient weight for a micro-batch of ``tokens`` tokens:
+        its share of the step's tokens (on every data-parallel rank), times the ranks the
+        gradients are averaged over (:func:`~olmolike.nn.moe.aux_loss_weight`). Under context
+        parallelism a rank routes ``1 / cp`` of those tokens and the gradients are averaged
+        over ``cp`` times more ranks: the two cancel."""
+        return aux_loss_weight(tokens / self._step_tokens * self.dp_world_size)
+
+    def _record_moe(self, dry_run: bool, *, passes: int = 1) -> None:
+        """Record the MoE layers' routing of this step (nothing for a dense model);
+        ``passes``: how many times the step's auxiliary-loss weights added up to one (GRPO's
+        updates), so the recorded losses are their mean."""
+        if self._moe is None:
+            return
+        if dry_run:  # a step that records nothing counts no routing either
+            self._moe.record(self, weight_sum=1, collect=True, dry_run=True)
+            return
+        trainer = self.trainer
+        step = trainer.global_step
+        collect = step % trainer.metrics_collect_interval == 0 or step == trainer.max_steps
+        weights = self.layout.averaged_ranks * passes  # what the weights sum to, all ranks
+        self._moe.record(self, weight_sum=weights, collect=collect, dry_run=dry_run)
 
     def _padding_step(self, *references: nn.Module) -> None:
         """A micro-batch that changes nothing (:func:`padding_loss`): forwards of the frozen
@@ -367,7 +403,7 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         with torch.no_grad():
             for reference in references:
                 padding_loss(reference, self.device)
-        with self._autocast:
+        with self._autocast, aux_loss_weight(0.0):  # no MoE loss or routing counted either
             loss = padding_loss(self._forward_module, self.device)
         loss.backward()
 

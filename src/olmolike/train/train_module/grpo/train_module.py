@@ -59,6 +59,7 @@ from ....data.prompts import PromptDataLoader, PromptRecord
 from ....data.tokenizer import Tokenizer
 from ....distributed.utils import agree_counts, get_rank
 from ....exceptions import ConfigurationError
+from ....nn.moe import aux_loss_weight
 from ....optim import SchedulerUnits
 from ....utils import get_default_device
 from ...common import ReduceType
@@ -311,6 +312,7 @@ class GRPOTrainModule(TransformerTrainModule):
                 self.zero_grads()
             i = update % self.config.num_minibatches
             self._backward(out, minibatches[i], plan, old, ref, denominators[i], stats)
+        self._record_moe(dry_run, passes=self.updates_per_step)
         self._pending = {"started": started, "rollout": out, "stats": stats, "dry_run": dry_run}
 
     def _rollout(self, records: list[PromptRecord], step: int) -> tuple[Rollout, StepPlan]:
@@ -437,7 +439,10 @@ class GRPOTrainModule(TransformerTrainModule):
                     self._padding_step()
                     continue
                 part = select(out, span)
-                with self._autocast:
+                # An MoE policy's auxiliary losses: the mean over the update's completions
+                # (as many on every rank), as the loss.
+                share = (span.stop - span.start) / (rows.stop - rows.start)
+                with self._autocast, aux_loss_weight(share):
                     logps, entropy = completion_logps(
                         self._forward_module, part, with_entropy=True, **self._sampled
                     )
