@@ -142,25 +142,23 @@ class LeaseRecord:
         """Why the holder cannot be writing any more (seen from the run ``for_run``), or
         ``None`` while it may be.
 
-        A holder on another host with ``for_run``'s id is the same run's previous attempt
-        (its scheduler ended it); one on this host is live exactly while its process is.
+        On this host a holder is live while its process runs and beats; one on another host
+        with ``for_run``'s id is the same run's previous attempt (its scheduler ended it).
         """
         if self.released:
             return "it released it"
-        if self.age() > self.timeout:
+        if self.host == socket.gethostname():
+            if self.boot_id is not None and self.boot_id != _boot_id():
+                return "its host rebooted since"
+            if self.pid == os.getpid():  # this process: live only while it holds the lease
+                if self.run_id not in _HELD_HERE:
+                    return "this process let it go"
+            elif not _process_runs(self.pid, self.process_started):
+                return "its process is gone"
+        elif self.run_id == for_run:
+            return "it is this run, restarted (it has this run's id)"
+        if self.age() > self.timeout:  # e.g. a process stopped, or on a dead node
             return f"its last heartbeat is older than lease_timeout={self.timeout:g}s"
-        if self.host != socket.gethostname():
-            return (
-                "it is this run, restarted (it has this run's id)"
-                if self.run_id == for_run
-                else None
-            )
-        if self.boot_id is not None and self.boot_id != _boot_id():
-            return "its host rebooted since"
-        if self.pid == os.getpid():  # this process: live only while it holds the lease
-            return None if self.run_id in _HELD_HERE else "this process let it go"
-        if not _process_runs(self.pid, self.process_started):
-            return "its process is gone"
         return None
 
     def describe(self) -> str:
