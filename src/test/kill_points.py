@@ -22,6 +22,9 @@ A kill names the rank that dies and where:
 * ``heartbeat``: rank 0's lease heartbeat thread, the ``nth`` time it renews the record,
   between writing the new record's temporary file and renaming it into place;
 * ``time``: ``seconds`` after the rank's process started (a moment nobody chose).
+
+Rank 0 of every start also appends a line to ``starts.log`` in the plan's folder: how many
+starts the job took.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["POINTS", "Kill", "done_kills", "install", "kill_env", "write_plan"]
+__all__ = ["POINTS", "Kill", "done_kills", "install", "kill_env", "starts", "write_plan"]
 
 POINTS = ("step", "save_begin", "save_written", "commit", "load", "heartbeat", "time")
 
@@ -93,6 +96,12 @@ def done_kills(folder: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in done]
 
 
+def starts(folder: Path) -> int:
+    """How many times the job's ranks started (rank 0's count)."""
+    log = folder / "starts.log"
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
 @dataclass
 class _Armed:
     index: int
@@ -134,6 +143,9 @@ class _Armed:
 def install() -> None:
     """In a rank: arm the plan's next kill if it is this rank's (see the module docstring)."""
     folder = Path(os.environ[PLAN_VARIABLE])
+    if os.environ["RANK"] == "0":
+        with open(folder / "starts.log", "a") as log:
+            log.write(f"{os.getpid()}\n")
     kills = [Kill(**k) for k in json.loads((folder / "plan.json").read_text())]
     index = len(list(folder.glob("kill-*.done")))
     if index >= len(kills) or kills[index].rank != int(os.environ["RANK"]):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kill_points import Kill, done_kills, kill_env, write_plan
+from kill_points import Kill, done_kills, kill_env, starts, write_plan
 from testutils import patient
 
 from olmolike.data import prepare_data
@@ -183,6 +183,7 @@ def check_restarted_run(
         -6000:
     ]
     assert [d["restart"] for d in done] == ["0", "1", "2"]  # a new start for each kill
+    assert starts(folder / "kills") == len(kills) + 1, "a start failed without a planned kill"
     assert_same_state(final_state(folder / "run"), reference)
     run = folder / "run"
     leftovers = [
