@@ -135,3 +135,42 @@ def test_max_restarts_is_the_launchers_option(
 
 if sys.platform != "linux":  # PR_SET_PDEATHSIG and /proc: the launcher is Linux's
     pytestmark = [pytestmark, pytest.mark.skip(reason="the launcher needs Linux")]
+
+
+def test_under_torchrun_on_one_node_each_start_has_keys_of_its_own(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torch 2.13's torchrun keeps one store across restarts: a restarted rank could read a
+    gone rank's address. On one node the ranks' keys go under their start's restart count;
+    across nodes (restart counts differ per node) a warning names torchrun's way out."""
+    import datetime
+
+    import torch.distributed as dist
+    from testutils import free_port
+
+    from olmolike.distributed.utils import _store_of_this_start
+
+    timeout = datetime.timedelta(seconds=30)
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+                        "TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_WORLD_SIZE": "1",
+                        "TORCHELASTIC_MAX_RESTARTS": "3"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    first = _store_of_this_start(timeout)
+    assert first is not None
+    first.set("gloo/rank_0", "127.0.0.1:4000")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    second = _store_of_this_start(timeout)
+    assert second is not None
+    assert not second.check(["gloo/rank_0"])  # the first start's address is not seen
+    second.set("gloo/rank_0", "127.0.0.1:5000")
+    assert first.get("gloo/rank_0") == b"127.0.0.1:4000"
+
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    assert _store_of_this_start(timeout) is None
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in caplog.text
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # rank 0 holds a fresh store
+    assert _store_of_this_start(timeout) is None
+    del agent

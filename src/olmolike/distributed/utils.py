@@ -130,7 +130,7 @@ def _store_of_this_start(timeout: datetime.timedelta) -> dist.Store | None:
     connect, "Connection refused" (pytorch#135712; seen here whenever rank 0 starts more slowly
     than the others). One agent counts the restarts of all its ranks
     (``TORCHELASTIC_RESTART_COUNT``), so on one node the count names the start; across nodes
-    each agent counts only its own failures, so torchrun needs
+    each agent counts only its own failures, so torchrun needs the c10d rendezvous with
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` there (docs/failures.md, "Unattended runs").
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -141,8 +141,8 @@ def _store_of_this_start(timeout: datetime.timedelta) -> dist.Store | None:
             log.warning(
                 "torchrun --max-restarts=%d over several nodes shares one store across restarts, "
                 "and a restarted rank may read the addresses of ranks that are gone and fail "
-                "to connect (pytorch#135712): start torchrun with "
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment",
+                "to connect (pytorch#135712): use --rdzv-backend=c10d with "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment",
                 restarts,
             )
         return None
