@@ -46,21 +46,35 @@ def launch(nproc: int, argv: Sequence[str], *, max_restarts: int = 0) -> int:
     failure up to ``max_restarts`` times; the exit status of the first rank that failed in
     the last start (128 + the signal for a signal), else 0."""
     env = {**os.environ, **shared_run_id(os.environ)}
+    ranks: list[subprocess.Popen[bytes]] = []  # those of the current start
     stopped: list[int] = []  # the signals the user sent the launcher
-    status = 0
-    for restart in range(max_restarts + 1):
-        status, failed = _start(
-            nproc, argv, {**env, "OLMOLIKE_RESTART_COUNT": str(restart)}, stopped
-        )
-        if status == 0 or stopped or restart == max_restarts:
-            return status
-        print(
-            f"olmolike: {failed}; restarting the {nproc} rank(s) from the latest checkpoint "
-            f"(restart {restart + 1} of {max_restarts})",
-            file=sys.stderr,
-            flush=True,
-        )
-    return status
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        del frame
+        stopped.append(signum)
+        for rank in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for restart in range(max_restarts + 1):
+            if stopped:  # between two starts
+                return 128 + stopped[0]
+            start_env = {**env, "OLMOLIKE_RESTART_COUNT": str(restart)}
+            status, failed = _start(nproc, argv, start_env, ranks)
+            if status == 0 or stopped or restart == max_restarts:
+                return status
+            print(
+                f"olmolike: {failed}; restarting the {nproc} rank(s) from the latest "
+                f"checkpoint (restart {restart + 1} of {max_restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    raise AssertionError("unreachable: the last start returns")
 
 
 def shared_run_id(environ: Mapping[str, str]) -> dict[str, str]:
@@ -75,39 +89,30 @@ def shared_run_id(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def _start(
-    nproc: int, argv: Sequence[str], env: dict[str, str], stopped: list[int]
+    nproc: int, argv: Sequence[str], env: dict[str, str], ranks: list[subprocess.Popen[bytes]]
 ) -> tuple[int, str]:
-    """One start of the ranks: the exit status (as :func:`launch`'s) and what failed first.
-    A SIGINT or SIGTERM to the launcher is passed on to the ranks and noted in ``stopped``."""
+    """One start of the ranks (kept in ``ranks`` while they run, for the signal handler): the
+    exit status (as :func:`launch`'s) and which rank failed first, and how."""
     env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     env.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-m", "olmolike", *argv],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-        for rank in range(nproc)
-    ]
-
-    def forward(signum: int, frame: FrameType | None) -> None:
-        del frame
-        stopped.append(signum)
-        for rank in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(rank.pid, signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    ranks.clear()
     try:
+        for rank in range(nproc):
+            ranks.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "olmolike", *argv],
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
+            )
         return _wait(ranks)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        for rank in ranks:
-            if rank.poll() is None:  # the launcher itself was interrupted
-                rank.kill()
-            rank.wait()
+        for process in ranks:
+            if process.poll() is None:  # the launcher itself was interrupted
+                process.kill()
+            process.wait()
+        ranks.clear()
 
 
 def _wait(ranks: list[subprocess.Popen[bytes]]) -> tuple[int, str]:
