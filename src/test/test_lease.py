@@ -421,6 +421,24 @@ def test_a_holder_that_died_unreaped_or_before_a_reboot_is_gone(tmp_path: Path) 
         SaveFolderLease(folder, run="mine").acquire()
 
 
+@pytest.mark.skipif(not Path("/proc/self/ns/pid").exists(), reason="needs Linux's /proc")
+def test_a_holder_in_another_pid_namespace_is_judged_as_on_another_host(tmp_path: Path) -> None:
+    """Containers with the host's network share its host name but not its pids: a holder's pid
+    that is no process here says nothing about it. Its lease is live until it goes stale,
+    unless it has this run's id (the same run, restarted)."""
+    folder = str(tmp_path / "run")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True)  # fmt: skip
+    elsewhere = {"host": socket.gethostname(), "pid": int(dead.stdout), "pid_namespace": "pid:[1]"}
+    write_record(folder, run_id="other-run", **elsewhere)
+    with pytest.raises(SaveFolderInUseError, match="other-run"):
+        SaveFolderLease(folder, run="mine").acquire()
+    write_record(folder, run_id="mine", **elsewhere)
+    lease = SaveFolderLease(folder, run="mine")
+    lease.acquire()
+    lease.release()
+
+
 def test_a_record_with_fields_of_a_later_version_is_still_a_live_lease(folder: str) -> None:
     write_record(folder, written_by="olmolike 9.0", priority=3)
     with pytest.raises(SaveFolderInUseError, match="old-run"):

@@ -26,9 +26,10 @@ compare wall clocks of different machines: keep clocks synchronised (NTP) to wel
 timeout. Two shortcuts take a lease over at once, so that a restarted run does not wait for
 the timeout:
 
-* its holder ran on this host and its process is gone: no process with its pid, or one that
-  started at another time (its pid was reused, or the machine rebooted), or a zombie (or it
-  is this process, which no longer holds it);
+* its holder ran on this host (and in this pid namespace: containers that share a host name
+  cannot see each other's processes) and its process is gone: no process with its pid, or
+  one that started at another time (its pid was reused, or the machine rebooted), or a
+  zombie (or it is this process, which no longer holds it);
 * its holder ran on another host with this run's id: the same run, restarted by its
   scheduler, which ends a run's processes before it starts them again.
 
@@ -130,6 +131,10 @@ class LeaseRecord:
     later process that got its pid. ``None`` where unknown (other systems, older records)."""
     boot_id: str | None = None
     """The holder's machine's boot (Linux): a process of an earlier boot is gone."""
+    pid_namespace: str | None = None
+    """The holder's pid namespace (Linux): containers that share a host name (host network)
+    see one another's pids as other processes, or none; a holder in another namespace is
+    judged as one on another host."""
 
     def age(self) -> float:
         return max(0.0, time.time() - self.heartbeat_at)
@@ -147,7 +152,7 @@ class LeaseRecord:
         """
         if self.released:
             return "it released it"
-        if self.host == socket.gethostname():
+        if self._on_this_host():
             if self.boot_id is not None and self.boot_id != _boot_id():
                 return "its host rebooted since"
             if self.pid == os.getpid():  # this process: live only while it holds the lease
@@ -160,6 +165,12 @@ class LeaseRecord:
         if self.age() > self.timeout:  # e.g. a process stopped, or on a dead node
             return f"its last heartbeat is older than lease_timeout={self.timeout:g}s"
         return None
+
+    def _on_this_host(self) -> bool:
+        """Whether the holder's process can be looked up here: same host, same pid namespace."""
+        if self.host != socket.gethostname():
+            return False
+        return self.pid_namespace is None or self.pid_namespace == _pid_namespace()
 
     def describe(self) -> str:
         started = datetime.fromtimestamp(self.started_at, timezone.utc).strftime("%Y-%m-%d %H:%M")
@@ -194,6 +205,13 @@ def _proc_stat(pid: int) -> tuple[str, int] | None:
         return None
     fields = text[text.rindex(")") + 2 :].split()  # after "pid (name) "
     return fields[0], int(fields[19])
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 def _boot_id() -> str | None:
@@ -319,6 +337,7 @@ class SaveFolderLease:
                 self.timeout,
                 process_started=stat[1] if stat else None,
                 boot_id=_boot_id(),
+                pid_namespace=_pid_namespace(),
             )
             if not io.create_file(_record_path(self.folder, top + 1), _encode(record)):
                 continue  # another run took this number first: look at it again
