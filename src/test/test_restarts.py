@@ -4,8 +4,9 @@ Under ``torchrun --max-restarts 3`` and ``olmolike train --max-restarts 3``, ran
 SIGKILLed three times at chosen moments (:mod:`kill_points`: inside a step, an async save, a
 commit, a load, the lease heartbeat), each time in a new start of the job. The job must reach
 its last step with no human step, with the model and optimizer state of a run that was never
-interrupted, bit for bit; each start must take the save folder's lease back at once (a lease
-that had to go stale would fail the job), and nothing a killed save left may stay behind.
+interrupted, bit for bit; each start must take the save folder's lease back at once (its
+log says why; never that the killed run's lease went stale), and nothing a killed save left
+may stay behind.
 """
 
 from __future__ import annotations
