@@ -46,12 +46,19 @@ class StoredTensor:
     ``size`` and ``stride``."""
 
     key: str
+    """The archive record holding the tensor's storage (``data/{key}``)."""
     dtype: torch.dtype
+    """The tensor's dtype (its storage's, or the one ``_rebuild_tensor_v3`` names)."""
     numel: int
+    """Elements of ``dtype`` in the storage."""
     offset: int
+    """Where the tensor starts in its storage, in elements."""
     size: tuple[int, ...]
+    """The tensor's shape."""
     stride: tuple[int, ...]
+    """The tensor's strides, in elements."""
     requires_grad: bool = False
+    """Whether the saved tensor required gradients."""
 
     @property
     def contiguous_whole(self) -> bool:
