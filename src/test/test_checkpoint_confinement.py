@@ -315,3 +315,23 @@ def test_a_missing_shard_is_damage_for_every_reader(tmp_path: Path) -> None:
         with pytest.raises(DamagedCheckpointError, match=r"__0_0\.distcp.* is missing") as error:
             attempt()
         assert "\n" not in str(error.value), name
+
+
+def test_a_remote_file_named_outside_the_checkpoint_is_not_downloaded(tmp_path: Path) -> None:
+    """``pre_download`` copies a remote folder by its listing: a key with ``../`` in it would
+    land outside the copy (fsspec refuses it, with a ValueError: one CheckpointError here)."""
+    import fsspec
+
+    folder = saved(tmp_path / "step1")
+    source = remote_copy(folder, "escape/step1")
+    fsspec.filesystem("memory").pipe(f"/escape/step1/{MODEL_AND_OPTIM}/../../../../x", b"x")
+    work = tmp_path / "work"
+    for attempt in (
+        lambda: list(load_keys(source, ["model.w1.weight"], pre_download=True, work_dir=work)),
+        lambda: unshard_checkpoint(
+            source, tmp_path / "out", quiet=True, pre_download=True, work_dir=work
+        ),
+    ):
+        with pytest.raises(CheckpointError, match=r"refusing to download .* outside the copy"):
+            attempt()
+    assert not (tmp_path / "x").exists() and not list(work.rglob("x"))
