@@ -300,10 +300,11 @@ def _plan(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"--gpus must be at least 1, got {args.gpus}")
     config = load_experiment(args.config, overrides)
     module = config.train_module
-    # The config's own tp_config/pp_config unless the flags say otherwise.
+    # The config's own tp_config/pp_config/cp_config unless the flags say otherwise.
     tp = args.tp if args.tp is not None else (module.tp_config.degree if module.tp_config else 1)
     pp = args.pp if args.pp is not None else (module.pp_config.degree if module.pp_config else 1)
-    layout = config_layout(module, args.gpus, args.gpus_per_node, tp, pp)
+    cp = args.cp if args.cp is not None else (module.cp_config.degree if module.cp_config else 1)
+    layout = config_layout(module, args.gpus, args.gpus_per_node, tp, pp, cp)
     batch = config.data_loader.global_batch_size
     print(plan_report(config.model, module, layout, args.gpu_memory, args.reserve, batch), end="")
     return 0
@@ -346,20 +347,29 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
         help="pipeline ranks of the layout, with the config's pp_config schedule, else 1F1B "
         "(default: the config's train_module.pp_config.degree, else 1)",
     )
+    parser.add_argument(
+        "--cp",
+        type=int,
+        default=None,
+        help="context-parallel degree of the layout: each sequence split over that many ranks "
+        "(default: the config's train_module.cp_config.degree, else 1)",
+    )
 
 
 def _add_plan_command(plan: argparse.ArgumentParser) -> None:
     plan.description = (
         "Plan the memory of a training run without a GPU. For the config's layout "
         "on --gpus GPUs (dp_config: DDP replicates, FSDP shards over all, HSDP over groups; "
-        "with --tp and --pp), print the bytes of the busiest rank: parameters, gradients and "
+        "with --tp, --pp and --cp), print the bytes of the busiest rank: parameters, gradients and "
         "optimizer state (exactly what the ranks hold), buffers, communication buffers, and "
         "activations of one micro-batch (rank_microbatch_size tokens) with and without "
-        "activation checkpointing, by the formula printed below them. Then list every layout "
-        "pp x dp_replicate x dp_shard x tp of --gpus that fits in --gpu-memory, cheapest first: "
-        "fewer pipeline stages, then less tensor parallelism, then no activation "
-        "checkpointing, then less sharding. Example: olmolike plan run.yaml --gpus 8 --gpu-memory 80 "
-        "--train_module.rank_microbatch_size=8192. See docs/memory-planner.md."
+        "activation checkpointing, by the formula printed below them, and the longest sequence "
+        "that would fit. Then list every layout pp x dp_replicate x dp_shard x cp x tp of "
+        "--gpus that fits in --gpu-memory, cheapest first: fewer pipeline stages, then less "
+        "tensor parallelism, then less context parallelism, then no activation "
+        "checkpointing, then less sharding, each with its longest sequence. Example: olmolike "
+        "plan run.yaml --gpus 8 --gpu-memory 80 --train_module.rank_microbatch_size=8192. See "
+        "docs/memory-planner.md."
     )
     plan.add_argument("config", help="the experiment config file that olmolike train reads")
     _add_plan_options(plan)

@@ -27,6 +27,7 @@ BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
         ("cli_startup.py", "ratio olmolike --help / python -c pass"),
         ("parallel_layouts.py", "ratios against FSDP"),
         ("moe.py", "MoE / dense tokens/s"),
+        ("context_parallel.py", "measured / planned"),
     ],
 )
 def test_benchmark_smoke(script: str, expected: str, tmp_path: Path) -> None:

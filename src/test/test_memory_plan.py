@@ -251,13 +251,14 @@ def test_plan_prints_the_layout_and_what_fits(
 ) -> None:
     assert main(["plan", str(config_file), "--gpus", "8", "--gpu-memory", "80"]) == 0
     out = capsys.readouterr().out
-    assert "pp 1 x dp_replicate 1 x dp_shard 8 x tp 1 (fsdp on 8 GPUs)" in out
+    assert "pp 1 x dp_replicate 1 x dp_shard 8 x cp 1 x tp 1 (fsdp on 8 GPUs)" in out
     for line in ("parameters", "gradients", "optimizer state", "activations", "block 2(8+a)d"):
         assert line in out
-    table = out.split("GiB/GPU\n")[1]
+    table = out.split("longest seq\n")[1]
     rows = [line.split() for line in table.splitlines() if not line.lstrip().startswith("...")]
-    order = [(int(r[0]), int(r[3]), r[5] != "none", int(r[2])) for r in rows]  # pp tp ac shard
-    assert rows[0][:6] == ["1", "8", "1", "1", "ddp", "none"]  # cheapest: plain DDP
+    # pp, tp, cp, act-ckpt, dp_shard
+    order = [(int(r[0]), int(r[4]), int(r[3]), r[6] != "none", int(r[2])) for r in rows]
+    assert rows[0][:7] == ["1", "8", "1", "1", "1", "ddp", "none"]  # cheapest: plain DDP
     assert order == sorted(order)
 
 
@@ -291,11 +292,15 @@ def test_plan_takes_the_layout_from_the_config_unless_a_flag_says_otherwise(
 ) -> None:
     plan = ["plan", str(config_file), "--gpus", "8", "--gpu-memory", "80"]
     assert main([*plan, "--train_module.tp_config.degree=2"]) == 0
-    assert "pp 1 x dp_replicate 1 x dp_shard 4 x tp 2 (fsdp" in capsys.readouterr().out
+    assert "pp 1 x dp_replicate 1 x dp_shard 4 x cp 1 x tp 2 (fsdp" in capsys.readouterr().out
     assert main([*plan, "--train_module.pp_config.degree=2"]) == 0
-    assert "pp 2 x dp_replicate 1 x dp_shard 4 x tp 1 (fsdp" in capsys.readouterr().out
+    assert "pp 2 x dp_replicate 1 x dp_shard 4 x cp 1 x tp 1 (fsdp" in capsys.readouterr().out
     assert main([*plan, "--tp", "1", "--train_module.tp_config.degree=2"]) == 0
-    assert "pp 1 x dp_replicate 1 x dp_shard 8 x tp 1 (fsdp" in capsys.readouterr().out
+    assert "pp 1 x dp_replicate 1 x dp_shard 8 x cp 1 x tp 1 (fsdp" in capsys.readouterr().out
+    assert main([*plan, "--train_module.cp_config.degree=4"]) == 0
+    assert "pp 1 x dp_replicate 1 x dp_shard 2 x cp 4 x tp 1 (fsdp" in capsys.readouterr().out
+    assert main([*plan, "--cp", "2", "--train_module.cp_config.degree=4"]) == 0
+    assert "pp 1 x dp_replicate 1 x dp_shard 4 x cp 2 x tp 1 (fsdp" in capsys.readouterr().out
 
 
 # -- mixtures of experts -------------------------------------------------------------------------

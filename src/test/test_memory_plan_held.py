@@ -66,6 +66,14 @@ HELD_LAYOUTS: dict[str, tuple[dict[str, Any], Layout, TransformerConfig]] = {
         Layout(pp=2, stages_per_rank=2, schedule=PipelineScheduleType.interleaved_1f1b),
         replace(MODEL, n_layers=4),
     ),
+    # Context parallelism: FSDP shards over the data and context ranks together (4 shards);
+    # DDP replicates over the context ranks.
+    "cp-2-fsdp-2": (
+        {"cp_config": {"degree": 2}, "dp_config": {"name": "fsdp"}},
+        Layout(dp_shard=2, cp=2),
+        MODEL,
+    ),
+    "cp-2-ddp": ({"cp_config": {"degree": 2}}, Layout(cp=2, cp_sharded=False), MODEL),
     # Needs TP x PP in the train module (TransformerTrainModuleConfig.validate refuses it
     # until then).
     "tp-2-pp-2": (

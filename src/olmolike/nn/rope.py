@@ -14,7 +14,13 @@ from torch import Tensor
 
 from ..config import Config
 
-__all__ = ["RopeScalingConfig", "RotaryEmbedding", "apply_rotary", "document_attention"]
+__all__ = [
+    "RopeScalingConfig",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "document_attention",
+    "document_starts",
+]
 
 
 @dataclass
@@ -131,7 +137,14 @@ def document_attention(doc_ids: Tensor) -> tuple[Tensor, Tensor]:
     then computed exactly as if it were alone in the sequence.
     """
     index = torch.arange(doc_ids.shape[1], device=doc_ids.device)
-    starts = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=True)
-    doc_start = torch.where(starts, index, 0).cummax(dim=1).values
+    doc_start = document_starts(doc_ids)
     same_doc = doc_start[:, :, None] == doc_start[:, None, :]
     return index - doc_start, (same_doc & (index[:, None] >= index[None, :])).unsqueeze(1)
+
+
+def document_starts(doc_ids: Tensor) -> Tensor:
+    """The index of the first token of each token's document (B, T): two tokens are in the
+    same document exactly when these are equal, and ``index - start`` is a token's position."""
+    index = torch.arange(doc_ids.shape[1], device=doc_ids.device)
+    starts = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=True)
+    return torch.where(starts, index, 0).cummax(dim=1).values

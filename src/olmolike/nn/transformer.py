@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..config import StrEnum
+from .context_parallel import ContextParallel, ShardAttention
 from .kv_cache import KVCache, LayerKVCache
 from .moe import MoEFeedForward
 from .rope import RotaryEmbedding, apply_rotary, document_attention
@@ -93,11 +94,13 @@ class Attention(nn.Module):
         x: Tensor,
         cos: Tensor,
         sin: Tensor,
-        mask: Tensor | None = None,
+        mask: Tensor | ShardAttention | None = None,
         cache: LayerKVCache | None = None,
     ) -> Tensor:
         """``mask`` (B, 1, T, keys), True where attention is allowed, replaces the causal mask;
-        with a ``cache``, the keys are every cached one followed by this call's."""
+        with a ``cache``, the keys are every cached one followed by this call's. Under context
+        parallelism ``mask`` is the attention of this rank's shard of the sequence, which
+        brings in the other ranks' keys (:mod:`olmolike.nn.context_parallel`)."""
         batch, seq_len, _ = x.shape
         q, k, v = self.w_q(x), self.w_k(x), self.w_v(x)
         if self.q_norm is not None and self.k_norm is not None:
@@ -113,10 +116,13 @@ class Attention(nn.Module):
         # same grouping as Hugging Face's repeat_kv, without materialising repeated k and v.
         if cache is not None:
             k, v = cache.update(k, v)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )  # fmt: skip
+        if isinstance(mask, ShardAttention):
+            y = mask(q, k, v, enable_gqa=self.n_kv_heads != self.n_heads)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None,
+                enable_gqa=self.n_kv_heads != self.n_heads,
+            )  # fmt: skip
         return self.w_out(y.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -156,7 +162,7 @@ class TransformerBlock(nn.Module):
         x: Tensor,
         cos: Tensor,
         sin: Tensor,
-        mask: Tensor | None = None,
+        mask: Tensor | ShardAttention | None = None,
         cache: LayerKVCache | None = None,
     ) -> Tensor:
         if self.reordered_norm:
@@ -198,6 +204,9 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.embeddings.weight
+        self.context_parallel: ContextParallel | None = None
+        """Set by :func:`~olmolike.nn.context_parallel.apply_context_parallel`: each rank then
+        computes its shard of every sequence, and returns the logits of its tokens only."""
 
     def forward(
         self, input_ids: Tensor, doc_ids: Tensor | None = None, *, cache: KVCache | None = None
@@ -206,7 +215,8 @@ class Transformer(nn.Module):
 
         With ``doc_ids`` (B, T), each packed document is computed alone (no attention across
         documents, positions restarting per document). With a ``cache``, the logits extend the
-        sequences cached so far (see :mod:`olmolike.nn.kv_cache`).
+        sequences cached so far (see :mod:`olmolike.nn.kv_cache`). Under context parallelism
+        the logits are those of this rank's tokens (:meth:`ContextParallel.shard`).
         """
         if input_ids.dim() != 2:
             raise ValueError(
@@ -227,11 +237,19 @@ class Transformer(nn.Module):
                 f"the KV cache has {cache.capacity} slots but the model has rotary positions "
                 f"for {self.config.max_sequence_length} only; build a smaller cache"
             )
-        h = self.embeddings(input_ids)
-        mask = None
+        cp = self.context_parallel
+        if cp is not None and cache is not None:
+            raise ValueError(
+                "a KV cache decodes on one rank: generate with a model without context "
+                "parallelism (it splits the sequences of training steps over ranks)"
+            )
+        h = self.embeddings(input_ids if cp is None else cp.shard(input_ids))
+        mask: Tensor | ShardAttention | None = None
         if cache is not None:
             cos, sin = self.rope.at(cache.begin(input_ids))
             mask = cache.mask
+        elif cp is not None:
+            cos, sin, mask = cp.attention_inputs(self.rope, h.shape[1], doc_ids)
         elif doc_ids is not None:
             positions, mask = document_attention(doc_ids)
             cos, sin = self.rope.at(positions)

@@ -38,6 +38,15 @@ and backwards (``ScheduleInterleaved1F1B``, replayed here) keeps alive:
 ``1 / (pp x v)`` of the blocks each, with ``v`` stages per rank and ``rounds =
 max(1, n // pp)``. Each checkpointed block is counted at its global index (activation
 checkpointing is applied before the model is cut into stages).
+
+Under context parallelism each rank computes ``tokens / cp`` of a micro-batch's tokens
+(:mod:`olmolike.nn.context_parallel`) and keeps their activations, and every block also keeps
+the keys and values of the whole sequence that it all-gathered (``2 a kv`` per token of the
+micro-batch, of which ``1 / cp`` is its own): ``(tokens - tokens / cp) x 2 a kv`` more per
+block than its share alone, and ``a d`` per own token for the join of its two query chunks'
+attention outputs; the RoPE tables at the rank's positions add ``8 head_dim`` per own token
+and stage. A checkpointed block keeps only its input, and gathers the keys and values again
+when its backward recomputes it.
 """
 
 from __future__ import annotations
@@ -82,6 +91,15 @@ class ActivationBytes:
     :meth:`of`); its weight copies are :attr:`moe_block_weight_copies`."""
     moe_block_weight_copies: int = 0
     """Autocast: the compute-dtype copies of an MoE block's matmul weights (every expert's)."""
+    keys_values: int = 0
+    """A block's rotated keys and values (part of ``block``), per token: under context
+    parallelism a block keeps them for every token of the sequence."""
+    attention_output: int = 0
+    """A block's attention output, per token: under context parallelism the two query
+    chunks' outputs are joined into a new tensor for the output projection, one more copy."""
+    rope_tables: int = 0
+    """The float32 cos and sin at a token's position, per token and stage: under context
+    parallelism they are looked up for the rank's positions (one process slices the table)."""
 
     @classmethod
     def of(
@@ -94,14 +112,18 @@ class ActivationBytes:
         + 4h_s) + (a + 8)E``. That part is not split by tensor parallelism (every rank routes
         every token), so it is counted ``tp`` times before the whole is divided by ``tp``."""
         a, d, h, heads = dtype_bytes, model.d_model, model.hidden_size, model.n_heads
-        kv = model.kv_heads * model.head_dim
+        head = model.head_dim
+        kv = model.kv_heads * head
         common = 2 * (2 * FP32 + a) * d + a * (2 * d + 2 * kv) + FP32 * (heads + 2)
         if model.qk_norm:
             common += 2 * FP32 * (d + kv) + 2 * FP32
         block, moe_block = common + a * 4 * h, common + tp * _moe_feed_forward(model, a)
         outside = (2 * FP32 + a) * d + FP32 + (a + FP32) * model.vocab_size
+        split = dict(keys_values=2 * a * kv, attention_output=a * d, rope_tables=2 * FP32 * head)
         if not autocast:
-            return cls(block, a * d, outside, a * model.vocab_size, a * d, moe_block=moe_block)
+            return cls(
+                block, a * d, outside, a * model.vocab_size, a * d, moe_block=moe_block, **split
+            )
         attention_params = 2 * d * d + 2 * d * kv
         residual = (FP32 + a) * d
         return cls(
@@ -114,6 +136,7 @@ class ActivationBytes:
             head_weight_copy=a * d * model.vocab_size,
             moe_block=moe_block + residual,
             moe_block_weight_copies=a * (attention_params + _moe_params(model)),
+            **split,
         )
 
     def layer(self, model: TransformerConfig, index: int) -> tuple[int, int]:
@@ -197,20 +220,25 @@ def _rank_peak(
     stage's kept bytes, each backward first adding its recompute, then freeing them."""
     layers = split_layers(model.n_layers, layout.num_stages)
     last = layout.num_stages - 1
+    # Context parallelism: this rank's share of the tokens; each block keeps the other ranks'
+    # keys and values and one more copy of its attention output (see ActivationBytes).
+    local, split = -(-tokens // layout.cp), layout.cp > 1
+    gathered = (tokens - local) * terms.keys_values + split * local * terms.attention_output
     kept, recompute, weights = {}, {}, 0
     for s in layout.stage_indices(pp_rank):
         checkpointed = [terms.layer(model, i) for i in layers[s] if ac and ac.selects(i)]
         plain = [terms.layer(model, i) for i in layers[s] if not (ac and ac.selects(i))]
-        outside = tokens * terms.outside if s == last else 0
-        output = tokens * terms.stage_output if layout.pp > 1 and s != last else 0
-        kept[s] = tokens * (sum(b for b, _ in plain) + len(checkpointed) * terms.checkpointed)
-        kept[s] += outside + output
+        outside = local * terms.outside if s == last else 0
+        output = local * terms.stage_output if layout.pp > 1 and s != last else 0
+        kept[s] = local * (sum(b for b, _ in plain) + len(checkpointed) * terms.checkpointed)
+        kept[s] += len(plain) * gathered + outside + output + split * local * terms.rope_tables
         weights += sum(w for _, w in plain) + (terms.head_weight_copy if s == last else 0)
         recompute[s] = 0
         if checkpointed:  # one block's activations and weight copies, made again in backward
             block, copies = max(checkpointed)
             per_token = block - terms.checkpointed + (terms.logits if s == last else 0)
-            recompute[s] = max(0, tokens * per_token + copies - outside)
+            made_again = local * per_token + gathered + copies
+            recompute[s] = max(0, made_again - outside)
     held = peak = 0
     for stage, forward in pipeline_actions(layout, microbatches, pp_rank):
         if forward:
@@ -235,7 +263,8 @@ def activation_bytes(
 ) -> int:
     """Peak activation bytes of pipeline rank ``pp_rank`` (``None``: the busiest) of
     ``layout`` for micro-batches of ``tokens`` tokens, ``microbatches`` of them per step
-    (only a pipeline runs several at once)."""
+    (only a pipeline runs several at once). Under context parallelism ``tokens`` counts whole
+    sequences, of which each rank computes ``1 / cp``."""
     layout = layout or Layout()
     terms = ActivationBytes.of(model, dtype_bytes, autocast, tp=layout.tp)
     ranks = range(layout.pp) if pp_rank is None else [pp_rank]

@@ -6,10 +6,16 @@
    share of about ``(pp - 1) / (micro-batches + pp - 1)`` of the step;
 2. a smaller tensor-parallel degree (``tp``): TP all-gathers and reduce-scatters activations in
    every block, on the critical path, so it wants the fast links inside a node;
-3. no activation checkpointing before checkpointing: recomputing the blocks costs about a
+3. a smaller context-parallel degree (``cp``): CP all-gathers every block's keys and values
+   (and reduce-scatters their gradients), on the critical path too, but moves ``kv / d`` of
+   TP's bytes per token and keeps the matmuls whole;
+4. no activation checkpointing before checkpointing: recomputing the blocks costs about a
    third more compute, always;
-4. less sharding (``dp_shard``): FSDP gathers the parameters in forward and backward and
+5. less sharding (``dp_shard``): FSDP gathers the parameters in forward and backward and
    reduce-scatters gradients, about 1.5 times DDP's traffic, but overlapped with compute.
+
+Each layout that fits also gets the longest sequence that would fit instead, one sequence per
+micro-batch with the same activation checkpointing (:func:`longest_sequence`).
 
 Plain data parallelism (DDP: one gradient all-reduce per step, overlapped with backward) is
 thus the cheapest layout where the whole model state fits on one GPU.
@@ -33,7 +39,7 @@ from ..train.train_module.transformer import (
 from .activations import activation_bytes, microbatches_in_flight
 from .memory import Layout, StateBytes, gathered_bytes, layouts, state_bytes
 
-__all__ = ["RankMemory", "config_layout", "plan_report", "rank_memory"]
+__all__ = ["RankMemory", "config_layout", "longest_sequence", "plan_report", "rank_memory"]
 
 GIB = 1024**3
 FULL_AC = ActivationCheckpointingConfig(mode=ActivationCheckpointingMode.full)
@@ -57,6 +63,8 @@ class RankMemory:
     activations: int
     pp_rank: int = 0
     """The rank's pipeline rank (the rank is the first of its pipeline stage's ranks)."""
+    longest: int = 0
+    """The longest sequence that fits instead (:func:`longest_sequence`; 0: not computed)."""
 
     @property
     def total(self) -> int:
@@ -140,27 +148,34 @@ def rank_memory(
 
 
 def config_layout(
-    module: TransformerTrainModuleConfig, gpus: int, gpus_per_node: int, tp: int, pp: int
+    module: TransformerTrainModuleConfig,
+    gpus: int,
+    gpus_per_node: int,
+    tp: int,
+    pp: int,
+    cp: int = 1,
 ) -> Layout:
     """The layout the train module's ``dp_config`` gives on ``gpus`` GPUs, with ``tp``/``pp``
-    (and ``pp_config``'s schedule)."""
-    for flag, degree in (("--tp", tp), ("--pp", pp)):
+    (and ``pp_config``'s schedule) and ``cp``."""
+    for flag, degree in (("--tp", tp), ("--pp", pp), ("--cp", cp)):
         if degree < 1 or gpus % degree:
             raise ConfigurationError(
                 f"{flag} {degree} does not divide --gpus {gpus}; pick a divisor of {gpus}"
             )
-    if gpus % (tp * pp):
+    if gpus % (tp * pp * cp):
         raise ConfigurationError(
-            f"--tp {tp} x --pp {pp} = {tp * pp} does not divide --gpus {gpus}; "
-            f"pick degrees whose product divides {gpus}"
+            f"--tp {tp} x --pp {pp} x --cp {cp} = {tp * pp * cp} does not divide --gpus "
+            f"{gpus}; pick degrees whose product divides {gpus}"
         )
     schedule = _schedule(module, pp)
-    dp_ranks = gpus // (tp * pp)
+    dp_ranks = gpus // (tp * pp * cp)
     dp = module.dp_config
     if dp is None or dp.name == DataParallelType.ddp:
-        return Layout(pp=pp, dp_replicate=dp_ranks, tp=tp, **schedule)
+        # A pipeline replicates with FSDP2, which shards over the context ranks.
+        layout = Layout(pp=pp, dp_replicate=dp_ranks, cp=cp, tp=tp, cp_sharded=pp > 1)
+        return replace(layout, **schedule)
     if dp.name == DataParallelType.fsdp:
-        return Layout(pp=pp, dp_shard=dp_ranks, tp=tp, **schedule)
+        return Layout(pp=pp, dp_shard=dp_ranks, cp=cp, tp=tp, **schedule)
     replicas = dp.num_replicas or max(1, gpus // gpus_per_node)
     if dp_ranks % replicas:
         raise ConfigurationError(
@@ -168,7 +183,8 @@ def config_layout(
             f"ranks of --gpus {gpus}; set --train_module.dp_config.num_replicas to a divisor "
             f"of {dp_ranks} or change --gpus-per-node"
         )
-    return Layout(pp=pp, dp_replicate=replicas, dp_shard=dp_ranks // replicas, tp=tp, **schedule)
+    shard = dp_ranks // replicas
+    return Layout(pp=pp, dp_replicate=replicas, dp_shard=shard, cp=cp, tp=tp, **schedule)
 
 
 def _schedule(module: TransformerTrainModuleConfig, pp: int) -> dict[str, Any]:
@@ -207,10 +223,24 @@ def _pipeline_refusal(
     return None
 
 
+def _context_refusal(module: TransformerTrainModuleConfig, layout: Layout) -> str | None:
+    """Why training refuses ``layout``'s context parallelism (``None``: it runs)."""
+    if layout.cp > 1 and module.context_parallel_refusal:
+        return (
+            f"{type(module).__name__} does not run under context parallelism: "
+            f"{module.context_parallel_refusal}"
+        )
+    return None
+
+
 def check_model_split(
     model: TransformerConfig, module: TransformerTrainModuleConfig, layout: Layout, n: int
 ) -> None:
-    """Refuse a TP degree that splits attention heads, or a pipeline training refuses."""
+    """Refuse a TP degree that splits attention heads, or a pipeline or context parallelism
+    training refuses."""
+    refusal = _context_refusal(module, layout)
+    if refusal:
+        raise ConfigurationError(refusal)
     if _splits_heads(model, layout.tp):
         raise ConfigurationError(
             f"tensor parallelism {layout.tp} must divide n_heads ({model.n_heads}) and "
@@ -246,15 +276,59 @@ def fitting(
         n = microbatches(module, layout, global_batch_size)
         if _splits_heads(model, layout.tp) or _pipeline_refusal(model, module, layout, n):
             continue
+        if _context_refusal(module, layout):
+            continue
         for ac in options:
-            memory = rank_memory(model, module, layout, ac, n)
+            ranks = pipeline_memory(model, module, layout, ac, n)
+            memory = max(ranks, key=lambda m: m.total)
             if memory.total <= limit:
-                fits.append(memory)
+                longest = longest_sequence(model, module, layout, ac, limit, n, ranks)
+                fits.append(replace(memory, longest=longest))
                 break
             if closest is None or memory.total < closest.total:
                 closest = memory
-    fits.sort(key=lambda m: (m.layout.pp, m.layout.tp, options.index(m.ac), m.layout.dp_shard))
+    fits.sort(
+        key=lambda m: (
+            m.layout.pp, m.layout.tp, m.layout.cp, options.index(m.ac), m.layout.dp_shard,
+            m.layout.cp_sharded,
+        )
+    )  # fmt: skip
     return fits, None if fits else closest
+
+
+def longest_sequence(
+    model: TransformerConfig,
+    module: TransformerTrainModuleConfig,
+    layout: Layout,
+    ac: ActivationCheckpointingConfig | None,
+    limit: int,
+    n_microbatches: int = 1,
+    ranks: list[RankMemory] | None = None,
+) -> int:
+    """The longest sequence, in tokens, that fits ``limit`` bytes on every rank of ``layout``
+    with activation checkpointing ``ac`` when a micro-batch is that one sequence (two for
+    DPO's pairs): the state and buffers stay, the activations grow with it. A multiple of
+    ``2 x cp x tp`` (what training pads a sequence to); 0 if not even that fits. The RoPE
+    tables are counted at the model's ``max_sequence_length``. ``ranks``: the layout's
+    :func:`pipeline_memory` with ``ac``, if already computed."""
+    dtype_bytes, autocast = _compute_dtype_bytes(module, layout)
+    sides = forward_tokens(module) // module.rank_microbatch_size
+    ranks = ranks or pipeline_memory(model, module, layout, ac, n_microbatches)
+
+    def spare(units: int, m: RankMemory) -> int:
+        """Bytes left on ``m``'s rank with sequences of ``units x step`` tokens."""
+        activations = activation_bytes(
+            model, sides * units * step, dtype_bytes, ac, autocast=autocast, layout=layout,
+            microbatches=n_microbatches, pp_rank=m.pp_rank,
+        )  # fmt: skip
+        return limit - m.state.total - m.gathered - activations
+
+    step = 2 * layout.cp * layout.tp
+    # The activations grow linearly with the tokens (to a byte: the formula rounds up once).
+    units = min(spare(1, m) // max(1, spare(1, m) - spare(2, m)) + 1 for m in ranks)
+    while units > 0 and min(spare(units, m) for m in ranks) < 0:
+        units -= 1
+    return max(0, units) * step
 
 
 def _gib(n: int) -> str:
@@ -321,10 +395,16 @@ def plan_report(
         f"  total             {_gib(busiest.total)}   (activation checkpointing: "
         f"{busiest.ac_name}, as configured)",
         *_pipeline_lines(layout, n, configured),
+        f"longest sequence that fits in {gpu_memory_gib:g} GiB (one per micro-batch): "
+        f"{longest_sequence(model, module, layout, None, limit, n):,} tokens without "
+        f"activation checkpointing, "
+        f"{longest_sequence(model, module, layout, checkpointed_busiest.ac, limit, n):,} with "
+        f"{checkpointed_busiest.ac_name}",
         "activations per token: block 2(8+a)d + a(2d+2kv+4h) + 4(H+2); outside the blocks "
         "(8+a)d + 4 + (a+4)V; a checkpointed block a*d; divided by tp; under a pipeline, times "
-        "the micro-batches its schedule holds (GPipe n, 1F1B pp - r on pipeline rank r) "
-        "(docs/memory-planner.md)",
+        "the micro-batches its schedule holds (GPipe n, 1F1B pp - r on pipeline rank r); under "
+        "context parallelism for 1/cp of the tokens, and each block keeps every token's keys "
+        "and values 2a*kv (docs/memory-planner.md)",
     ]
     if type(module) is not TransformerTrainModuleConfig:
         lines.append(
@@ -346,12 +426,14 @@ def plan_report(
         f"cheapest (least communication and recomputation) first; pipelines run "
         f"{schedule['schedule']} with {schedule['stages_per_rank']} stage(s) per rank:"
     )
-    lines.append("     pp  dp_replicate  dp_shard   tp  data-par  act-ckpt   GiB/GPU")
+    lines.append(
+        "     pp  dp_replicate  dp_shard   cp   tp  data-par  act-ckpt   GiB/GPU   longest seq"
+    )
     for m in fits[:MAX_ROWS]:
         lo = m.layout
         lines.append(
-            f"  {lo.pp:5d} {lo.dp_replicate:13d} {lo.dp_shard:9d} {lo.tp:4d}  "
-            f"{lo.data_parallel:8s}  {m.ac_name:8s} {m.total / GIB:9.3f}"
+            f"  {lo.pp:5d} {lo.dp_replicate:13d} {lo.dp_shard:9d} {lo.cp:4d} {lo.tp:4d}  "
+            f"{lo.data_parallel:8s}  {m.ac_name:8s} {m.total / GIB:9.3f} {m.longest:13,d}"
         )
     if len(fits) > MAX_ROWS:
         lines.append(f"  ... and {len(fits) - MAX_ROWS} more")

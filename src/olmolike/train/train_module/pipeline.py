@@ -92,6 +92,7 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
         if self.config.compile_model or self.config.ac_config is not None:
             self._wrap_blocks(model)
         self.layout.tensor_parallel(model)
+        self.layout.split_sequences(model)
         dp = self._dp_config_under_pipeline(self.config.dp_config)
         assert self.layout.mesh is not None  # a pipeline always splits the ranks
         self.mesh = self.layout.mesh
@@ -161,9 +162,10 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
         tensor-parallel degrees). DDP is run as FSDP2 replication (HSDP with shards of one
         rank): the pipeline schedule drives FSDP2's gradient sync."""
         dp_ranks = self.layout.degrees.dp
-        if dp_ranks <= 1:
+        if dp_ranks * self.layout.degrees.cp <= 1:
             return None
         if dp is None or dp.name == DataParallelType.ddp:
+            # Replicated over the data ranks; the context ranks (if any) shard.
             return DataParallelConfig(name=DataParallelType.hsdp, num_replicas=dp_ranks)
         return dp
 
@@ -267,9 +269,12 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
 
     def train_batch(self, batch: dict[str, Any], dry_run: bool = False) -> None:
         input_ids, labels, doc_ids = self._training_inputs(batch)
-        # Scaled by the data-parallel world size because FSDP averages gradients across it.
-        self._loss_scale = self._global_token_count(labels).reciprocal() * self.dp_world_size
+        # Scaled by the number of ranks FSDP averages gradients across.
+        self._loss_scale = (
+            self._global_token_count(labels).reciprocal() * self.layout.averaged_ranks
+        )
         input_ids, labels, docs, n = self._pad_to_agreed_microbatches(input_ids, labels, doc_ids)
+        labels = self._local_labels(labels)
         self._losses = []
         schedule = self._schedule(n, tuple(input_ids.shape), docs is not None, train=True)
         # Every rank of the data group runs n micro-batches of one shape: each is 1 / (n x dp)
@@ -323,9 +328,12 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
         seq: int,
     ) -> tuple[torch.Tensor, Any, Any]:
         """Right-pad to ``rows x seq``, the sequence up to a multiple of the tensor-parallel
-        degree (equal sequence shards): token 0, ignored labels, padding documents (-1).
-        Causal attention keeps the real tokens' results unchanged."""
-        seq = -(-seq // self.layout.degrees.tp) * self.layout.degrees.tp
+        degree (equal sequence shards), or under context parallelism of what it splits
+        evenly: token 0, ignored labels, padding documents (-1). Causal attention keeps the
+        real tokens' results unchanged."""
+        cp = self.layout.context_parallel
+        seq = self.layout.degrees.tp * -(-seq // self.layout.degrees.tp)
+        seq = seq if cp is None else cp.padded_length(seq)
         pad = (0, seq - input_ids.shape[1], 0, rows - input_ids.shape[0])
         if not any(pad):
             return input_ids, labels, doc_ids
@@ -359,9 +367,7 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
         if labels is not None:
             loss = torch.zeros((), device=self.device)
             if self.is_last_stage_rank:
-                loss, _ = cross_entropy_loss(
-                    logits, labels, ignore_index=self.config.label_ignore_index, reduction="mean"
-                )
+                loss = self._mean_loss(logits, labels)
             return self._from_last_stage(loss.float())
         return self._logits_from_last_stage(logits, input_ids.shape, rows, seq)
 
@@ -372,8 +378,10 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
         rank. Under tensor parallelism each rank sends its vocabulary shard to the same rank
         of the other stages, and every rank returns the vocabulary-sharded DTensor a
         tensor-parallel model returns."""
+        cp = self.layout.context_parallel
         if self.is_last_stage_rank:
             local = (logits.to_local() if isinstance(logits, DTensor) else logits).float()
+            local = local if cp is None else cp.gather(local, padded[1])
         else:
             vocab = self.model.config.vocab_size // self.layout.degrees.tp
             local = torch.empty((*padded, vocab), device=self.device)

@@ -82,7 +82,9 @@ class TransformerTrainModuleConfig(Config):
     """Tensor parallelism (innermost mesh dimension); ``None`` means none. Needs FSDP/HSDP
     (not DDP) when there are several data-parallel ranks."""
     cp_config: ContextParallelConfig | None = None
-    """Context parallelism: only ``degree=1`` (see :class:`ContextParallelConfig`)."""
+    """Context parallelism: every sequence split over ``cp_config.degree`` ranks, for
+    sequences whose activations do not fit one device (see :class:`ContextParallelConfig`);
+    ``None`` means none. The data dimensions take the ranks the other degrees leave."""
     pp_config: PipelineParallelConfig | None = None
     """Pipeline parallelism: the layers split into stages over ``pp_config.degree`` ranks
     (:mod:`olmolike.train.train_module.pipeline`); the data dimensions take the other ranks."""
@@ -100,7 +102,17 @@ class TransformerTrainModuleConfig(Config):
     """Why this kind of training refuses ``pp_config`` (``None``: it runs pipelined). The
     pipelined step runs the plain LM loss; a subclass whose step runs more says why not."""
 
+    context_parallel_refusal: ClassVar[str | None] = None
+    """Why this kind of training refuses ``cp_config`` (``None``: it runs under context
+    parallelism)."""
+
     def validate(self) -> None:
+        if _degree(self.cp_config) > 1 and self.context_parallel_refusal:
+            raise self._invalid(
+                "cp_config",
+                f"{type(self).__name__} does not run under context parallelism: "
+                f"{self.context_parallel_refusal}; set cp_config=null",
+            )
         if self.pp_config is not None and self.pp_config.degree > 1 and self.pipeline_refusal:
             raise self._invalid(
                 "pp_config",
@@ -220,7 +232,7 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
             self._materialize(model)
         layout.finish(model)
         if layout.ddp:
-            self._ddp = apply_ddp(model, self.dp_process_group)
+            self._ddp = apply_ddp(model, layout.gradient_group)
 
     def _materialize(self, model: nn.Module) -> None:
         materialize: Callable[..., Any] | None = getattr(model, "materialize", None)
@@ -292,8 +304,9 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         input_ids, labels, doc_ids = self._training_inputs(batch)
         slices = self._microbatches(input_ids)
         # The denominator is this step's non-ignored token count over all ranks; each rank's
-        # gradient is scaled by the world size because DDP and FSDP average across ranks.
-        scale = self._global_token_count(labels).reciprocal() * self.dp_world_size
+        # gradient is scaled by the number of ranks DDP and FSDP average over.
+        scale = self._global_token_count(labels).reciprocal() * self.layout.averaged_ranks
+        labels = self._local_labels(labels)
         ce_total = torch.zeros((), device=input_ids.device)
         z_total = torch.zeros((), device=input_ids.device)
         for i, rows in enumerate(slices):
@@ -373,6 +386,12 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
             loss = padding_loss(self._forward_module, self.device)
         loss.backward()
 
+    def _local_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """The labels of this rank's tokens: under context parallelism the model returns the
+        logits of its share of each sequence only (padding, if any, is ignored)."""
+        cp = self.layout.context_parallel
+        return labels if cp is None else cp.shard(labels, pad_value=self.config.label_ignore_index)
+
     def _global_token_count(self, labels: torch.Tensor) -> torch.Tensor:
         count = (labels != self.config.label_ignore_index).sum()
         if self.dp_world_size > 1:
@@ -392,21 +411,35 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         """The logits of ``batch``, or with ``labels`` the mean CE loss over non-ignored tokens.
 
         Under tensor parallelism the logits are a DTensor sharded on the vocabulary: the losses
-        of :mod:`olmolike.nn.functional` take it as it is; ``full_tensor()`` gathers it.
+        of :mod:`olmolike.nn.functional` take it as it is; ``full_tensor()`` gathers it. Under
+        context parallelism each rank computes its share of the tokens; the loss is over all
+        of them and the logits are gathered, so every rank returns what one process would.
         """
         was_training = self.model.training
         self.model.eval()
+        input_ids = batch["input_ids"]
         try:
             with self._autocast:
-                logits = self.model(batch["input_ids"], **_doc_kwargs(batch.get("doc_ids")))
+                logits = self.model(input_ids, **_doc_kwargs(batch.get("doc_ids")))
         finally:
             self.model.train(was_training)
+        cp = self.layout.context_parallel
         if labels is None:
-            return logits
-        ce_loss, _ = cross_entropy_loss(
-            logits, labels, ignore_index=self.config.label_ignore_index, reduction="mean"
-        )
-        return ce_loss
+            return logits if cp is None else cp.gather(logits, input_ids.shape[1])
+        return self._mean_loss(logits, labels)
+
+    def _mean_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean CE loss over the non-ignored tokens of ``labels`` (whole sequences), from
+        the ``logits`` this rank computed (its share of the tokens under context parallelism:
+        the sum and the count are then added up over the context-parallel group)."""
+        ignore, cp = self.config.label_ignore_index, self.layout.context_parallel
+        if cp is None:
+            return cross_entropy_loss(logits, labels, ignore_index=ignore, reduction="mean")[0]
+        labels = self._local_labels(labels)
+        ce_sum, _ = cross_entropy_loss(logits, labels, ignore_index=ignore, reduction="sum")
+        sums = torch.stack([ce_sum.float(), (labels != ignore).sum().float()])
+        dist.all_reduce(sums, group=cp.group)
+        return sums[0] / sums[1].clamp(min=1)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)

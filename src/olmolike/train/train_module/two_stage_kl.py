@@ -170,7 +170,8 @@ class TwoStageKLTrainModule(TransformerTrainModule):
         doc_ids = batch.get("doc_ids")  # packed SFT data: attention within each document
         slices = self._microbatches(ids)
         count = self._global_token_count(labels)
-        scale = count.reciprocal() * self.dp_world_size
+        scale = count.reciprocal() * self.layout.averaged_ranks
+        labels = self._local_labels(labels)
         ce_total = torch.zeros((), device=ids.device)
         kl_total = torch.zeros((), device=ids.device)
         for i, rows in enumerate(slices):

@@ -33,8 +33,8 @@ reshard after each of the hundreds of one-token forward calls) and resharded rig
 Under tensor parallelism (with FSDP over the data ranks) the policy and the reference are split
 the same way, the KV cache holds each rank's attention heads, and the completion log-probs
 and entropies come from the vocabulary-sharded logits without gathering a row
-(:func:`.rollout.completion_logps`). Pipeline parallelism is refused (see
-:attr:`GRPOTrainModuleConfig.pipeline_refusal`).
+(:func:`.rollout.completion_logps`). Pipeline and context parallelism are refused (see
+:attr:`GRPOTrainModuleConfig.pipeline_refusal` and ``context_parallel_refusal``).
 """
 
 from __future__ import annotations
@@ -97,6 +97,11 @@ class GRPOTrainModuleConfig(TransformerTrainModuleConfig):
         "call per sampled token through the whole model, which a pipeline would pass stage by "
         "stage, one token at a time), and rollouts through a pipeline are not supported; "
         "tensor parallelism splits the policy and generates"
+    )
+    context_parallel_refusal: ClassVar[str | None] = (
+        "its rollouts decode one token per forward with a KV cache, and context parallelism "
+        "splits whole training sequences over ranks, not decoding steps; tensor parallelism "
+        "splits the policy and generates"
     )
 
     rank_microbatch_size: int = 4096
