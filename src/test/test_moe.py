@@ -266,3 +266,24 @@ def test_pipeline_stages_start_from_the_whole_models_weights() -> None:
     assert merged.keys() == whole.state_dict().keys()
     for name, tensor in whole.state_dict().items():
         assert torch.equal(merged[name], tensor), name
+
+
+def test_bfloat16_autocast_trains_with_either_expert_computation() -> None:
+    """Under autocast the router's logits are bfloat16 (as Hugging Face's), its softmax float32,
+    and both expert computations give the same bfloat16 results."""
+    outs = []
+    for compute in (ExpertCompute.loop, ExpertCompute.grouped_mm):
+        model = moe_config(expert_compute=compute, shared_expert_hidden_size=16).build(seed=8)
+        model.train()
+        captured: list[torch.Tensor] = []
+        model.blocks[0].feed_forward.router.register_forward_hook(
+            lambda m, a, out, captured=captured: captured.append(out.logits)
+        )
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids())
+        logits.float().square().mean().backward()
+        assert captured[0].dtype == torch.bfloat16
+        router_grad = model.blocks[0].feed_forward.router.weight.grad
+        assert router_grad is not None and torch.isfinite(router_grad).all()
+        outs.append(logits.float())
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)

@@ -29,6 +29,7 @@ from olmolike.nn.moe import MoEConfig
 from olmolike.optim import AdamWConfig
 from olmolike.testing import random_token_instances
 from olmolike.train import Callback, Duration, TrainerConfig
+from olmolike.train.callbacks import CheckpointerCallback
 from olmolike.train.callbacks.moe_load import MoELoadCallback
 from olmolike.train.train_module import (
     ActivationCheckpointingConfig,
@@ -91,6 +92,8 @@ def train(
     dp: dict[str, Any] | None = None,
     tp: int = 1,
     collect: int = 1,
+    steps: int = STEPS,
+    save_folder: str | None = None,
     **module: Any,
 ) -> Run:
     module_config = TransformerTrainModuleConfig(
@@ -113,13 +116,16 @@ def train(
         dp_rank=get_rank(group),
     )
     record = Record()
+    callbacks: dict[str, Callback] = {"record": record}
+    if save_folder is not None:
+        callbacks["checkpointer"] = CheckpointerCallback(save_interval=2)
     trainer = TrainerConfig(
-        save_folder=broadcast_object(tempfile.mkdtemp()),
+        save_folder=save_folder or broadcast_object(tempfile.mkdtemp()),
         metrics_collect_interval=collect,
         device="cpu",
-        callbacks={"record": record},
-        max_duration=Duration.steps(STEPS),
-        no_checkpoints=True,
+        callbacks=callbacks,
+        max_duration=Duration.steps(steps),
+        no_checkpoints=save_folder is None,
     ).build(train_module, loader, dp_process_group=group)
     trainer.fit()
     params = {n: _full(p) for n, p in train_module.model.state_dict().items()}
@@ -178,6 +184,15 @@ def test_loads_add_up_over_the_collect_interval() -> None:
     for step, steps in ((2, 2), (3, 1)):  # the last step is collected too
         counts = [run.metrics[step][f"moe/layer 1/expert {e} tokens"] for e in range(4)]
         assert sum(counts) == steps * INSTANCES_PER_BATCH * SEQ_LEN * 2
+
+
+def test_stop_and_resume_is_exact(single: Run, tmp_path: Path) -> None:
+    train(steps=2, save_folder=str(tmp_path))
+    resumed = train(save_folder=str(tmp_path))
+    assert sorted(resumed.metrics) == [3]
+    assert resumed.metrics[3] == single.metrics[3]
+    for name, param in resumed.params.items():
+        assert torch.equal(param, single.params[name]), name
 
 
 def test_activation_checkpointing_changes_nothing(single: Run) -> None:

@@ -36,9 +36,10 @@ over the MoE layers (each layer's coefficient is divided by their number).
 
 **Statistics.** In training each layer also adds, on the device (no host sync), the tokens
 each expert received, its weighted losses and the dropped routed copies (0: dropless) to
-the layer's ``stats`` (:class:`RoutingStats`); a train module takes them (:meth:`RoutingStats.take_losses`
-every step, :meth:`RoutingStats.take_load` at the metrics' collect interval). A forward that
-autograd re-runs to recompute checkpointed activations adds nothing.
+the layer's ``stats`` (:class:`RoutingStats`); a train module takes them
+(:meth:`RoutingStats.take_losses` every step, :meth:`RoutingStats.take_load` at the
+metrics' collect interval). A forward that autograd re-runs to recompute checkpointed
+activations adds nothing.
 """
 
 from __future__ import annotations
@@ -336,12 +337,13 @@ _AUX_LOSS_WEIGHT: contextvars.ContextVar[float] = contextvars.ContextVar(
 def aux_loss_weight(weight: float) -> Iterator[None]:
     """The gradient weight of the auxiliary losses of MoE forwards run inside (default 1).
 
-    Weight 0 marks forwards that train nothing (a padding micro-batch): they attach no
-    auxiliary loss and count no routing. A train module that normalises its loss over a whole step sets each micro-batch's share of
-    the step here (times the data-parallel world size where gradients are averaged), so the
-    auxiliary losses are averaged over the step's tokens as the main loss is. The weight is
-    taken when the forward runs: a later backward (a pipeline schedule's, a recomputation
-    under activation checkpointing) uses it too."""
+    A train module that normalises its loss over a whole step sets each micro-batch's share
+    of the step here (times the data-parallel world size where gradients are averaged), so
+    the auxiliary losses are averaged over the step's tokens as the main loss is. Weight 0
+    marks forwards that train nothing (a padding micro-batch, a pipeline's shape inference):
+    they attach no auxiliary loss and count no routing. The weight is taken when the forward
+    runs: a later backward (a pipeline schedule's, a recomputation under activation
+    checkpointing) uses it too."""
     token = _AUX_LOSS_WEIGHT.set(float(weight))
     try:
         yield

@@ -331,6 +331,9 @@ def longest_sequence(
     return max(0, units) * step
 
 
+_MOE_FORMULA = "; an MoE block a(3kd+4k h_e+4h_s)+(a+8)E for 4ah, not divided by tp"
+
+
 def _gib(n: int) -> str:
     return f"{n / GIB:9.3f}"
 
@@ -404,7 +407,7 @@ def plan_report(
         "(8+a)d + 4 + (a+4)V; a checkpointed block a*d; divided by tp; under a pipeline, times "
         "the micro-batches its schedule holds (GPipe n, 1F1B pp - r on pipeline rank r); under "
         "context parallelism for 1/cp of the tokens, and each block keeps every token's keys "
-        "and values 2a*kv (docs/memory-planner.md)",
+        "and values 2a*kv" + (_MOE_FORMULA if model.moe else "") + " (docs/memory-planner.md)",
     ]
     if type(module) is not TransformerTrainModuleConfig:
         lines.append(

@@ -355,8 +355,10 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
 
     def _moe_share(self, tokens: int) -> contextlib.AbstractContextManager[None]:
         """The MoE auxiliary losses' gradient weight for a micro-batch of ``tokens`` tokens:
-        its share of the step's tokens (on every data-parallel rank), times the world size
-        the gradients are averaged over (:func:`~olmolike.nn.moe.aux_loss_weight`)."""
+        its share of the step's tokens (on every data-parallel rank), times the ranks the
+        gradients are averaged over (:func:`~olmolike.nn.moe.aux_loss_weight`). Under context
+        parallelism a rank routes ``1 / cp`` of those tokens and the gradients are averaged
+        over ``cp`` times more ranks: the two cancel."""
         return aux_loss_weight(tokens / self._step_tokens * self.dp_world_size)
 
     def _record_moe(self, dry_run: bool, *, passes: int = 1) -> None:
@@ -371,7 +373,7 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         trainer = self.trainer
         step = trainer.global_step
         collect = step % trainer.metrics_collect_interval == 0 or step == trainer.max_steps
-        weights = self.dp_world_size * passes
+        weights = self.layout.averaged_ranks * passes  # what the weights sum to, all ranks
         self._moe.record(self, weight_sum=weights, collect=collect, dry_run=dry_run)
 
     def _padding_step(self, *references: nn.Module) -> None:
