@@ -93,6 +93,7 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
             self._wrap_blocks(model)
         self.layout.tensor_parallel(model)
         self.layout.split_sequences(model)
+        self.layout.expert_parallel(model)
         dp = self._dp_config_under_pipeline(self.config.dp_config)
         assert self.layout.mesh is not None  # a pipeline always splits the ranks
         self.mesh = self.layout.mesh
