@@ -12,21 +12,28 @@ show in the router's and experts' gradients.
 
 from __future__ import annotations
 
+import json
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from testutils import run_distributed_test
 
+from olmolike.cli import main
 from olmolike.data import TokenTensorDataLoader
+from olmolike.data.tokenizer import TokenizerConfig
 from olmolike.distributed.expert_parallel import ExpertParallelConfig
+from olmolike.distributed.mesh import ParallelDegrees
 from olmolike.distributed.parallel import DataParallelConfig
 from olmolike.distributed.pipeline import PipelineParallelConfig
-from olmolike.distributed.tensor_parallel import ContextParallelConfig
+from olmolike.distributed.tensor_parallel import ContextParallelConfig, TensorParallelConfig
 from olmolike.distributed.utils import broadcast_object, get_rank
+from olmolike.exceptions import ConfigurationError
 from olmolike.nn import TransformerConfig
 from olmolike.nn.moe import MoEConfig
 from olmolike.optim import AdamWConfig, SGDConfig
@@ -44,14 +51,18 @@ STEPS = 3
 EXPERTS = 4
 
 
-def model_config(dense: bool = False) -> TransformerConfig:
+def model_config(olmoe: bool = False) -> TransformerConfig:
+    """A dense layer, two MoE layers with a shared expert; ``olmoe``: OLMoE's blocks (every
+    layer MoE, no shared expert), which ``export-hf`` writes as an ``OlmoeForCausalLM``."""
     moe = MoEConfig(
         num_experts=EXPERTS, top_k=2, hidden_size=16, shared_expert_hidden_size=8, layers=[1, 2],
         load_balancing_loss_coefficient=0.1, router_z_loss_coefficient=0.01,
     )  # fmt: skip
+    if olmoe:
+        moe = MoEConfig(num_experts=EXPERTS, top_k=2, hidden_size=16)
     return TransformerConfig.moe_tiny(
-        VOCAB, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, mlp_hidden_size=24,
-        max_sequence_length=SEQ_LEN, moe=None if dense else moe,
+        VOCAB, d_model=32, n_layers=2 if olmoe else 3, n_heads=4, n_kv_heads=2,
+        mlp_hidden_size=24, max_sequence_length=SEQ_LEN, moe=moe,
     )  # fmt: skip
 
 
@@ -120,7 +131,8 @@ def train(
         pp_config=PipelineParallelConfig(degree=pp) if pp > 1 else None,
         cp_config=ContextParallelConfig(degree=cp) if cp > 1 else None,
     )
-    train_module = module_config.build(model_config().build(init_device="meta"))
+    model = model_config(olmoe=optim == "adamw")
+    train_module = module_config.build(model.build(init_device="meta"))
     group = getattr(train_module, "dp_process_group", None)
     loader = TokenTensorDataLoader(
         random_token_instances(64, SEQ_LEN, VOCAB, seed=1),
@@ -133,7 +145,8 @@ def train(
     callbacks: dict[str, Callback] = {"record": record}
     if save_folder is not None:
         callbacks["checkpointer"] = CheckpointerCallback(save_interval=2)
-        config = {"model": model_config().as_config_dict()}
+        tokenizer = TokenizerConfig().as_config_dict()
+        config = {"model": model.as_config_dict(), "tokenizer": tokenizer}
         callbacks["config_saver"] = ConfigSaverCallback(config=config)
     trainer = TrainerConfig(
         save_folder=save_folder or broadcast_object(tempfile.mkdtemp()),
@@ -275,27 +288,44 @@ def test_the_exchange_equals_local_experts_whatever_the_routing() -> None:
 # -- layouts equal to one process -------------------------------------------------------------
 
 
-def _two_rank_cases() -> dict[str, Run]:
-    return {"ep2": train(ep=2), "cp2": train(cp=2), "cp2_ep2": train(ep=2, cp=2)}
+def _two_rank_cases(folder: str) -> dict[str, Run]:
+    return {
+        "ep2": train(ep=2),
+        "cp2": train(cp=2),
+        "cp2_ep2": train(ep=2, cp=2),
+        # AdamW: straight through, then stopped after step 2 (saved) and resumed.
+        "adamw": train(ep=2, optim="adamw"),
+        "stopped": train(ep=2, optim="adamw", steps=2, save_folder=folder),
+        "resumed": train(ep=2, optim="adamw", save_folder=folder),
+    }
 
 
-def _four_rank_cases() -> dict[str, Run]:
+def _four_rank_cases(ep2_checkpoint: str) -> dict[str, Run]:
     return {
         "ep2_fsdp2": train(ep=2),
         "ep4": train(ep=4),
         "ep2_hsdp2": train(ep=2, dp="hsdp"),
         "ep2_pp2": train(ep=2, pp=2),
+        # The EP2 run's checkpoint of step 2 (2 ranks), continued under EP4.
+        "ep4_from_ep2": train(ep=4, optim="adamw", load_path=ep2_checkpoint),
     }
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> list[dict[str, Run]]:
-    return run_distributed_test(_two_rank_cases, 2, timeout=400)
+def ep2_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ep2_run")
 
 
 @pytest.fixture(scope="module")
-def four_ranks() -> list[dict[str, Run]]:
-    return run_distributed_test(_four_rank_cases, 4, timeout=500)
+def two_ranks(ep2_folder: Path) -> list[dict[str, Run]]:
+    return run_distributed_test(_two_rank_cases, 2, args=(str(ep2_folder),), timeout=500)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(two_ranks: list[dict[str, Run]], ep2_folder: Path) -> list[dict[str, Run]]:
+    del two_ranks  # its checkpoint first
+    checkpoint = str(ep2_folder / "step2")
+    return run_distributed_test(_four_rank_cases, 4, args=(checkpoint,), timeout=600)
 
 
 @pytest.mark.timeout(600)
@@ -328,3 +358,129 @@ def test_four_rank_layouts_train_as_one_process(
         assert rank[layout].expert_meshes == {(*replicas, "dp_shard_mod_ep", "dp_shard_in_ep")}
         assert_same_run(rank[layout], single["sgd"])
         assert_same_weights(rank[layout], single["sgd"])
+
+
+# -- stop and resume, checkpoints between degrees ----------------------------------------------
+
+
+@pytest.mark.timeout(600)
+def test_stop_and_resume_under_expert_parallelism_is_exact(
+    two_ranks: list[dict[str, Run]],
+) -> None:
+    for rank in two_ranks:
+        straight, resumed = rank["adamw"], rank["resumed"]
+        assert sorted(resumed.metrics) == [3]
+        assert resumed.metrics[3] == straight.metrics[3]
+        for name, param in resumed.params.items():
+            assert torch.equal(param, straight.params[name]), name
+
+
+def _unsharded(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights and Adam moments by name, as ``olmolike unshard`` writes them."""
+    assert main(["unshard", str(checkpoint), str(out), "--optim"]) == 0
+    model = torch.load(out / "model.pt", weights_only=True)
+    optim = torch.load(out / "optim.pt", weights_only=True)
+    moments = {
+        f"{key}/{name}": value
+        for name, state in optim["state"].items()
+        for key, value in state.items()
+        if key in ("exp_avg", "exp_avg_sq")
+    }
+    return {**model, **moments}
+
+
+@pytest.mark.timeout(900)
+def test_an_ep2_checkpoint_continues_under_ep4_and_on_one_process(
+    two_ranks: list[dict[str, Run]],
+    four_ranks: list[dict[str, Run]],
+    ep2_folder: Path,
+    tmp_path: Path,
+) -> None:
+    """The EP2 checkpoint (2 ranks) loads under EP4 (4 ranks) and on one process with every
+    weight and Adam moment as saved (``olmolike unshard`` reads it too), and step 3 then
+    matches the EP2 run's step 3."""
+    saved = _unsharded(ep2_folder / "step2", tmp_path / "unsharded")
+    assert sum(".experts." in name for name in saved) == 2 * 3 * 3  # layers, weights, states
+    one = train(optim="adamw", load_path=str(ep2_folder / "step2"))
+    want = two_ranks[0]["adamw"]
+    for run in [one, *(rank["ep4_from_ep2"] for rank in four_ranks)]:
+        assert run.start.keys() == saved.keys()
+        for name, value in saved.items():
+            assert torch.equal(run.start[name], value), name
+        assert_same_run(run, want, steps=range(3, 4))
+
+
+@pytest.mark.timeout(600)
+def test_export_hf_reads_an_ep_checkpoint(
+    two_ranks: list[dict[str, Run]], ep2_folder: Path, tmp_path: Path
+) -> None:
+    """``olmolike export-hf`` of the EP2 checkpoint writes what exporting its unsharded
+    weights writes."""
+    from olmolike.nn.hf_export import export_hf
+
+    del two_ranks
+    assert main(["export-hf", str(ep2_folder / "step2"), str(tmp_path / "hf")]) == 0
+    assert main(["unshard", str(ep2_folder / "step2"), str(tmp_path / "plain")]) == 0
+    weights = torch.load(tmp_path / "plain" / "model.pt", weights_only=True)
+    export_hf(weights, model_config(olmoe=True), tmp_path / "want")
+    got, want = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "want"))
+    assert got.keys() == want.keys() and any(".experts.3." in k for k in got)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["num_experts"] == EXPERTS
+
+
+# -- refusals ---------------------------------------------------------------------------------
+
+
+def test_the_expert_parallel_degree_is_carved_from_the_sharding_ranks() -> None:
+    degrees = ParallelDegrees.resolve(8, cp=2, ep=4)
+    assert (degrees.dp_shard, degrees.dp_shard_in_ep, degrees.dp_shard_mod_ep) == (4, 2, 2)
+    assert ParallelDegrees.resolve(8, pp=2, ep=2).dp_shard_mod_ep == 2
+    for world, kwargs in ((4, {"ep": 3}), (8, {"cp": 4, "ep": 2}), (8, {"tp": 4, "ep": 4})):
+        with pytest.raises(ConfigurationError, match=r"expert-parallel degree .* dp_shard x cp"):
+            ParallelDegrees.resolve(world, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"tp_config": TensorParallelConfig(degree=2)}, "does not compose with tensor"),
+        ({"dp_config": DataParallelConfig(name="ddp")}, "not DDP's replicas"),  # type: ignore[arg-type]
+        ({}, "not DDP's replicas"),  # several data ranks without dp_config: DDP
+    ],
+)
+def test_layouts_expert_parallelism_does_not_take_are_refused(
+    settings: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        TransformerTrainModuleConfig(
+            rank_microbatch_size=SEQ_LEN, ep_config=ExpertParallelConfig(degree=2), **settings
+        ).parallel_degrees(world_size=4)
+
+
+class _Mesh:
+    """What apply_expert_parallel asks of a mesh before it shards anything."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize(
+    "model, degree, message",
+    [
+        (model_config(), 3, r"degree \(3\) must divide num_experts \(4\)"),
+        (TransformerConfig.tiny(VOCAB), 2, "has no MoE layer: set ep_config=null"),
+    ],
+)
+def test_models_whose_experts_do_not_split_are_refused(
+    model: TransformerConfig, degree: int, message: str
+) -> None:
+    from olmolike.nn.expert_parallel import apply_expert_parallel
+
+    with pytest.raises(ConfigurationError, match=message):
+        apply_expert_parallel(model.build(init_device="meta"), _Mesh(degree))  # type: ignore[arg-type]
