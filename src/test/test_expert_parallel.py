@@ -266,11 +266,14 @@ def _exchange(scenarios: list[list[list[list[int]]]]) -> list[dict[str, Any]]:
 def test_the_exchange_equals_local_experts_whatever_the_routing() -> None:
     """Two ranks of two experts each. First rank 0 routes everything to its own experts (it
     sends rank 1 nothing) while rank 1 has tokens for every expert; then rank 0 has no token
-    at all. Every rank runs the same collectives, and outputs and gradients equal one
-    process's experts on the same tokens (expert gradients summed over the ranks' tokens)."""
+    at all; then both ranks send everything to rank 1's experts (rank 1 receives all, rank
+    0 computes nothing). Every rank runs the same collectives, and outputs and gradients
+    equal one process's experts on the same tokens (expert gradients summed over the ranks'
+    tokens)."""
     scenarios = [
         [[[0, 1], [1, 0], [0, 1]], [[3, 2], [0, 3], [1, 2], [2, 0]]],
         [[], [[3, 2], [0, 3], [1, 2]]],
+        [[[2, 3], [3, 2]], [[3, 2], [2, 3], [2, 3]]],
     ]
     per_rank = run_distributed_test(_exchange, 2, args=(scenarios,), timeout=200)
     for scenario in range(len(scenarios)):
