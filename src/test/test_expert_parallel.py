@@ -303,7 +303,7 @@ def _two_rank_cases(folder: str) -> dict[str, Run]:
     }
 
 
-def _four_rank_cases(ep2_checkpoint: str) -> dict[str, Run]:
+def _four_rank_cases(ep2_checkpoint: str, one_checkpoint: str) -> dict[str, Run]:
     return {
         "ep2_fsdp2": train(ep=2),
         "ep4": train(ep=4),
@@ -311,6 +311,8 @@ def _four_rank_cases(ep2_checkpoint: str) -> dict[str, Run]:
         "ep2_pp2": train(ep=2, pp=2),
         # The EP2 run's checkpoint of step 2 (2 ranks), continued under EP4.
         "ep4_from_ep2": train(ep=4, optim="adamw", load_path=ep2_checkpoint),
+        # One process's checkpoint of step 2, continued under EP2 x FSDP2.
+        "ep2_fsdp2_from_one": train(ep=2, optim="adamw", load_path=one_checkpoint),
     }
 
 
@@ -325,10 +327,20 @@ def two_ranks(ep2_folder: Path) -> list[dict[str, Run]]:
 
 
 @pytest.fixture(scope="module")
-def four_ranks(two_ranks: list[dict[str, Run]], ep2_folder: Path) -> list[dict[str, Run]]:
+def one_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One process's AdamW run stopped (and saved) after step 2."""
+    folder = tmp_path_factory.mktemp("one_run")
+    train(optim="adamw", steps=2, save_folder=str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def four_ranks(
+    two_ranks: list[dict[str, Run]], ep2_folder: Path, one_folder: Path
+) -> list[dict[str, Run]]:
     del two_ranks  # its checkpoint first
-    checkpoint = str(ep2_folder / "step2")
-    return run_distributed_test(_four_rank_cases, 4, args=(checkpoint,), timeout=600)
+    checkpoints = (str(ep2_folder / "step2"), str(one_folder / "step2"))
+    return run_distributed_test(_four_rank_cases, 4, args=checkpoints, timeout=600)
 
 
 @pytest.mark.timeout(600)
@@ -487,3 +499,59 @@ def test_models_whose_experts_do_not_split_are_refused(
 
     with pytest.raises(ConfigurationError, match=message):
         apply_expert_parallel(model.build(init_device="meta"), _Mesh(degree))  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(900)
+def test_a_one_process_checkpoint_continues_under_ep2_x_fsdp2(
+    four_ranks: list[dict[str, Run]],
+    single: dict[str, Run],
+    one_folder: Path,
+    tmp_path: Path,
+) -> None:
+    """And back: one process's checkpoint of step 2 loads under EP2 x FSDP2 (4 ranks) with
+    every weight and Adam moment as saved, and step 3 matches one process's step 3."""
+    saved = _unsharded(one_folder / "step2", tmp_path / "unsharded")
+    for rank in four_ranks:
+        run = rank["ep2_fsdp2_from_one"]
+        assert run.start.keys() == saved.keys()
+        for name, value in saved.items():
+            assert torch.equal(run.start[name], value), name
+        assert_same_run(run, single["adamw"], steps=range(3, 4))
+
+
+@pytest.mark.parametrize(
+    "model, override, message",
+    [
+        (model_config(), "--train_module.ep_config.degree=3", r"degree (3) must divide num_ex"),
+        (TransformerConfig.tiny(VOCAB), "--train_module.ep_config.degree=2", "no MoE layer"),
+    ],
+)
+def test_olmolike_train_refuses_an_ep_degree_the_model_cannot_take_in_one_line(
+    model: TransformerConfig,
+    override: str,
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Before any process group or model: the experiment's config is refused on load."""
+    from olmolike.data.numpy_data_loader import NumpyDataLoaderConfig
+    from olmolike.data.numpy_dataset import NumpyDatasetConfig
+    from olmolike.experiment import ExperimentConfig
+
+    config = ExperimentConfig(
+        run_name="ep",
+        model=model,
+        dataset=NumpyDatasetConfig(paths=[str(tmp_path / "t.npy")], sequence_length=SEQ_LEN),
+        data_loader=NumpyDataLoaderConfig(global_batch_size=4 * SEQ_LEN, seed=0),
+        train_module=TransformerTrainModuleConfig(
+            rank_microbatch_size=SEQ_LEN,
+            dp_config=DataParallelConfig(name="fsdp"),  # type: ignore[arg-type]
+        ),
+        trainer=TrainerConfig(save_folder=str(tmp_path / "run"), max_duration=Duration.steps(1)),
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text(config.to_yaml())
+    assert main(["train", str(path), override]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
