@@ -1,5 +1,5 @@
 """Expert parallelism: the token exchange runs the same collectives whatever the routing, every
-expert-parallel layout (EP2, CP2 x EP2, EP2 x FSDP2, EP4, EP2 x PP2) trains as one process
+expert-parallel layout (EP2, EP2 x FSDP2, EP4, EP2 x HSDP2, EP2 x PP2, EP2 x TP2) trains as one process
 does (metrics, every gradient of every step, weights after SGD steps), a run stops and resumes
 exactly, and an EP checkpoint loads on another degree and on one process with its optimizer
 state, and is read by ``olmolike unshard`` and ``olmolike export-hf``.
@@ -118,6 +118,7 @@ def train(
     dp: str | None = "fsdp",
     pp: int = 1,
     cp: int = 1,
+    tp: int = 1,
     steps: int = STEPS,
     save_folder: str | None = None,
     load_path: str | None = None,
@@ -130,6 +131,7 @@ def train(
         ep_config=ExpertParallelConfig(degree=ep) if ep > 1 else None,
         pp_config=PipelineParallelConfig(degree=pp) if pp > 1 else None,
         cp_config=ContextParallelConfig(degree=cp) if cp > 1 else None,
+        tp_config=TensorParallelConfig(degree=tp) if tp > 1 else None,
     )
     model = model_config(olmoe=optim == "adamw")
     train_module = module_config.build(model.build(init_device="meta"))
@@ -309,8 +311,10 @@ def _four_rank_cases(ep2_checkpoint: str, one_checkpoint: str) -> dict[str, Run]
         "ep4": train(ep=4),
         "ep2_hsdp2": train(ep=2, dp="hsdp"),
         "ep2_pp2": train(ep=2, pp=2),
+        "ep2_tp2": train(ep=2, tp=2),
         # The EP2 run's checkpoint of step 2 (2 ranks), continued under EP4.
         "ep4_from_ep2": train(ep=4, optim="adamw", load_path=ep2_checkpoint),
+        "ep2_tp2_from_ep2": train(ep=2, tp=2, optim="adamw", load_path=ep2_checkpoint),
         # One process's checkpoint of step 2, continued under EP2 x FSDP2.
         "ep2_fsdp2_from_one": train(ep=2, optim="adamw", load_path=one_checkpoint),
     }
@@ -364,7 +368,7 @@ def test_context_parallel_ranks_exchange_tokens_as_data_ranks(
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", ["ep2_fsdp2", "ep4", "ep2_hsdp2", "ep2_pp2"])
+@pytest.mark.parametrize("layout", ["ep2_fsdp2", "ep4", "ep2_hsdp2", "ep2_pp2", "ep2_tp2"])
 def test_four_rank_layouts_train_as_one_process(
     layout: str, four_ranks: list[dict[str, Run]], single: dict[str, Run]
 ) -> None:
@@ -411,14 +415,15 @@ def test_an_ep2_checkpoint_continues_under_ep4_and_on_one_process(
     ep2_folder: Path,
     tmp_path: Path,
 ) -> None:
-    """The EP2 checkpoint (2 ranks) loads under EP4 (4 ranks) and on one process with every
-    weight and Adam moment as saved (``olmolike unshard`` reads it too), and step 3 then
+    """The EP2 checkpoint (2 ranks) loads under EP4 and EP2 x TP2 (4 ranks) and on one
+    process with every weight and Adam moment as saved (``olmolike unshard`` reads it too), and step 3 then
     matches the EP2 run's step 3."""
     saved = _unsharded(ep2_folder / "step2", tmp_path / "unsharded")
     assert sum(".experts." in name for name in saved) == 2 * 3 * 3  # layers, weights, states
     one = train(optim="adamw", load_path=str(ep2_folder / "step2"))
     want = two_ranks[0]["adamw"]
-    for run in [one, *(rank["ep4_from_ep2"] for rank in four_ranks)]:
+    others = [rank[name] for rank in four_ranks for name in ("ep4_from_ep2", "ep2_tp2_from_ep2")]
+    for run in [one, *others]:
         assert run.start.keys() == saved.keys()
         for name, value in saved.items():
             assert torch.equal(run.start[name], value), name
@@ -461,7 +466,6 @@ def test_the_expert_parallel_degree_is_carved_from_the_sharding_ranks() -> None:
 @pytest.mark.parametrize(
     "settings, message",
     [
-        ({"tp_config": TensorParallelConfig(degree=2)}, "does not compose with tensor"),
         ({"dp_config": DataParallelConfig(name="ddp")}, "not DDP's replicas"),  # type: ignore[arg-type]
         ({}, "not DDP's replicas"),  # several data ranks without dp_config: DDP
     ],

@@ -388,10 +388,12 @@ def test_expert_parallelism_counts_the_all_to_all_and_is_refused_where_training_
     out = capsys.readouterr().out
     assert "dp_shard 16 x cp 1 x tp 1 (ep 8) (fsdp on 16 GPUs)" in out
     assert "all-to-all of one MoE layer" in out and "experts split over ep 8 ranks" in out
+    # With TP the experts are whole on every tensor-parallel rank of their EP rank.
+    assert main([*plan, "--ep", "4", "--tp", "2"]) == 0
+    assert "dp_shard 8 x cp 1 x tp 2 (ep 4) (fsdp on 16 GPUs)" in capsys.readouterr().out
     for args, message in [
         (["--ep", "3"], "expert-parallel degree (3) must be a multiple of cp (1)"),
         (["--ep", "32"], "expert-parallel degree (32)"),
-        (["--ep", "2", "--tp", "2"], "does not compose with tensor parallelism"),
         (
             [
                 "--ep",

@@ -95,6 +95,11 @@ HELD_LAYOUTS: dict[str, tuple[dict[str, Any], Layout, TransformerConfig]] = {
         Layout(dp_shard=4, ep=2),
         EP_MODEL,
     ),
+    "moe-ep-2-tp-2": (
+        {"dp_config": {"name": "fsdp"}, "ep_config": {"degree": 2}, "tp_config": {"degree": 2}},
+        Layout(dp_shard=2, tp=2, ep=2),
+        EP_MODEL,
+    ),
     "moe-cp-2-ep-2": (
         {"dp_config": {"name": "fsdp"}, "ep_config": {"degree": 2}, "cp_config": {"degree": 2}},
         Layout(cp=2, ep=2),

@@ -181,7 +181,10 @@ class ReplicatedMoE(ParallelStyle):
 
     Every rank computes the same values (the layer runs on the plain local weights), so each
     parameter's gradient is the same on every rank, as ``Replicate()`` says; the sequence
-    gather's backward keeps each rank's shard of the input gradient."""
+    gather's backward keeps each rank's shard of the input gradient. Under expert
+    parallelism the experts are already split (DTensors on the expert-parallel ranks) and
+    stay so: every tensor-parallel rank holds its expert-parallel rank's experts and
+    exchanges the whole sequence's tokens with the ranks of the same ``tp`` index."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(
@@ -196,6 +199,8 @@ class ReplicatedMoE(ParallelStyle):
 def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
     del name
     for param_name, param in list(module.named_parameters(recurse=False)):
+        if isinstance(param, DTensor):
+            continue  # experts split by expert parallelism: each tensor-parallel rank its copy
         replicated = nn.Parameter(distribute_tensor(param, mesh, [Replicate()]))
         module.register_parameter(param_name, replicated)
 

@@ -168,11 +168,6 @@ def config_layout(
             f"--ep {ep}: expert parallelism is carved from the ranks FSDP or HSDP shard over; "
             "set --train_module.dp_config.name=fsdp (or hsdp)"
         )
-    if tp > 1:
-        raise ConfigurationError(
-            f"--ep {ep} with --tp {tp}: expert parallelism does not compose with tensor "
-            "parallelism; set one of them to 1"
-        )
     layout = replace(layout, ep=ep)
     layout.check_expert_parallel()
     return layout
@@ -305,7 +300,7 @@ def fitting(
     """The cheapest way each layout of ``gpus`` fits in ``limit`` bytes, cheapest first; and
     if none fits, the layout that comes closest. Pipelines run the config's schedule (1F1B
     without ``pp_config``); with the config's ``ep_config``, the layouts its expert
-    parallelism can be carved from (FSDP/HSDP without tensor parallelism)."""
+    parallelism can be carved from (FSDP/HSDP)."""
     options: list[ActivationCheckpointingConfig | None] = [None, FULL_AC]
     if module.ac_config is not None and module.ac_config.mode != ActivationCheckpointingMode.full:
         options.insert(1, module.ac_config)
@@ -343,7 +338,7 @@ def _with_experts(layout: Layout, ep: int) -> Layout | None:
     """``layout`` with expert parallelism ``ep``; ``None`` where training would refuse it."""
     if ep == 1:
         return layout
-    if layout.tp > 1 or layout.data_parallel not in ("fsdp", "hsdp") or not layout.cp_sharded:
+    if layout.data_parallel not in ("fsdp", "hsdp") or not layout.cp_sharded:
         return None
     if ep % layout.cp or (layout.dp_shard * layout.cp) % ep:
         return None
@@ -484,7 +479,7 @@ def plan_report(
         f"layouts that fit in {gpu_memory_gib:g} GiB less {reserve_gib:g} GiB reserve, "
         f"cheapest (least communication and recomputation) first; pipelines run "
         f"{schedule['schedule']} with {schedule['stages_per_rank']} stage(s) per rank"
-        + (f", experts split over ep {layout.ep} ranks (no TP, no DDP)" if layout.ep > 1 else "")
+        + (f", experts split over ep {layout.ep} ranks (no DDP)" if layout.ep > 1 else "")
         + ":"
     )
     lines.append(

@@ -149,12 +149,12 @@ class ParallelLayout:
             keep_embedding_gradient_sharded(model)
 
     def shard(self, model: nn.Module) -> None:
-        """Tensor, context and expert parallelism, then FSDP/HSDP: the model's parameters
+        """Expert, tensor and context parallelism, then FSDP/HSDP: the model's parameters
         become DTensors on the mesh (on the ``meta`` device too: they are materialised shard
         by shard afterwards)."""
+        self.expert_parallel(model)  # first: tensor parallelism replicates the rest of a layer
         self.tensor_parallel(model)
         self.split_sequences(model)
-        self.expert_parallel(model)
         if self.sharded:
             assert self.dp_config is not None
             self.fully_shard(model, self.dp_config)

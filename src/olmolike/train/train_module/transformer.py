@@ -127,13 +127,6 @@ class TransformerTrainModuleConfig(Config):
                 f"{type(self).__name__} does not run under pipeline parallelism: "
                 f"{self.pipeline_refusal}; set pp_config=null (use FSDP to fit the model)",
             )
-        if _degree(self.ep_config) > 1 and _degree(self.tp_config) > 1:
-            raise self._invalid(
-                "ep_config",
-                "expert parallelism does not compose with tensor parallelism (the MoE layers "
-                "replicate their experts over the tensor-parallel ranks): set "
-                "tp_config.degree=1 or ep_config=null",
-            )
         if self.rank_microbatch_size <= 0:
             raise self._invalid("rank_microbatch_size", "must be a positive number of tokens")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
