@@ -18,7 +18,9 @@ split: it trains FSDP in the EP row too. For the 2-rank rows the table adds, for
 the bytes it sent to the other rank per step in ``all_to_all`` (the counts, the routed
 copies and the results forward, both again backward), the share of its step spent in
 those calls (waiting for the other rank included), and the bytes FSDP's all-gathers and
-reduce-scatters sent (EP gathers only a rank's own experts).
+reduce-scatters sent (EP gathers only a rank's own experts); the EP row's tokens/s is also
+given over the FSDP row's, round by round (each round runs every layout and model in turn,
+so that a change in the machine's load hits them alike).
 
     .venv/bin/python src/benchmarks/moe.py [--quick] [--rounds 5] [--steps 8] [--device cuda]
 
@@ -230,29 +232,35 @@ def main() -> None:
     rounds, steps, rows = (2, 4, 2) if args.quick else (args.rounds, args.steps, args.rows)
     device = torch.device(args.device)
     configs = models(args.quick)
-    console = Console(width=140)
+    console = Console(width=190)
     table = Table(title=f"MoE / dense tokens/s on {device} ({rounds} rounds, median (min-max))")
     columns = ("layout", "model", "total params", "active", "tokens/s", "ratio to dense")
-    for column in (*columns, "all-to-all MiB/step", "all-to-all share", "FSDP MiB/step"):
+    extra = ("vs FSDP 2 ranks", "all-to-all MiB/step", "all-to-all share", "FSDP MiB/step")
+    for column in (*columns, *extra):
         table.add_column(column)
-    for layout, measure in LAYOUTS.items():
-        if args.device != "cpu" and layout != "1 process":
-            continue  # the ranks are gloo processes on the CPU
-        runs: dict[str, list[Measured]] = {name: [] for name in configs}
-        for _ in range(rounds):
+    # The ranks are gloo processes on the CPU; there the loop is the experts' computation.
+    layouts = {k: v for k, v in LAYOUTS.items() if args.device == "cpu" or k == "1 process"}
+    runs: dict[tuple[str, str], list[Measured]] = {}
+    for _ in range(rounds):  # every layout and model in each round: load changes hit all alike
+        for layout, measure in layouts.items():
             for name, config in configs.items():
                 if layout != "1 process" and ExpertCompute.grouped_mm.value in name:
-                    continue  # the loop is the CPU's expert computation
-                runs[name].append(measure(config, steps=steps, rows=rows, seq=256, device=device))
-        dense = [m.tokens_per_second for m in runs["dense (tiny)"]]
+                    continue
+                measured = measure(config, steps=steps, rows=rows, seq=256, device=device)
+                runs.setdefault((layout, name), []).append(measured)
+    for layout in layouts:
+        dense = [m.tokens_per_second for m in runs[layout, "dense (tiny)"]]
         for name, config in configs.items():
-            if not runs[name]:
+            if (layout, name) not in runs:
                 continue
-            speeds = [m.tokens_per_second for m in runs[name]]
+            speeds = [m.tokens_per_second for m in runs[layout, name]]
             ratios = [s / d for s, d in zip(speeds, dense, strict=True)]
-            sent = [m.exchanged_per_step for m in runs[name] if m.exchanged_per_step is not None]
-            share = [m.all_to_all_share for m in runs[name] if m.all_to_all_share is not None]
-            fsdp = [m.fsdp_per_step for m in runs[name] if m.fsdp_per_step is not None]
+            measured = runs[layout, name]
+            sent = [m.exchanged_per_step for m in measured if m.exchanged_per_step is not None]
+            share = [m.all_to_all_share for m in measured if m.all_to_all_share is not None]
+            fsdp = [m.fsdp_per_step for m in measured if m.fsdp_per_step is not None]
+            baseline = runs.get(("FSDP 2 ranks", name), []) if layout.startswith("EP") else []
+            versus = [s / b.tokens_per_second for s, b in zip(speeds, baseline, strict=False)]
             table.add_row(
                 layout,
                 name,
@@ -260,6 +268,9 @@ def main() -> None:
                 f"{config.num_active_params():,}",
                 f"{statistics.median(speeds):,.0f}",
                 f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})",
+                f"{statistics.median(versus):.3f} ({min(versus):.3f}-{max(versus):.3f})"
+                if versus
+                else "-",
                 f"{statistics.median(sent) / 2**20:.2f}" if sent else "-",
                 f"{statistics.median(share):.1%}" if share else "-",
                 f"{statistics.median(fsdp) / 2**20:.2f}" if fsdp else "-",
