@@ -23,7 +23,7 @@ PACKAGE_ROOT = Path(olmolike.__file__).parent
 
 LOWER_ROOMS = ("distributed", "nn", "data", "optim", "io", "config", "config_dict", "exceptions")
 """Rooms below the trainer: none of them may import ``olmolike.train`` or anything above it."""
-ABOVE_TRAIN = ("train", "plan", "inference", "cli", "cli_prepare", "plot", "__main__")
+ABOVE_TRAIN = ("train", "plan", "inference", "cli", "cli_args", "cli_prepare", "plot", "__main__")
 
 
 def module_name(path: Path) -> str:

@@ -3,6 +3,7 @@ against torch's MemTracker, the command's output and its one-line errors."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from olmolike.cli import main
 from olmolike.data.numpy_data_loader import NumpyDataLoaderConfig
 from olmolike.data.numpy_dataset import NumpyDatasetConfig
+from olmolike.distributed.mesh import ParallelDegrees
 from olmolike.distributed.parallel import DataParallelConfig, DataParallelType
 from olmolike.distributed.pipeline import PipelineScheduleType, split_layers
 from olmolike.experiment import ExperimentConfig
@@ -29,6 +31,7 @@ from olmolike.train.train_module import (
     TransformerTrainModuleConfig,
 )
 from olmolike.train.train_module.dpo import DPOTrainModuleConfig
+from olmolike.train.train_module.layout import check_data_parallel
 
 # 1,000 parameters: embedding 80, per block 2 norms 16 + q/k/v/out 4 x 64 + MLP 3 x 48 = 416,
 # final norm 8, head 80. Buffers: RoPE cos and sin, 16 positions x head_dim 4, float32.
@@ -301,6 +304,52 @@ def test_plan_takes_the_layout_from_the_config_unless_a_flag_says_otherwise(
     assert "pp 1 x dp_replicate 1 x dp_shard 2 x cp 4 x tp 1 (fsdp" in capsys.readouterr().out
     assert main([*plan, "--cp", "2", "--train_module.cp_config.degree=4"]) == 0
     assert "pp 1 x dp_replicate 1 x dp_shard 4 x cp 2 x tp 1 (fsdp" in capsys.readouterr().out
+
+
+def test_a_layout_training_refuses_is_refused_with_trainings_fix_which_plans(
+    config_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """TP over DDP: training refuses it, so the planner does too, with the same line; the
+    fix it names, given as an override, plans."""
+    plan = ["plan", str(config_file), "--gpus", "8", "--gpu-memory", "80", "--tp", "2"]
+    assert main([*plan, "--train_module.dp_config=null"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "tensor parallelism composes with FSDP or HSDP over the data (and context-parallel) "
+        "ranks, not with DDP" in err
+    )
+    fix = re.search(r"set (train_module\.dp_config\.name=\w+)", err)
+    assert fix is not None
+    assert main([*plan, "--train_module.dp_config=null", f"--{fix[1]}"]) == 0
+    assert "pp 1 x dp_replicate 1 x dp_shard 4 x cp 1 x tp 2 (fsdp" in capsys.readouterr().out
+
+
+def test_every_listed_layout_trains_as_labelled(
+    config_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each row's data-par is a dp_config that training accepts with the row's degrees, and
+    that gives exactly those degrees (HSDP's num_replicas being dp_replicate); replication
+    with TP or a pipeline is HSDP with one-rank shards, counted with FSDP's buffers."""
+    assert main(["plan", str(config_file), "--gpus", "8", "--gpu-memory", "80"]) == 0
+    table = capsys.readouterr().out.split("longest seq\n")[1]
+    rows = [line.split() for line in table.splitlines() if line.split()[:1] != ["..."]]
+    assert any(row[5] == "hsdp" and row[2] == "1" and row[4] != "1" for row in rows)
+    for pp, replicate, shard, cp, tp, name, *_ in rows:
+        degrees = ParallelDegrees(
+            pp=int(pp), dp_replicate=int(replicate), dp_shard=int(shard), cp=int(cp), tp=int(tp)
+        )
+        if name == "none":
+            assert degrees.dp * degrees.cp == 1
+            continue
+        num_replicas = int(replicate) if name == "hsdp" else None
+        dp = DataParallelConfig(name=DataParallelType(name), num_replicas=num_replicas)
+        check_data_parallel(degrees, dp)  # training's own check
+        assert dp.degrees(8, pp=int(pp), cp=int(cp), tp=int(tp)) == degrees, (name, degrees)
+    model = TransformerConfig.olmo2_1B(100_352)
+    module = TransformerTrainModuleConfig(rank_microbatch_size=4096)
+    replicated_tp = rank_memory(model, module, Layout(dp_replicate=4, tp=2), None)
+    assert replicated_tp.layout.data_parallel == "hsdp"
+    assert replicated_tp.gathered < replicated_tp.state.params  # no DDP bucket copy
 
 
 # -- mixtures of experts -------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from testutils import run_distributed_test
 from olmolike.data import TokenTensorDataLoader
 from olmolike.distributed.parallel import DataParallelConfig
 from olmolike.distributed.pipeline import PipelineParallelConfig
-from olmolike.distributed.tensor_parallel import TensorParallelConfig
+from olmolike.distributed.tensor_parallel import ContextParallelConfig, TensorParallelConfig
 from olmolike.distributed.utils import broadcast_object, get_rank
 from olmolike.nn import TransformerConfig
 from olmolike.nn.moe import MoEConfig
@@ -91,6 +91,7 @@ def train(
     pp: dict[str, Any] | None = None,
     dp: dict[str, Any] | None = None,
     tp: int = 1,
+    cp: int = 1,
     collect: int = 1,
     steps: int = STEPS,
     save_folder: str | None = None,
@@ -103,6 +104,7 @@ def train(
         pp_config=PipelineParallelConfig.from_dict(pp) if pp else None,
         dp_config=DataParallelConfig.from_dict(dp) if dp else None,
         tp_config=TensorParallelConfig(degree=tp) if tp > 1 else None,
+        cp_config=ContextParallelConfig(degree=cp) if cp > 1 else None,
         **module,
     )
     model = model_config().build(init_device="meta")
@@ -226,6 +228,7 @@ def _two_rank_cases() -> dict[str, Run]:
             pp={"degree": 2, "schedule": "interleaved_1f1b"},
             ac_config=ActivationCheckpointingConfig(),
         ),
+        "cp": train(cp=2, dp={"name": "fsdp"}),
     }
 
 
@@ -320,3 +323,21 @@ def test_sft_batches_train_an_moe() -> None:
         counts = [metrics[f"moe/layer 2/expert {e} tokens"] for e in range(4)]
         assert sum(counts) == 4 * SEQ_LEN * 2
     assert record.metrics[2]["train/CE loss"] < record.metrics[1]["train/CE loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_context_parallelism_routes_every_token_once(
+    two_ranks: list[dict[str, Run]], single: Run
+) -> None:
+    """Each context-parallel rank routes its share of every sequence: the first step's loss
+    and expert loads are one process's. Its load-balancing loss is each share's (the
+    fractions are per rank, as under data parallelism), so later steps may differ slightly."""
+    for rank in two_ranks:
+        got, want = rank["cp"].metrics[1], single.metrics[1]
+        assert got["train/CE loss"] == pytest.approx(want["train/CE loss"], rel=1e-5)
+        assert got["moe/dropped tokens"] == 0
+        for name, value in want.items():
+            if name.startswith("moe/layer") and name.endswith("tokens"):
+                assert got[name] == value, name
+        assert 1.9 < got["train/load balancing loss"] < 3.0

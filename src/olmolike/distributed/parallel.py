@@ -43,6 +43,8 @@ class DataParallelConfig(Config):
     """Data parallelism: DDP, FSDP2 or HSDP, and the dtypes FSDP gathers and reduces in."""
 
     name: DataParallelType = DataParallelType.fsdp
+    """How the data-parallel ranks hold the model: ``ddp`` (each a whole copy), ``fsdp`` (sharded
+    over all) or ``hsdp`` (sharded within groups, replicated across them)."""
     param_dtype: DType | None = None
     """FSDP/HSDP: the dtype parameters are gathered in for forward and backward (e.g. bfloat16);
     the sharded master copy stays in its own dtype. ``None`` keeps the parameters' dtype."""

@@ -72,6 +72,8 @@ class PipelineParallelConfig(Config):
     degree: int = 1
     """Pipeline ranks (the mesh's ``pp`` dimension)."""
     schedule: PipelineScheduleType = PipelineScheduleType.one_f_one_b
+    """The order of the micro-batches' forwards and backwards (:class:`PipelineScheduleType`):
+    ``gpipe``, ``1f1b`` or ``interleaved_1f1b``."""
     stages_per_rank: int | None = None
     """Stages on each rank; ``None`` means 2 for ``interleaved_1f1b`` and 1 otherwise. Only
     the interleaved schedule runs more than one."""

@@ -35,8 +35,14 @@ class RopeScalingConfig(Config):
     """
 
     factor: float = 8.0
+    """How much longer the new context is: the long-wavelength frequencies are divided by it (Llama
+    3.1: 8)."""
     low_freq_factor: float = 1.0
+    """Frequencies whose wavelength exceeds ``original_max_sequence_length / low_freq_factor`` are
+    divided by ``factor`` in full."""
     high_freq_factor: float = 4.0
+    """Frequencies whose wavelength is below ``original_max_sequence_length / high_freq_factor`` are
+    kept as pretrained; those between the two bounds are blended."""
     original_max_sequence_length: int = 8192
     """The context length the model was pretrained with before the stretch."""
 

@@ -21,7 +21,7 @@ from .moe import MoEConfig
 from .rope import RopeScalingConfig
 from .transformer import Transformer, TransformerBlockType
 
-__all__ = ["TransformerConfig", "TransformerPreset"]
+__all__ = ["TransformerConfig", "TransformerPreset", "computation_changes", "model_override"]
 
 log = logging.getLogger(__name__)
 
@@ -107,20 +107,48 @@ class TransformerConfig(Config):
     """
 
     vocab_size: int
+    """Rows of the embedding and of the output head: at least the tokenizer's vocabulary (often
+    rounded up to a multiple of 128, which keeps the matmuls fast). Every token id must be below it.
+    """
     d_model: int
+    """The width of the residual stream: the size of each token's hidden vector, and of the
+    embeddings."""
     n_layers: int
+    """Transformer blocks, each attention then MLP."""
     n_heads: int
+    """Attention (query) heads per block; must divide ``d_model``, and each head's width ``d_model /
+    n_heads`` must be even (rotary embeddings rotate pairs)."""
     n_kv_heads: int | None = None
+    """Key/value heads per block, a divisor of ``n_heads``: fewer than ``n_heads`` is grouped-query
+    attention (a smaller KV cache and fewer parameters). ``None``: as many as ``n_heads``."""
     mlp_hidden_size: int | None = None
+    """The inner width of each SwiGLU MLP. ``None``: 8/3 of ``d_model`` rounded up to
+    ``mlp_multiple_of`` (the parameters of a 4x GELU MLP)."""
     mlp_multiple_of: int = 256
+    """With ``mlp_hidden_size`` unset, the MLP width is rounded up to a multiple of this."""
     max_sequence_length: int = 4096
+    """The longest input in tokens: the rotary tables are built this long. It changes no weight:
+    raise it to take longer sequences (the data's ``sequence_length`` must not exceed it)."""
     rope_theta: float = 500_000.0
+    """The base of the rotary position embeddings' frequencies: larger bases rotate slower, for
+    longer contexts (Llama 2: 10,000; Llama 3 and OLMo-2: 500,000)."""
     rope_scaling: RopeScalingConfig | None = None
+    """Llama 3.1's stretch of the rotary frequencies to a longer context
+    (:class:`~olmolike.nn.rope.RopeScalingConfig`); ``None``: none."""
     norm_eps: float = 1e-6
+    """The epsilon added to the mean square in every RMSNorm, for numerical safety."""
     qk_norm: bool = False
+    """Apply RMSNorm to the query and key projections (over all heads at once, as OLMo-2 does),
+    which keeps attention logits from growing."""
     tie_weights: bool = False
+    """Share the embedding matrix with the output head (one ``vocab_size x d_model`` matrix instead
+    of two)."""
     block_type: TransformerBlockType = TransformerBlockType.default
+    """Where each block normalizes (:class:`~olmolike.nn.TransformerBlockType`): ``default`` before
+    attention and MLP (Llama), ``reordered_norm`` on their outputs (OLMo-2)."""
     init_std: float = 0.02
+    """The standard deviation of the initial weights (truncated normal at 3 std; output projections
+    scaled down with depth). Only a fresh model uses it."""
     moe: MoEConfig | None = None
     """Mixture-of-experts feed-forwards (:class:`~olmolike.nn.moe.MoEConfig`: experts, top-k,
     which layers, the auxiliary losses' coefficients); ``None``: every MLP is dense."""
@@ -333,6 +361,93 @@ class TransformerConfig(Config):
             f"{self.num_params():,}", f"{self.num_non_embedding_params():,}", active, init_device,
         )  # fmt: skip
         return model
+
+
+# Fields that change nothing trained weights compute: how fresh weights are drawn, and the
+# longest input accepted (positions below both lengths get the same rotary angles, and the
+# data's sequence length is checked against it). Every other field, one added later
+# included, changes the computation unless it is named here.
+_WEIGHTS_UNAFFECTED = frozenset({"init_std", "max_sequence_length"})
+# Fields that only set a derived size: they differ in effect only when that size does.
+_SETS_DERIVED = {
+    "n_kv_heads": "kv_heads",
+    "mlp_hidden_size": "hidden_size",
+    "mlp_multiple_of": "hidden_size",
+}
+
+
+def computation_changes(
+    saved: TransformerConfig, now: TransformerConfig
+) -> dict[str, tuple[Any, Any]]:
+    """The fields of ``now`` that make weights trained under ``saved`` compute something
+    else, as ``name -> (saved value, value now)``, in field order.
+
+    Every field counts except ``init_std`` and ``max_sequence_length``, and a field that only
+    sets a derived size (``n_kv_heads``: the key/value heads; ``mlp_hidden_size`` and
+    ``mlp_multiple_of``: the MLP width) counts when that size differs: ``n_kv_heads=null``
+    and ``n_kv_heads`` equal to ``n_heads`` are the same model. A field changing the tensor
+    shapes (``d_model``) is named too.
+    """
+    changes: dict[str, tuple[Any, Any]] = {}
+    for f in fields(saved):
+        old, new = getattr(saved, f.name), getattr(now, f.name)
+        if f.name in _WEIGHTS_UNAFFECTED or old == new:
+            continue
+        if f.name == "moe" and old is not None and new is not None:
+            changes |= _moe_changes(saved, now)
+            continue
+        derived = _SETS_DERIVED.get(f.name)
+        if derived is None or getattr(saved, derived) != getattr(now, derived):
+            changes[f.name] = (_plain(old), _plain(new))
+    return changes
+
+
+# A mixture of experts' fields that change training only (the auxiliary losses' weights) or how
+# the same numbers are computed: fine-tuning may change them.
+_MOE_TRAINING_ONLY = frozenset(
+    {"load_balancing_loss_coefficient", "router_z_loss_coefficient", "expert_compute"}
+)
+
+
+def _moe_changes(saved: TransformerConfig, now: TransformerConfig) -> dict[str, tuple[Any, Any]]:
+    """:func:`computation_changes` of two mixtures of experts, as ``moe.<field>``: the same
+    experts and routing, however written (``hidden_size`` unset or the dense width it stands
+    for, ``layers`` unset or every layer), compute the same."""
+    old, new = saved.moe, now.moe
+    assert old is not None and new is not None
+    effective = {
+        "hidden_size": lambda c, m: m.hidden_size or c.hidden_size,
+        "layers": lambda c, m: [i for i in range(c.n_layers) if m.is_moe_layer(i)],
+    }
+    changes: dict[str, tuple[Any, Any]] = {}
+    for f in fields(old):
+        if f.name in _MOE_TRAINING_ONLY:
+            continue
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        if a != b and (
+            f.name not in effective or effective[f.name](saved, old) != effective[f.name](now, new)
+        ):
+            changes[f"moe.{f.name}"] = (_plain(a), _plain(b))
+    return changes
+
+
+def _plain(value: Any) -> Any:
+    """A field's value as a config file writes it: an option's value, a section as a dict."""
+    if isinstance(value, Config):
+        return {k: v for k, v in value.as_config_dict().items() if k != Config.CLASS_NAME_FIELD}
+    return value.value if isinstance(value, StrEnum) else value
+
+
+def model_override(name: str, value: Any, prefix: str = "model") -> str:
+    """The command-line override that sets the model config's field ``name`` to ``value``
+    (a plain value, as :func:`computation_changes` gives it), e.g. ``--model.n_heads=4``."""
+    if value is None:
+        return f"--{prefix}.{name}=null"
+    if isinstance(value, dict):
+        return " ".join(model_override(f"{name}.{k}", v, prefix) for k, v in value.items())
+    if isinstance(value, bool):
+        return f"--{prefix}.{name}={str(value).lower()}"
+    return f"--{prefix}.{name}={value}"
 
 
 # Its name before it moved here from olmolike.nn.transformer: every config.json saved with a

@@ -88,6 +88,9 @@ class Layout(ParallelDegrees):
     cp_sharded: bool = True
     """With ``cp`` > 1: FSDP/HSDP shard the parameters over the context-parallel ranks too
     (the train module's FSDP and HSDP); ``False``: DDP replicates over them."""
+    hsdp: bool = False
+    """The config asks for HSDP: replication alone (``dp_shard`` 1) then runs as HSDP with
+    one-rank shards, not as DDP."""
 
     def __post_init__(self) -> None:
         schedule = check_choice(self.schedule, PipelineScheduleType, "schedule")
@@ -109,10 +112,17 @@ class Layout(ParallelDegrees):
     @property
     def data_parallel(self) -> str:
         """``ddp``, ``fsdp``, ``hsdp`` or ``none``: how the data-parallel (and context-parallel)
-        ranks hold the model."""
+        ranks hold the model as training runs them. Replication alone (over ``dp_replicate``,
+        and the context-parallel ranks when they do not shard) is DDP, except with tensor
+        parallelism (DDP does not compose with it: training runs these degrees only as HSDP
+        with one-rank shards), under a pipeline (which runs them so too), or when the config
+        asks for HSDP."""
         if self.shards > 1:
             return "hsdp" if self.dp_replicate > 1 else "fsdp"
-        return "ddp" if self.dp_replicate * self.cp > 1 else "none"
+        if self.dp_replicate * self.cp == 1:
+            return "none"
+        plain = self.tp == 1 and self.pp == 1 and not self.hsdp
+        return "ddp" if plain else "hsdp"
 
     @property
     def num_stages(self) -> int:
@@ -155,9 +165,14 @@ class StateBytes:
     """What one rank holds between steps, in bytes."""
 
     params: int
+    """The parameter shards the rank holds, in bytes."""
     grads: int
+    """The gradients the rank holds, in bytes (like its parameters)."""
     optim: int
+    """The optimizer state the rank holds, in bytes (AdamW: two moments like each parameter and a
+    float32 step per tensor)."""
     buffers: int
+    """Non-parameter tensors the rank holds (the RoPE tables), in bytes."""
 
     @property
     def total(self) -> int:
@@ -306,8 +321,8 @@ def state_bytes(
 
 def layouts(gpus: int, stages_per_rank: int = 1) -> Iterator[Layout]:
     """Every ``pp x dp_replicate x dp_shard x tp`` with product ``gpus``, and with context
-    parallelism (``cp`` > 1) FSDP over the data and context ranks or DDP over them (HSDP under
-    context parallelism is left out: it would double the list for a rare choice); pipelines
+    parallelism (``cp`` > 1) FSDP over the data and context ranks or, without TP and PP, DDP
+    over them (HSDP under context parallelism is left out: it would double the list for a rare choice); pipelines
     with ``stages_per_rank`` stages per rank."""
     divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
     for p, t, c in itertools.product(divisors, repeat=3):
@@ -317,7 +332,8 @@ def layouts(gpus: int, stages_per_rank: int = 1) -> Iterator[Layout]:
         base = Layout(pp=p, cp=c, tp=t, stages_per_rank=stages_per_rank if p > 1 else 1)
         if c > 1:
             yield replace(base, dp_shard=dp)
-            yield replace(base, dp_replicate=dp, cp_sharded=False)
+            if t == p == 1:  # DDP composes with neither TP nor a pipeline
+                yield replace(base, dp_replicate=dp, cp_sharded=False)
             continue
         for shard in range(1, dp + 1):
             if dp % shard == 0:

@@ -31,6 +31,7 @@ from ..distributed.pipeline import PipelineParallelConfig
 from ..exceptions import ConfigurationError
 from ..nn import TransformerConfig
 from ..train.train_module.dpo import DPOTrainModuleConfig
+from ..train.train_module.layout import check_data_parallel
 from ..train.train_module.transformer import (
     ActivationCheckpointingConfig,
     ActivationCheckpointingMode,
@@ -57,10 +58,16 @@ class RankMemory:
     """One rank's bytes under one layout and activation-checkpointing setting."""
 
     layout: Layout
+    """The layout the rank belongs to."""
     ac: ActivationCheckpointingConfig | None
+    """The activation checkpointing assumed; ``None``: none."""
     state: StateBytes
+    """Parameters, gradients, optimizer state and buffers, in bytes."""
     gathered: int
+    """Communication buffers during a step, in bytes: DDP's gradient buckets, or FSDP's gathered
+    root and blocks."""
     activations: int
+    """The activations kept for backward at the peak of a step, in bytes."""
     pp_rank: int = 0
     """The rank's pipeline rank (the rank is the first of its pipeline stage's ranks)."""
     longest: int = 0
@@ -193,6 +200,7 @@ def _data_layout(
     if dp is None or dp.name == DataParallelType.ddp:
         # A pipeline replicates with FSDP2, which shards over the context ranks.
         layout = Layout(pp=pp, dp_replicate=dp_ranks, cp=cp, tp=tp, cp_sharded=pp > 1)
+        check_data_parallel(layout, dp)  # as training refuses DDP with tensor parallelism
         return replace(layout, **schedule)
     if dp.name == DataParallelType.fsdp:
         return Layout(pp=pp, dp_shard=dp_ranks, cp=cp, tp=tp, **schedule)
@@ -204,7 +212,7 @@ def _data_layout(
             f"of {dp_ranks} or change --gpus-per-node"
         )
     shard = dp_ranks // replicas
-    return Layout(pp=pp, dp_replicate=replicas, dp_shard=shard, cp=cp, tp=tp, **schedule)
+    return Layout(pp=pp, dp_replicate=replicas, dp_shard=shard, cp=cp, tp=tp, hsdp=True, **schedule)
 
 
 def _schedule(module: TransformerTrainModuleConfig, pp: int) -> dict[str, Any]:
@@ -481,6 +489,10 @@ def plan_report(
         f"{schedule['schedule']} with {schedule['stages_per_rank']} stage(s) per rank"
         + (f", experts split over ep {layout.ep} ranks (no DDP)" if layout.ep > 1 else "")
         + ":"
+    )
+    lines.append(
+        "data-par is the dp_config each row trains with (hsdp's num_replicas: dp_replicate); "
+        "replication alone runs as DDP without tp or pp, else as hsdp with one-rank shards"
     )
     lines.append(
         "     pp  dp_replicate  dp_shard   cp   tp  data-par  act-ckpt   GiB/GPU   longest seq"

@@ -27,6 +27,8 @@ class ActivationCheckpointingConfig(Config):
     """Activation checkpointing: trade compute for memory by recomputing block activations."""
 
     mode: ActivationCheckpointingMode = ActivationCheckpointingMode.full
+    """Which activations are recomputed in the backward pass instead of kept: see
+    :class:`ActivationCheckpointingMode` (``full``: every block's)."""
     block_interval: int = 1
     """With ``selected_blocks``: checkpoint blocks 0, N, 2N, ..."""
 

@@ -46,9 +46,27 @@ from ...nn.parallel_plan import apply_tensor_parallel, keep_embedding_gradient_s
 from ...nn.transformer import Transformer
 from .train_module import data_parallel_group
 
-__all__ = ["ParallelLayout"]
+__all__ = ["ParallelLayout", "check_data_parallel"]
 
 log = logging.getLogger(__name__)
+
+
+def check_data_parallel(degrees: ParallelDegrees, dp_config: DataParallelConfig | None) -> None:
+    """Refuse what no train module runs: DDP (``dp_config`` ``ddp``, or unset, on several
+    data-parallel or context-parallel ranks) with tensor parallelism. The memory planner asks the same,
+    so that it lists only layouts that train."""
+    # An unset dp_config runs DDP on several data (or context-parallel) ranks.
+    if dp_config is None:
+        ddp = degrees.dp * degrees.cp > 1
+    else:
+        ddp = dp_config.name == DataParallelType.ddp
+    if degrees.tp > 1 and ddp:
+        raise ConfigurationError(
+            "tensor parallelism composes with FSDP or HSDP over the data (and "
+            "context-parallel) ranks, not with DDP: set train_module.dp_config.name=fsdp "
+            "(or hsdp)",
+            path="train_module.dp_config.name",
+        )
 
 
 @dataclass
@@ -85,14 +103,9 @@ class ParallelLayout:
                 degrees.dp,
                 degrees.cp,
             )
+        check_data_parallel(degrees, dp_config)
         ddp = dp_config is not None and dp_config.name == DataParallelType.ddp
         split = degrees.world_size // degrees.dp > 1
-        if degrees.tp > 1 and ddp:
-            raise ConfigurationError(
-                "tensor parallelism composes with FSDP or HSDP over the data (and "
-                "context-parallel) ranks, not with DDP: set train_module.dp_config.name=fsdp",
-                path="train_module.dp_config.name",
-            )
         if split and given is not None:
             raise ConfigurationError(
                 "with tensor parallelism the data-parallel group comes from the device mesh; "

@@ -35,6 +35,7 @@ from ...utils import get_default_device
 from ..callbacks.init_weights import InitWeightsCallback
 from ..callbacks.moe_load import MoELoadCallback
 from ..common import ReduceType
+from ..weights import check_allowed_changes
 from .activation_checkpointing import ActivationCheckpointingConfig, ActivationCheckpointingMode
 from .layout import ParallelLayout
 from .moe import MoEMetrics
@@ -65,6 +66,7 @@ class TransformerTrainModuleConfig(Config):
     rank_microbatch_size: int
     """Tokens per forward/backward pass on one rank; the rank batch must be a multiple of it."""
     optim: OptimConfig = field(default_factory=AdamWConfig)
+    """The optimizer (default AdamW with its defaults), built over the model's parameters."""
     scheduler: Scheduler | None = None
     """LR schedule over the trainer's ``max_duration``; ``None`` keeps the optimizer's LR."""
     max_grad_norm: float | None = None
@@ -73,12 +75,17 @@ class TransformerTrainModuleConfig(Config):
     """Weight of the z-loss (squared log-partition), which keeps logits from drifting; 1e-4 is
     a common choice for large runs."""
     label_smoothing: float = 0.0
+    """Label smoothing of the cross-entropy loss, from 0 (none) to below 1: the share of the target
+    probability spread evenly over the vocabulary."""
     label_ignore_index: int = -100
+    """Label value whose positions are not trained on (padding, masked prompt tokens)."""
     autocast_precision: DType | None = None
     """Run forward and backward under ``torch.autocast`` in this dtype (e.g. bfloat16)."""
     compile_model: bool = False
     """``torch.compile`` each transformer block (the blocks are identical, so one compile)."""
     compile_backend: str = "inductor"
+    """The ``torch.compile`` backend with ``compile_model`` (``inductor``; ``aot_eager`` compiles
+    without generating kernels)."""
     dp_config: DataParallelConfig | None = None
     """Data parallelism over the ranks the other degrees leave; ``None`` means DDP when there
     are several data-parallel ranks."""
@@ -97,6 +104,8 @@ class TransformerTrainModuleConfig(Config):
     """Pipeline parallelism: the layers split into stages over ``pp_config.degree`` ranks
     (:mod:`olmolike.train.train_module.pipeline`); the data dimensions take the other ranks."""
     ac_config: ActivationCheckpointingConfig | None = None
+    """Activation checkpointing: recompute activations in the backward pass to save memory;
+    ``None``: keep them all."""
     init_seed: int = 0
     """Seed for the weights when the model was built on the ``meta`` device."""
     init_weights: str | None = None
@@ -105,6 +114,11 @@ class TransformerTrainModuleConfig(Config):
     remote. Weights only: the optimizer, schedule and step count start fresh. Loaded when
     ``fit()`` starts, after sharding and before step 1, and only if the run did not resume
     from a checkpoint: a resumed run continues from its own weights."""
+    init_weights_allowed_changes: list[str] = field(default_factory=list)
+    """Model config fields (``n_heads``, ``rope_theta``, ...) that may differ from the config
+    ``init_weights`` were trained with, to start from them under another architecture on
+    purpose (a longer context's ``rope_theta``, say). Empty: any difference that changes what
+    the weights compute is refused."""
 
     pipeline_refusal: ClassVar[str | None] = None
     """Why this kind of training refuses ``pp_config`` (``None``: it runs pipelined). The
@@ -129,6 +143,7 @@ class TransformerTrainModuleConfig(Config):
             )
         if self.rank_microbatch_size <= 0:
             raise self._invalid("rank_microbatch_size", "must be a positive number of tokens")
+        check_allowed_changes(self.init_weights_allowed_changes, "init_weights_allowed_changes")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise self._invalid("max_grad_norm", f"must be positive, got {self.max_grad_norm}")
         if self.z_loss_multiplier is not None and self.z_loss_multiplier < 0:
@@ -291,7 +306,11 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
                 raise e.under("train_module.scheduler") from None
         if self.config.init_weights is not None:
             self.trainer.add_callback(
-                "init_weights", InitWeightsCallback(source=self.config.init_weights)
+                "init_weights",
+                InitWeightsCallback(
+                    source=self.config.init_weights,
+                    allowed_changes=list(self.config.init_weights_allowed_changes),
+                ),
             )
         if self._moe is not None and not self.trainer.has_callback(MoELoadCallback):
             self.trainer.add_callback("moe_load", MoELoadCallback())

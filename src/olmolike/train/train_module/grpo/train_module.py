@@ -105,6 +105,8 @@ class GRPOTrainModuleConfig(TransformerTrainModuleConfig):
     )
 
     rank_microbatch_size: int = 4096
+    """Tokens per forward and backward pass on each rank (prompt and completion rows, padded): the
+    memory knob; a step runs as many micro-batches as its rows need."""
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     """Group size, advantage scaling, clipping, KL coefficient, aggregation."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
