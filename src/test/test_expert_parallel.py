@@ -559,3 +559,61 @@ def test_olmolike_train_refuses_an_ep_degree_the_model_cannot_take_in_one_line(
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not (tmp_path / "run").exists()
+
+
+# -- post-training ----------------------------------------------------------------------------
+
+
+def _dpo(ep: int) -> dict[int, float]:
+    """DPO losses of 3 AdamW steps: the policy and its frozen reference (a snapshot of the
+    initial policy) both split over ``ep`` ranks, or one process."""
+    from olmolike.data.preference import (
+        PreferenceDataLoader,
+        PreferencePair,
+        encode_preference_pairs,
+    )
+    from olmolike.data.tokenizer import ByteTokenizer
+    from olmolike.train.train_module.dpo import DPOTrainModuleConfig
+
+    seq, tok = 24, ByteTokenizer()
+    words = ["alpha", "beta", "gamma", "delta"]
+    pairs = [
+        PreferencePair(f"Q{i}: ", words[i % 4] * 2, words[(i + 1) % 4], where=f"x:{i}")
+        for i in range(16)
+    ]
+    config = TransformerConfig.moe_tiny(
+        tok.vocab_size, d_model=32, n_layers=2, n_heads=2, max_sequence_length=seq,
+        moe=MoEConfig(num_experts=4, top_k=2, hidden_size=16),
+    )  # fmt: skip
+    module = DPOTrainModuleConfig(
+        rank_microbatch_size=2 * seq,
+        optim=AdamWConfig(lr=3e-3),
+        beta=0.5,
+        dp_config=DataParallelConfig(name="fsdp") if ep > 1 else None,  # type: ignore[arg-type]
+        ep_config=ExpertParallelConfig(degree=ep) if ep > 1 else None,
+    ).build(config.build(init_device="meta"))
+    group = getattr(module, "dp_process_group", None)
+    loader = PreferenceDataLoader(
+        encode_preference_pairs(pairs, tok, seq),
+        global_batch_size=4 * 4 * seq,
+        seed=0,
+        dp_world_size=module.dp_world_size,
+        dp_rank=get_rank(group),
+    )
+    record = Record()
+    TrainerConfig(
+        save_folder=broadcast_object(tempfile.mkdtemp()), metrics_collect_interval=1,
+        device="cpu", max_duration=Duration.steps(3), no_checkpoints=True,
+        callbacks={"record": record},
+    ).build(module, loader, dp_process_group=group).fit()  # fmt: skip
+    return {step: metrics["train/DPO loss"] for step, metrics in record.metrics.items()}
+
+
+@pytest.mark.timeout(600)
+def test_dpo_trains_an_moe_policy_and_reference_under_ep2_as_one_process() -> None:
+    want = _dpo(ep=1)
+    assert want[1] == pytest.approx(0.6931472, abs=1e-6)  # the reference is the policy
+    for got in run_distributed_test(_dpo, 2, args=(2,), timeout=300):
+        assert got.keys() == want.keys()
+        for step, loss in want.items():
+            assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
