@@ -305,7 +305,7 @@ def _two_rank_cases(folder: str) -> dict[str, Run]:
     }
 
 
-def _four_rank_cases(ep2_checkpoint: str, one_checkpoint: str) -> dict[str, Run]:
+def _four_rank_cases(ep2_checkpoint: str, one_checkpoint: str, tp_folder: str) -> dict[str, Run]:
     return {
         "ep2_fsdp2": train(ep=2),
         "ep4": train(ep=4),
@@ -315,6 +315,8 @@ def _four_rank_cases(ep2_checkpoint: str, one_checkpoint: str) -> dict[str, Run]
         # The EP2 run's checkpoint of step 2 (2 ranks), continued under EP4.
         "ep4_from_ep2": train(ep=4, optim="adamw", load_path=ep2_checkpoint),
         "ep2_tp2_from_ep2": train(ep=2, tp=2, optim="adamw", load_path=ep2_checkpoint),
+        # Saved under EP2 x TP2: every tensor-parallel rank holds a copy of its experts.
+        "ep2_tp2_saved": train(ep=2, tp=2, optim="adamw", steps=2, save_folder=tp_folder),
         # One process's checkpoint of step 2, continued under EP2 x FSDP2.
         "ep2_fsdp2_from_one": train(ep=2, optim="adamw", load_path=one_checkpoint),
     }
@@ -339,12 +341,17 @@ def one_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def ep2_tp2_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ep2_tp2_run")
+
+
+@pytest.fixture(scope="module")
 def four_ranks(
-    two_ranks: list[dict[str, Run]], ep2_folder: Path, one_folder: Path
+    two_ranks: list[dict[str, Run]], ep2_folder: Path, one_folder: Path, ep2_tp2_folder: Path
 ) -> list[dict[str, Run]]:
     del two_ranks  # its checkpoint first
-    checkpoints = (str(ep2_folder / "step2"), str(one_folder / "step2"))
-    return run_distributed_test(_four_rank_cases, 4, args=checkpoints, timeout=600)
+    args = (str(ep2_folder / "step2"), str(one_folder / "step2"), str(ep2_tp2_folder))
+    return run_distributed_test(_four_rank_cases, 4, args=args, timeout=600)
 
 
 @pytest.mark.timeout(600)
@@ -449,6 +456,20 @@ def test_export_hf_reads_an_ep_checkpoint(
         assert torch.equal(got[name], tensor), name
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["num_experts"] == EXPERTS
+
+
+@pytest.mark.timeout(900)
+def test_a_checkpoint_saved_under_ep2_x_tp2_holds_the_run_s_weights(
+    four_ranks: list[dict[str, Run]], ep2_tp2_folder: Path, tmp_path: Path
+) -> None:
+    """The experts are duplicated over the tensor-parallel ranks; the checkpoint holds each
+    once, and unsharded it equals the weights the run ended with, with every Adam moment."""
+    saved = _unsharded(ep2_tp2_folder / "step2", tmp_path / "unsharded")
+    run = four_ranks[0]["ep2_tp2_saved"]
+    assert sum(".experts." in name for name in saved) == 2 * 3 * 3  # layers, weights, states
+    for name, value in run.params.items():
+        assert torch.equal(saved[name], value), name
+    assert {n.split("/", 1)[1] for n in saved if "/" in n} == set(run.params)
 
 
 # -- refusals ---------------------------------------------------------------------------------
