@@ -179,6 +179,29 @@ def test_trainer_components_import_neither_the_trainer_nor_callbacks() -> None:
     assert not offending, "\n".join(offending)
 
 
+TRAIN_MODULE_PACKAGE = "olmolike.train.train_module"
+
+
+def test_train_modules_neither_import_nor_register_callbacks() -> None:
+    # A train module owns what a step does; callbacks sit beside the loop and drive the trainer
+    # from outside it. What a module needs at the start of a run (pretrained weights) it does
+    # in its own TrainModule.on_fit_start, never by adding a callback to the trainer.
+    offending = [
+        f"{path.relative_to(PACKAGE_ROOT.parent)}:{line} imports {target}"
+        for path in SOURCES
+        if _in_package(module_name(path), TRAIN_MODULE_PACKAGE)
+        for line, target in imported_modules(path)
+        if _in_package(target, "olmolike.train.callbacks")
+    ]
+    for path in sorted((PACKAGE_ROOT / "train" / "train_module").rglob("*.py")):
+        offending += [
+            f"{path.relative_to(PACKAGE_ROOT.parent)}:{node.lineno} calls .{node.attr}()"
+            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.Attribute) and node.attr == "add_callback"
+        ]
+    assert not offending, "\n".join(offending)
+
+
 def test_save_completion_reaches_the_checkpointer_callback_only_through_its_hook() -> None:
     # One path (docs/contributing-layers.md, "The checkpoint stack"): StepResults.deliver_saves
     # fires post_checkpoint_saved; the callback polls no future of its own.

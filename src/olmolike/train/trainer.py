@@ -542,6 +542,7 @@ class Trainer:
         durations.nothing_to_train(
             self.max_duration, self.hard_stop, self._progress(), self.save_folder
         )
+        self.train_module.on_fit_start(resumed=self.checkpoint_loaded)
         self._hooks("pre_train")
         while not self.training_complete:
             self._fit_epoch()

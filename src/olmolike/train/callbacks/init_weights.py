@@ -1,19 +1,18 @@
-"""Pretrained weights loaded into the model when a run starts (not when it resumes)."""
+"""Pretrained weights loaded into the model when a run starts (not when it resumes), for any
+train module with a ``model``. ``TransformerTrainModuleConfig.init_weights`` needs no callback:
+the train module loads them itself when ``fit()`` starts (:meth:`TrainModule.on_fit_start`)."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
 from ...config_dict import register_config_class
 from ...exceptions import ConfigurationError
-from ..weights import load_pretrained_weights
+from ..weights import load_init_weights
 from .callback import Callback, model_of
 
 __all__ = ["InitWeightsCallback"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,15 +33,13 @@ class InitWeightsCallback(Callback):
             )
 
     def pre_train(self) -> None:
-        if self.trainer.checkpoint_loaded:
-            log.info("resumed from a checkpoint: not loading the init weights %s", self.source)
-            return
         model = model_of(
             self.trainer.train_module,
             needed_for="to load pretrained weights into",
             path="init_weights",
         )
-        load_pretrained_weights(model, self.source, work_dir=self.trainer.work_dir)
+        resumed = self.trainer.checkpoint_loaded
+        load_init_weights(model, self.source, resumed=resumed, work_dir=self.trainer.work_dir)
 
 
 # Its name before it moved here from olmolike.train.weights, for configs written then.

@@ -63,6 +63,11 @@ class TrainModule(ABC):
     def on_attach(self) -> None:  # noqa: B027 (an optional hook, not an abstract method)
         """Called once attached: check settings against the trainer and data loader here."""
 
+    def on_fit_start(self, *, resumed: bool) -> None:  # noqa: B027 (optional, as on_attach)
+        """Called when ``fit()`` starts, after the checkpoint it resumes from (``resumed``) was
+        loaded and before any callback's ``pre_train``: the module's own start of a run, such
+        as loading the pretrained weights a run that did not resume starts from."""
+
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state, as ``{"model": ..., "optim": ...}``.

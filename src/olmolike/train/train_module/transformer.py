@@ -27,8 +27,8 @@ from ...exceptions import ConfigurationError
 from ...nn.functional import cross_entropy_loss
 from ...optim import AdamWConfig, OptimConfig, Scheduler, SchedulerUnits
 from ...utils import get_default_device
-from ..callbacks.init_weights import InitWeightsCallback
 from ..common import ReduceType
+from ..weights import load_init_weights
 from .activation_checkpointing import ActivationCheckpointingConfig, ActivationCheckpointingMode
 from .layout import ParallelLayout
 from .train_module import (
@@ -257,10 +257,12 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
                 self.scheduler.get_lr(1.0, 0, self._schedule_position()[1])
             except ConfigurationError as e:
                 raise e.under("train_module.scheduler") from None
+
+    def on_fit_start(self, *, resumed: bool) -> None:
+        super().on_fit_start(resumed=resumed)
         if self.config.init_weights is not None:
-            self.trainer.add_callback(
-                "init_weights", InitWeightsCallback(source=self.config.init_weights)
-            )
+            source, work_dir = self.config.init_weights, self.trainer.work_dir
+            load_init_weights(self.model, source, resumed=resumed, work_dir=work_dir)
 
     def _check_batches(self) -> None:
         """Refuse a data loader whose batches this module cannot split (before any step)."""
