@@ -141,6 +141,7 @@ TRAINER_COMPONENTS = (
     "olmolike.train.background_ops",
     "olmolike.train.cancellation",
     "olmolike.train.metrics",
+    "olmolike.train.metric_buffer",
     "olmolike.train.durations",
 )
 """Modules the trainer builds its parts from: they get values and narrow objects, never the

@@ -16,7 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ...distributed.checkpoint import apply_model_and_optim_state_dict, model_and_optim_state_dict
 from ...distributed.utils import AgreedCounts, agree_counts, get_world_size, is_distributed
 from ...exceptions import ConfigurationError
-from ..common import MetricMergeStrategy, ReduceType
+from ..common import ReduceType
+from ..metric_buffer import MetricBuffer, _record_ce_loss, _record_metric
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -30,7 +31,8 @@ class TrainModule(ABC):
     """Owns the model and optimizer and knows how to train on one batch.
 
     The trainer calls, for every step: :meth:`train_batch` (forward and backward over
-    micro-batches), then :meth:`optim_step`, then :meth:`zero_grads`.
+    micro-batches), then :meth:`optim_step`, then :meth:`zero_grads`. ``record_metric`` and
+    ``record_ce_loss`` record into the trainer's metrics, as the trainer's methods do.
     """
 
     loss_metric: ClassVar[str] = "train/CE loss"
@@ -47,6 +49,9 @@ class TrainModule(ABC):
     process: helpers that take ``None`` as "one process" (the GRPO loss's) then need no
     special case. The class default ``None`` (a module that sets nothing) means all ranks."""
 
+    _metrics: MetricBuffer | None = None
+    """The trainer's metric buffer, which :meth:`record_metric` records into directly."""
+
     def __init__(self) -> None:
         self._trainer: Trainer | None = None
 
@@ -56,8 +61,8 @@ class TrainModule(ABC):
             raise RuntimeError(f"{type(self).__name__} is not attached to a trainer yet")
         return self._trainer
 
-    def _attach_trainer(self, trainer: Trainer) -> None:
-        self._trainer = trainer
+    def _attach_trainer(self, trainer: Trainer, metrics: MetricBuffer | None = None) -> None:
+        self._trainer, self._metrics = trainer, metrics
         self.on_attach()
 
     def on_attach(self) -> None:  # noqa: B027 (an optional hook, not an abstract method)
@@ -110,26 +115,20 @@ class TrainModule(ABC):
         del seq_len
         return None
 
-    def record_metric(
-        self,
-        name: str,
-        value: float | torch.Tensor,
-        reduce_type: ReduceType | None = None,
-        namespace: str | None = None,
-        merge_strategy: MetricMergeStrategy = MetricMergeStrategy.warn,
-    ) -> None:
-        self.trainer.record_metric(name, value, reduce_type, namespace, merge_strategy)
+    # The trainer's: into its metric buffer, directly (the step's metrics take no detour).
+    record_metric = _record_metric
+    record_ce_loss = _record_ce_loss
 
-    def record_ce_loss(
-        self, value: float | torch.Tensor, reduce_type: ReduceType | None = None
-    ) -> None:
-        self.trainer.record_ce_loss(value, reduce_type)
+    def _metric_buffer(self) -> tuple[MetricBuffer, int]:
+        if self._metrics is None:
+            return self.trainer._metric_buffer()
+        return self._metrics, self.trainer.global_step
 
     def record_loss(
         self, value: float | torch.Tensor, reduce_type: ReduceType | None = None
     ) -> None:
         """Record the step's loss under :attr:`loss_metric`."""
-        self.trainer.record_metric(self.loss_metric, value, reduce_type)
+        self.record_metric(self.loss_metric, value, reduce_type)
 
 
 class ModelAndOptimTrainModule(TrainModule):
