@@ -36,6 +36,26 @@ if TYPE_CHECKING:
 
 __all__ = ["TrainerConfig"]
 
+_AS_THEY_ARE = (
+    "save_folder",
+    "max_duration",
+    "save_overwrite",
+    "load_path",
+    "load_strategy",
+    "load_trainer_state",
+    "load_optim_state",
+    "metrics_collect_interval",
+    "cancel_check_interval",
+    "hard_stop",
+    "async_bookkeeping",
+    "bookkeeping_soft_timeout",
+    "train_timeout_seconds",
+    "no_checkpoints",
+    "no_evals",
+)
+"""The fields :meth:`TrainerConfig.build` passes to the ``Trainer`` as they are (the trainer's
+fields of the same names); the others it builds or copies first."""
+
 
 @dataclass
 class TrainerConfig(Config):
@@ -251,29 +271,15 @@ class TrainerConfig(Config):
             train_module=train_module,
             data_loader=data_loader,
             device=self._device_for(train_module),
-            save_folder=self.save_folder,
             checkpointer=self.checkpointer.build(
                 work_dir, save_overwrite=self.save_overwrite, process_group=checkpointer_pg
             ),
             callbacks=callbacks,
-            max_duration=self.max_duration,
-            save_overwrite=self.save_overwrite,
-            load_path=self.load_path,
-            load_strategy=self.load_strategy,
-            load_trainer_state=self.load_trainer_state,
-            load_optim_state=self.load_optim_state,
-            metrics_collect_interval=self.metrics_collect_interval,
             dp_process_group=dp_process_group,
-            cancel_check_interval=self.cancel_check_interval,
-            hard_stop=self.hard_stop,
-            async_bookkeeping=self.async_bookkeeping,
-            bookkeeping_soft_timeout=self.bookkeeping_soft_timeout,
-            train_timeout_seconds=self.train_timeout_seconds,
-            no_checkpoints=self.no_checkpoints,
-            no_evals=self.no_evals,
             steps_to_skip=list(self.steps_to_skip) if self.steps_to_skip else None,
             checkpoints_to_eval=list(self.checkpoints_to_eval or ()) or None,
             owned_process_groups=owned,
+            **{name: getattr(self, name) for name in _AS_THEY_ARE},
         )
 
     def _check_same_on_every_rank(self) -> None:
