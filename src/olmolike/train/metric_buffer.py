@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -182,18 +183,11 @@ class MetricBuffer:
 class _RecordsMetrics(Protocol):
     """The trainer or the train module: what :func:`_record_metric` records for."""
 
+    record_metric: Callable[..., None]
+
     def _metric_buffer(self) -> tuple[MetricBuffer, int]:
         """The buffer records go to, and the step they belong to."""
         ...
-
-    def record_metric(
-        self,
-        name: str,
-        value: MetricValue,
-        reduce_type: ReduceType | None = None,
-        namespace: str | None = None,
-        merge_strategy: MetricMergeStrategy = MetricMergeStrategy.warn,
-    ) -> None: ...
 
 
 def _record_metric(
