@@ -577,7 +577,9 @@ class Trainer:
         batch = move_to_device(batch, self.device)
         self._hooks("pre_step", batch)
         if self.steps_to_skip and any(step in skip for skip in self.steps_to_skip):
-            log.info("Skipping step %d (steps_to_skip): its batch is consumed, not trained", step)
+            log.info(
+                "Skipping step %d (steps_to_skip): its batch is consumed, not trained on", step
+            )
         else:
             self.train_module.train_batch(batch)
             self._hooks("pre_optim_step")

@@ -120,9 +120,9 @@ class TrainModule(ABC):
     record_ce_loss = _record_ce_loss
 
     def _metric_buffer(self) -> tuple[MetricBuffer, int]:
-        if self._metrics is None:
+        if self._metrics is None or self._trainer is None:
             return self.trainer._metric_buffer()
-        return self._metrics, self.trainer.global_step
+        return self._metrics, self._trainer.global_step
 
     def record_loss(
         self, value: float | torch.Tensor, reduce_type: ReduceType | None = None
@@ -321,7 +321,10 @@ class BasicTrainModule(ModelAndOptimTrainModule):
         input_ids = batch["input_ids"]
         labels = labels_from_batch(batch, self.label_ignore_index)
         rows = microbatch_rows(input_ids, self.rank_microbatch_size, "rank_microbatch_size")
-        slices, _ = agreed_microbatches(input_ids.shape[0], rows, self._dp_group)
+        if self._dp_group is None and input_ids.shape[0] <= rows:
+            slices = [slice(0, input_ids.shape[0])]  # one process, one micro-batch: as agreed
+        else:
+            slices, _ = agreed_microbatches(input_ids.shape[0], rows, self._dp_group)
         if len(slices) == 1 and not is_padding(slices[0]):
             # One micro-batch, the common case: cross-entropy's own mean over the non-ignored
             # tokens is the same sum / count, bit for bit, without the separate count and
