@@ -35,10 +35,13 @@ class Progress:
     """Where training stands, and the batch geometry that turns tokens into steps."""
 
     step: int
+    """The last step trained (0 before the first)."""
     tokens_seen: int
+    """Training tokens consumed so far, over all ranks."""
     global_batch_size: int
     """Tokens per step."""
     steps_per_epoch: int | None
+    """Batches in one epoch, ``None`` if the data loader cannot tell."""
 
 
 def duration_to_steps(duration: Duration, progress: Progress, *, what: str = "duration") -> int:
@@ -154,6 +157,8 @@ class FlopCounter:
     flops_per_token: Callable[[int], int | None]
     """FLOPs per trained token at a sequence length; ``None`` if unknown."""
     known: dict[int, int | None] = field(default_factory=dict)
+    """FLOPs per token already asked for, by sequence length (``None``: the train module cannot
+    tell)."""
 
     def petaflops(self, seq_len: int, tokens: int) -> float:
         if seq_len not in self.known:

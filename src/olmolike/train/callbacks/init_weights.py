@@ -4,12 +4,12 @@ the train module loads them itself when ``fit()`` starts (:meth:`TrainModule.on_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ...config_dict import register_config_class
 from ...exceptions import ConfigurationError
-from ..weights import load_init_weights
+from ..weights import check_allowed_changes, load_init_weights
 from .callback import Callback, model_of
 
 __all__ = ["InitWeightsCallback"]
@@ -22,6 +22,9 @@ class InitWeightsCallback(Callback):
 
     source: str = ""
     """A Hugging Face model folder or an olmolike checkpoint / save folder."""
+    allowed_changes: list[str] = field(default_factory=list)
+    """Model config fields that may differ from the config the weights were trained with
+    (see ``TransformerTrainModuleConfig.init_weights_allowed_changes``)."""
 
     priority: ClassVar[int] = 100
     """Before anything looks at the model at the start: evaluators, the step-0 checkpoint."""
@@ -31,6 +34,7 @@ class InitWeightsCallback(Callback):
             raise ConfigurationError(
                 "must name a Hugging Face model folder or an olmolike checkpoint", path="source"
             )
+        check_allowed_changes(self.allowed_changes)
 
     def pre_train(self) -> None:
         model = model_of(
@@ -38,8 +42,13 @@ class InitWeightsCallback(Callback):
             needed_for="to load pretrained weights into",
             path="init_weights",
         )
-        resumed = self.trainer.checkpoint_loaded
-        load_init_weights(model, self.source, resumed=resumed, work_dir=self.trainer.work_dir)
+        load_init_weights(
+            model,
+            self.source,
+            resumed=self.trainer.checkpoint_loaded,
+            work_dir=self.trainer.work_dir,
+            allowed_changes=self.allowed_changes,
+        )
 
 
 # Its name before it moved here from olmolike.train.weights, for configs written then.

@@ -73,6 +73,12 @@ class TrainModule(ABC):
         loaded and before any callback's ``pre_train``: the module's own start of a run, such
         as loading the pretrained weights a run that did not resume starts from."""
 
+    def default_callbacks(self) -> tuple[str, ...]:
+        """The registered names of callbacks this module's metrics are meant for (``moe_load``
+        for an MoE model's expert loads): the trainer's config adds each one of whose kind the
+        user configured none. A train module never adds a callback itself."""
+        return ()
+
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state, as ``{"model": ..., "optim": ...}``.
