@@ -2,12 +2,13 @@
 each expert received over all ranks.
 
 A train module records, at each metrics collection, the routed tokens of every expert of every
-MoE layer since the last one (:data:`EXPERT_TOKENS`, summed over the ranks); this callback
-turns each layer's counts into its imbalance (:data:`LOAD_IMBALANCE`): the most loaded
-expert's tokens over the mean, 1 when perfectly balanced, ``num_experts`` when every token
-went to one expert. It works on the reduced values, so the imbalance is that of the whole
-run's routing, not an average of each rank's. The trainer's config adds it (as
-``moe_load``) for a train module of an MoE model when none is configured (:meth:`~olmolike.train.train_module.TrainModule.default_callbacks`).
+MoE layer since the last one (:data:`~olmolike.train.train_module.moe.EXPERT_TOKENS`, summed
+over the ranks); this callback turns each layer's counts into its imbalance
+(:data:`LOAD_IMBALANCE`): the most loaded expert's tokens over the mean, 1 when perfectly
+balanced, ``num_experts`` when every token went to one expert. It works on the reduced values,
+so the imbalance is that of the whole run's routing, not an average of each rank's. The
+trainer's config adds it (as ``moe_load``) for a train module of an MoE model when none is
+configured (:meth:`~olmolike.train.train_module.TrainModule.default_callbacks`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ import re
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ..train_module.moe import DROPPED_TOKENS, EXPERT_TOKENS
 from .callback import Callback
 
-__all__ = ["DROPPED_TOKENS", "EXPERT_TOKENS", "LOAD_IMBALANCE", "MoELoadCallback", "expert_loads"]
+__all__ = ["LOAD_IMBALANCE", "MoELoadCallback", "expert_loads"]
 
 LOAD_IMBALANCE = "moe/layer {layer}/load max/mean"
 """Max over mean of a layer's expert tokens (1: balanced)."""
