@@ -313,7 +313,14 @@ class TrainerConfig(Config):
                 log_interval=self.metrics_collect_interval
             ),
         }
-        defaults.update((n, callback_registry[n]) for n in train_module.default_callbacks())
+        for name in train_module.default_callbacks():
+            if name not in callback_registry:
+                raise self._invalid(
+                    "callbacks",
+                    f"{type(train_module).__name__}.default_callbacks() names {name!r}, which "
+                    "is no registered callback; import the module that defines it first",
+                )
+            defaults.setdefault(name, callback_registry[name])
         for name, default in defaults.items():
             kind = callback_registry[name]
             if not any(isinstance(cb, kind) for cb in callbacks.values()):
