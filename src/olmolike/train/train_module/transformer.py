@@ -32,10 +32,8 @@ from ...nn.functional import cross_entropy_loss
 from ...nn.moe import aux_loss_weight
 from ...optim import AdamWConfig, OptimConfig, Scheduler, SchedulerUnits
 from ...utils import get_default_device
-from ..callbacks.init_weights import InitWeightsCallback
-from ..callbacks.moe_load import MoELoadCallback
 from ..common import ReduceType
-from ..weights import check_allowed_changes
+from ..weights import check_allowed_changes, load_init_weights
 from .activation_checkpointing import ActivationCheckpointingConfig, ActivationCheckpointingMode
 from .layout import ParallelLayout
 from .moe import MoEMetrics
@@ -304,16 +302,20 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
                 self.scheduler.get_lr(1.0, 0, self._schedule_position()[1])
             except ConfigurationError as e:
                 raise e.under("train_module.scheduler") from None
+
+    def default_callbacks(self) -> tuple[str, ...]:
+        return () if self._moe is None else ("moe_load",)
+
+    def on_fit_start(self, *, resumed: bool) -> None:
+        super().on_fit_start(resumed=resumed)
         if self.config.init_weights is not None:
-            self.trainer.add_callback(
-                "init_weights",
-                InitWeightsCallback(
-                    source=self.config.init_weights,
-                    allowed_changes=list(self.config.init_weights_allowed_changes),
-                ),
+            load_init_weights(
+                self.model,
+                self.config.init_weights,
+                resumed=resumed,
+                work_dir=self.trainer.work_dir,
+                allowed_changes=self.config.init_weights_allowed_changes,
             )
-        if self._moe is not None and not self.trainer.has_callback(MoELoadCallback):
-            self.trainer.add_callback("moe_load", MoELoadCallback())
 
     def _check_batches(self) -> None:
         """Refuse a data loader whose batches this module cannot split (before any step)."""
