@@ -11,6 +11,7 @@ crafted checkpoint here would load under DCP's own reader: the file it names is 
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 import shutil
 import tracemalloc
@@ -28,6 +29,7 @@ from olmolike.distributed.checkpoint import (
     save_state_dict,
     unshard_checkpoint,
 )
+from olmolike.distributed.checkpoint_download import local_copy
 from olmolike.distributed.checkpoint_format import (
     DCP_METADATA,
     MODEL_AND_OPTIM,
@@ -317,7 +319,9 @@ def test_a_missing_shard_is_damage_for_every_reader(tmp_path: Path) -> None:
         assert "\n" not in str(error.value), name
 
 
-def test_a_remote_file_named_outside_the_checkpoint_is_not_downloaded(tmp_path: Path) -> None:
+def test_a_remote_file_named_outside_the_checkpoint_is_not_downloaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """``pre_download`` copies a remote folder by its listing: a key with ``../`` in it would
     land outside the copy (fsspec refuses it, with a ValueError: one CheckpointError here)."""
     import fsspec
@@ -335,3 +339,12 @@ def test_a_remote_file_named_outside_the_checkpoint_is_not_downloaded(tmp_path: 
         with pytest.raises(CheckpointError, match=r"refusing to download .* outside the copy"):
             attempt()
     assert not (tmp_path / "x").exists() and not list(work.rglob("x"))
+    # A resume's download (every rank agrees on it) logs why in one line, no traceback.
+    with (
+        caplog.at_level(logging.ERROR),
+        pytest.raises(CheckpointError, match="downloading"),
+        local_copy(source, work),
+    ):
+        pass
+    (record,) = [r for r in caplog.records if "refusing to download" in r.getMessage()]
+    assert record.exc_info is None

@@ -46,6 +46,9 @@ def local_copy(
     if downloads:
         try:
             download_dir(url, local, thread_count=thread_count)
+        except CheckpointError as e:  # (says what is wrong in one line)
+            log.error("%s", e)
+            ok = False
         except Exception:
             log.exception("Downloading %s failed", url)
             ok = False
