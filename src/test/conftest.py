@@ -14,6 +14,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# The storage servers' fixtures, registered here once for every test file: a session fixture
+# imported into each test module would be a module's own, one server per module alive at once.
+from remote_servers import (  # noqa: F401
+    gcs_bucket,
+    gcs_server,
+    restartable_gcs_bucket,
+    s3_bucket,
+    s3_server,
+)
+
 from olmolike.testing import busy_machine_factor
 
 # Every test checks that no process group is used by two threads at once (inherited by the

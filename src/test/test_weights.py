@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 from hf_models import VOCAB, hf_logits, hf_model, save_hf_model, token_ids
-from remote_servers import RemoteStore, gcs_bucket, gcs_server, s3_bucket, s3_server  # noqa: F401
+from remote_servers import RemoteStore
 from testutils import patient, run_distributed_test
 from torch.distributed.tensor import DTensor
 
@@ -402,7 +402,7 @@ def test_remote_hf_folder(tmp_path: Path, bucket: str, request: pytest.FixtureRe
 
 
 @pytest.mark.timeout(180)
-def test_remote_checkpoint(tmp_path: Path, s3_bucket: RemoteStore) -> None:  # noqa: F811
+def test_remote_checkpoint(tmp_path: Path, s3_bucket: RemoteStore) -> None:
     save_hf_model(tmp_path / "hf", "llama")
     config = config_of(tmp_path / "hf")
     base, _ = build_run(tmp_path / "base", config, init_weights=str(tmp_path / "hf"), steps=2)
