@@ -10,7 +10,6 @@ schedule, stop/resume, loading a one-process checkpoint, evaluation) and one of 
 from __future__ import annotations
 
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy
+import preloaded_python
 import pytest
 import torch
 from testutils import run_distributed_test
@@ -386,7 +386,15 @@ def test_unshard_reads_a_pp_checkpoint(
 
     checkpoint = request.getfixturevalue(group)[0][key]
     subprocess.run(
-        [sys.executable, "-m", "olmolike", "unshard", checkpoint, str(tmp_path), "--safetensors"],
+        [
+            *preloaded_python.command(),
+            "-m",
+            "olmolike",
+            "unshard",
+            checkpoint,
+            str(tmp_path),
+            "--safetensors",
+        ],
         check=True,
     )
     (weights,) = tmp_path.glob("*.safetensors")
