@@ -44,7 +44,7 @@ from .train.callbacks import ConfigSaverCallback
 from .train.train_module import TransformerTrainModuleConfig
 from .train.train_module.grpo import RewardRegistry
 
-__all__ = ["ExperimentConfig", "add_train_command", "load_experiment", "train"]
+__all__ = ["ExperimentConfig", "load_experiment", "train", "train_command"]
 
 log = logging.getLogger(__name__)
 
@@ -122,17 +122,20 @@ def train(config: ExperimentConfig, rewards: RewardRegistry | None = None) -> Tr
     registry = load_rewards(config.train_module, rewards)
     degrees = config.train_module.parallel_degrees()  # checked against the world size here
     data_loader = build_data_loader(config.dataset, config.data_loader, config.model, degrees)
+    _check_ids_within_tokenizer(data_loader, config.tokenizer)
     # Built on the meta device: the train module shards it (if asked), then materialises it.
     model = config.model.build(init_device="meta")
     train_module = build_train_module(config.train_module, model, config.tokenizer, registry)
     saver = ConfigSaverCallback(config=config.as_config_dict())  # for generate, evaluate
     trainer = config.trainer.with_callback("config_saver", saver).build(train_module, data_loader)
     kind = kind_of(config.train_module, config.dataset)
+    active = config.model.num_active_params()
     log.info(
-        "%s (%s): %s parameters, %s %s per step, %s steps",
+        "%s (%s): %s parameters%s, %s %s per step, %s steps",
         config.run_name,
         kind,
         f"{config.model.num_params():,d}",
+        f" ({active:,d} active per token)" if config.model.moe is not None else "",
         f"{trainer.global_batch_size:,d}",
         "prompts" if kind == "GRPO" else "tokens",
         trainer.max_steps,
@@ -141,7 +144,24 @@ def train(config: ExperimentConfig, rewards: RewardRegistry | None = None) -> Tr
     return trainer
 
 
-def _train_command(args: argparse.Namespace) -> int:
+def _check_ids_within_tokenizer(data_loader: object, tokenizer: TokenizerConfig) -> None:
+    """Token ids the experiment's tokenizer has no token for (data prepared with another
+    one) are refused like ids beyond the model's vocabulary: at build where the data's
+    metadata records its largest id, else as each instance is read, before any step."""
+    check = getattr(getattr(data_loader, "dataset", None), "check_token_ids_below", None)
+    if check is not None:
+        vocab_size = tokenizer.resolve().vocab_size
+        assert vocab_size is not None
+        check(
+            vocab_size,
+            "the tokenizer's vocabulary size",
+            f"the data was prepared with another tokenizer than this experiment's "
+            f"({tokenizer.identifier!r}): set --tokenizer.identifier to the one that prepared it",
+        )
+
+
+def train_command(args: argparse.Namespace) -> int:
+    """``olmolike train`` (its arguments: :mod:`olmolike.cli_args`)."""
     from .train import prepare_training_environment, teardown_training_environment
     from .utils import seed_all
 
@@ -176,28 +196,3 @@ def _launch(args: argparse.Namespace) -> int:
         )
     dry_run = ["--dry-run"] if args.dry_run else []
     return launch(args.nproc_per_node, ["train", args.config, *dry_run, *args.overrides])
-
-
-def add_train_command(cmd: argparse.ArgumentParser) -> None:
-    """The arguments of ``olmolike train`` (its parser and help come from :mod:`olmolike.cli`)."""
-    cmd.description = (
-        "Train from an experiment config file: model, train_module, dataset, "
-        "data_loader, trainer (the train_lm example's --dry-run prints one). The train "
-        "module's _CLASS_ picks pretraining or SFT (transformer), dpo or grpo, and the "
-        "dataset's _CLASS_ its data (numpy, sft, preference_pairs, prompts). GRPO's reward "
-        "functions come from installed packages' olmolike.rewards entry points. Any field can "
-        "be overridden: --trainer.max_duration.value=100."
-    )
-    cmd.add_argument(
-        "--nproc-per-node",
-        type=int,
-        metavar="N",
-        help="start N ranks on this machine (gloo on CPU, NCCL on GPUs) instead of one process, "
-        "without torchrun; give it before the config file",
-    )
-    cmd.add_argument("config", help="the experiment config file (.yaml, .yml or .json)")
-    cmd.add_argument(
-        "--dry-run", action="store_true", help="print the config with the overrides; train nothing"
-    )
-    cmd.add_argument("overrides", nargs=argparse.REMAINDER, help="--dotted.key=value ...")
-    cmd.set_defaults(run=_train_command)

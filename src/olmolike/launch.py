@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-__all__ = ["GRACE_SECONDS", "launch"]
+__all__ = ["GRACE_SECONDS", "launch", "without_option"]
 
 GRACE_SECONDS = 30.0
 """How long the ranks left get to end on their own after one failed (they see it at once
@@ -64,6 +64,23 @@ def launch(nproc: int, argv: Sequence[str]) -> int:
                 rank.kill()
             rank.wait()
     return status
+
+
+def without_option(argv: Sequence[str], option: str, shortest: int) -> list[str]:
+    """``argv`` without ``option`` and its value (``--opt V``, ``--opt=V``, or a prefix of
+    it at least ``shortest`` characters long, as argparse accepts): the command line a rank
+    runs once the launcher has used the option."""
+    out: list[str] = []
+    skip = False
+    for item in argv:
+        key, equals, _ = item.partition("=")
+        if skip:
+            skip = False
+        elif len(key) >= shortest and option.startswith(key):
+            skip = not equals
+        else:
+            out.append(item)
+    return out
 
 
 def _wait(ranks: list[subprocess.Popen[bytes]]) -> int:

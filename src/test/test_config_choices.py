@@ -97,7 +97,7 @@ CHECKED_FIELDS = [
 
 INTERNAL = {
     "olmolike.train.metrics.CollectedMetrics": "built by MetricBuffer from checked values",
-    "olmolike.train.memory_plan.Layout": "frozen (no CheckedChoices): __post_init__ checks it",
+    "olmolike.plan.memory.Layout": "frozen (no CheckedChoices): __post_init__ checks it",
 }
 """Dataclasses with an enum-typed field that users never build: their values were checked
 where they came in."""

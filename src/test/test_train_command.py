@@ -112,3 +112,19 @@ def test_under_torchrun(config_file: Path, tmp_path: Path, layout: list[str]) ->
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0 of 2" in result.stderr
     assert (tmp_path / "run" / "step2").is_dir()
+
+
+def test_a_run_refused_when_it_is_built_leaves_no_empty_folder(
+    config_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A micro-batch that does not divide the rank's batch is refused before anything is
+    written: the run's folder (and its parent, both made for it) is gone again; a folder that
+    existed before stays."""
+    run = tmp_path / "new" / "run"
+    refused = ["--train_module.rank_microbatch_size=96", f"--trainer.save_folder={run}"]
+    assert main(["train", str(config_file), *refused]) == 2
+    assert "rank_microbatch_size" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    run.mkdir(parents=True)
+    assert main(["train", str(config_file), *refused]) == 2
+    assert run.is_dir()

@@ -6,6 +6,11 @@ the closest ranks: tensor parallelism all-reduces activations in every layer, so
 adjacent (on one node); pipeline stages only pass activations between neighbours once per
 micro-batch, so they may span nodes. Every dimension is kept even when its size is 1, so code
 can always ask for ``mesh["tp"]`` or ``mesh["dp_shard"]``.
+
+Context parallelism splits the sequences, not the parameters: its ranks hold the same
+parameters and read the same batch, so FSDP shards over the data and context ranks together
+(``dp_shard`` and ``cp`` flattened into ``dp_shard_cp``, as torchtitan does) and DDP averages
+gradients over them (:func:`sharding_mesh`, :func:`gradient_mesh`).
 """
 
 from __future__ import annotations
@@ -18,7 +23,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..exceptions import ConfigurationError
 from .utils import adopt_group, get_world_size, init_single_process_group
 
-__all__ = ["DATA_DIMS", "MESH_DIMS", "ParallelDegrees", "build_device_mesh", "data_parallel_mesh"]
+__all__ = [
+    "DATA_DIMS",
+    "MESH_DIMS",
+    "ParallelDegrees",
+    "build_device_mesh",
+    "data_parallel_mesh",
+    "gradient_mesh",
+    "sharding_mesh",
+]
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The mesh's dimension names, outermost (farthest apart) first."""
@@ -122,5 +135,30 @@ def build_device_mesh(degrees: ParallelDegrees, device_type: str) -> DeviceMesh:
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The (replicate, shard) sub-mesh: FSDP shards over its last dimension, HSDP over both."""
-    return mesh[DATA_DIMS]
+    """The (replicate, shard) sub-mesh: FSDP shards over its last dimension (the context
+    ranks included, :func:`sharding_mesh`), HSDP over both."""
+    if mesh["cp"].size() == 1:
+        return mesh[DATA_DIMS]
+    return DeviceMesh._concatenate([mesh["dp_replicate"], sharding_mesh(mesh)])
+
+
+def sharding_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks FSDP shards parameters over: ``dp_shard``, with the ``cp`` ranks flattened in
+    (``dp_shard_cp``) under context parallelism."""
+    if mesh["cp"].size() == 1:
+        return mesh["dp_shard"]
+    return _flattened(mesh, ("dp_shard", "cp"), "dp_shard_cp")
+
+
+def gradient_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """Every rank whose gradients DDP averages: the data ranks and the context ranks
+    (``dp_cp``); the pipeline and tensor-parallel ranks hold other parameters."""
+    return _flattened(mesh, (*DATA_DIMS, "cp"), "dp_cp")
+
+
+def _flattened(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
+    """``dims`` of ``mesh`` as one dimension ``name`` (made once; torch keeps it), whose group
+    gets the run's timeout like the mesh's own."""
+    flat = mesh[dims]._flatten(name)
+    adopt_group(flat.get_group())
+    return flat

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import Config, DType, StrEnum
 from ..exceptions import ConfigurationError
-from .mesh import ParallelDegrees, build_device_mesh, data_parallel_mesh
+from .mesh import ParallelDegrees, build_device_mesh, data_parallel_mesh, sharding_mesh
 from .utils import (
     get_local_world_size,
     get_world_size,
@@ -43,6 +43,8 @@ class DataParallelConfig(Config):
     """Data parallelism: DDP, FSDP2 or HSDP, and the dtypes FSDP gathers and reduces in."""
 
     name: DataParallelType = DataParallelType.fsdp
+    """How the data-parallel ranks hold the model: ``ddp`` (each a whole copy), ``fsdp`` (sharded
+    over all) or ``hsdp`` (sharded within groups, replicated across them)."""
     param_dtype: DType | None = None
     """FSDP/HSDP: the dtype parameters are gathered in for forward and backward (e.g. bfloat16);
     the sharded master copy stays in its own dtype. ``None`` keeps the parameters' dtype."""
@@ -94,11 +96,11 @@ class DataParallelConfig(Config):
 
     def data_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The sub-mesh of the run's mesh that FSDP (``dp_shard``) or HSDP (``dp_replicate``
-        x ``dp_shard``) shards over."""
+        x ``dp_shard``) shards over; the context-parallel ranks shard with ``dp_shard``."""
         if self.name == DataParallelType.ddp:
             raise ConfigurationError("DDP needs no device mesh", path="name")
         if self.name == DataParallelType.fsdp:
-            return mesh["dp_shard"]
+            return sharding_mesh(mesh)
         return data_parallel_mesh(mesh)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:

@@ -13,10 +13,12 @@ gradients unscaled: the loss function is already normalised by the whole batch's
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,6 +72,8 @@ class PipelineParallelConfig(Config):
     degree: int = 1
     """Pipeline ranks (the mesh's ``pp`` dimension)."""
     schedule: PipelineScheduleType = PipelineScheduleType.one_f_one_b
+    """The order of the micro-batches' forwards and backwards (:class:`PipelineScheduleType`):
+    ``gpipe``, ``1f1b`` or ``interleaved_1f1b``."""
     stages_per_rank: int | None = None
     """Stages on each rank; ``None`` means 2 for ``interleaved_1f1b`` and 1 otherwise. Only
     the interleaved schedule runs more than one."""
@@ -153,7 +157,7 @@ def build_schedule(
     """The schedule over this rank's stages; gradients are left unscaled (see the module doc).
     Without ``loss_fn`` it runs forwards only (evaluation)."""
     stages: list[_PipelineStageBase] = [
-        PipelineStage(module, index, config.num_stages, device, group=group)
+        _Stage(module, index, config.num_stages, device, group=group)
         for module, index in zip(stage_modules, stage_indices)
     ]
     if loss_fn is None:  # forwards only: the order of the backwards does not matter
@@ -164,6 +168,20 @@ def build_schedule(
         return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn, scale_grads=False)
     single = ScheduleGPipe if config.schedule == PipelineScheduleType.gpipe else Schedule1F1B
     return single(stages[0], n_microbatches, loss_fn, scale_grads=False)
+
+
+class _Stage(PipelineStage):
+    """A stage that tells its module when a forward only infers shapes.
+
+    A schedule's first step runs each stage once on placeholder inputs (the first stage on
+    the first micro-batch) to learn its output shapes, before the real micro-batches. A
+    module with a ``shape_inference()`` context manager runs that forward inside it: a
+    mixture of experts then adds no auxiliary loss and counts no routing for it."""
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        probe = getattr(self.submod, "shape_inference", None)
+        with probe() if callable(probe) else contextlib.nullcontext():
+            return super()._prepare_forward_infra(*args, **kwargs)
 
 
 @torch.no_grad()

@@ -312,7 +312,9 @@ class AgreedCounts:
     """What :func:`agree_counts` returns: each value's maximum and sum over the ranks."""
 
     max: list[int]
+    """Each value's maximum over the ranks."""
     sum: list[int]
+    """Each value's sum over the ranks."""
 
 
 def agree_counts(values: Sequence[int], group: dist.ProcessGroup | None = None) -> AgreedCounts:

@@ -14,6 +14,11 @@ contribute zeros) and the head column-wise, so the logits stay sharded on the vo
 QK-norm (OLMo-2) normalises over all heads at once, so it cannot act on one rank's heads
 alone: there the q/k projections hand on feature-sharded DTensors and the norm's mean of
 squares is all-reduced, which keeps the result equal to the unsplit model's.
+
+A mixture-of-experts feed-forward is not split (:class:`ReplicatedMoE`): its parameters are
+replicated over the tensor-parallel ranks, which gather the sequence, each route and compute
+every token, and keep their sequence shard of the result (the experts are split by expert
+parallelism, not tensor parallelism). Attention is split as in a dense block.
 """
 
 from __future__ import annotations
@@ -33,11 +38,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..exceptions import ConfigurationError
+from .moe import MoEFeedForward
 from .transformer import Transformer, TransformerBlock
 from .transformer_config import TransformerConfig
 
 __all__ = [
     "FeatureShardedNorm",
+    "ReplicatedMoE",
     "apply_tensor_parallel",
     "block_plan",
     "check_tensor_parallel_degree",
@@ -48,12 +55,10 @@ __all__ = [
 
 def check_tensor_parallel_degree(config: TransformerConfig, degree: int) -> None:
     """Every split dimension must divide evenly by the tensor-parallel degree."""
-    sizes = {
-        "n_heads": config.n_heads,
-        "n_kv_heads": config.kv_heads,
-        "mlp hidden size": config.hidden_size,
-        "vocab_size": config.vocab_size,
-    }
+    sizes = {"n_heads": config.n_heads, "n_kv_heads": config.kv_heads}
+    if not all(config.is_moe_layer(i) for i in range(config.n_layers)):
+        sizes["mlp hidden size"] = config.hidden_size
+    sizes["vocab_size"] = config.vocab_size
     for name, size in sizes.items():
         if size % degree:
             raise ConfigurationError(
@@ -73,7 +78,8 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh) -> None:
         model.lm_head.weight = model.embeddings.weight
     for block in model.blocks:
         assert isinstance(block, TransformerBlock)
-        parallelize_module(block, mesh, block_plan(block.attention.q_norm is not None))
+        moe = isinstance(block.feed_forward, MoEFeedForward)
+        parallelize_module(block, mesh, block_plan(block.attention.q_norm is not None, moe=moe))
 
 
 def root_plan() -> dict[str, ParallelStyle]:
@@ -90,9 +96,10 @@ def root_plan() -> dict[str, ParallelStyle]:
     }
 
 
-def block_plan(qk_norm: bool) -> dict[str, ParallelStyle]:
+def block_plan(qk_norm: bool, *, moe: bool = False) -> dict[str, ParallelStyle]:
     """The styles of one block's modules, by their names in the block (the memory planner
-    reads the split of every parameter from this plan and :func:`root_plan`)."""
+    reads the split of every parameter from this plan and :func:`root_plan`); ``moe``: the
+    block's feed-forward is a mixture of experts (:class:`ReplicatedMoE`)."""
     sequence = Shard(1)
     # The attention's arguments after x (cos, sin, mask, cache) are plain, replicated values.
     gather = PrepareModuleInput(
@@ -120,6 +127,10 @@ def block_plan(qk_norm: bool) -> dict[str, ParallelStyle]:
     if qk_norm:
         plan["attention.q_norm"] = FeatureShardedNorm()
         plan["attention.k_norm"] = FeatureShardedNorm()
+    if moe:
+        for name in [n for n in plan if n.startswith("feed_forward.")]:
+            del plan[name]
+        plan["feed_forward"] = ReplicatedMoE()
     return plan
 
 
@@ -161,3 +172,43 @@ def _shard_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
 def _local_output(module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
     del module, mesh
     return output.to_local() if isinstance(output, DTensor) else output
+
+
+class ReplicatedMoE(ParallelStyle):
+    """A mixture-of-experts feed-forward on every tensor-parallel rank: its parameters become
+    replicated DTensors (``Replicate()``), its input the gathered sequence as a plain tensor,
+    and its output, the same on every rank, is cut back to the rank's sequence shard.
+
+    Every rank computes the same values (the layer runs on the plain local weights), so each
+    parameter's gradient is the same on every rank, as ``Replicate()`` says; the sequence
+    gather's backward keeps each rank's shard of the input gradient."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            partition_fn=_replicate_parameters,
+            input_fn=_gather_sequence,
+            output_fn=_scatter_sequence,
+        )
+
+
+def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    del name
+    for param_name, param in list(module.named_parameters(recurse=False)):
+        replicated = nn.Parameter(distribute_tensor(param, mesh, [Replicate()]))
+        module.register_parameter(param_name, replicated)
+
+
+def _gather_sequence(module: nn.Module, inputs: Any, mesh: DeviceMesh) -> Any:
+    del module
+    x = inputs[0]
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+    return (x.redistribute(placements=[Replicate()]).to_local(), *inputs[1:])
+
+
+def _scatter_sequence(module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+    del module
+    whole = DTensor.from_local(output, mesh, [Replicate()], run_check=False)
+    return whole.redistribute(placements=[Shard(1)])

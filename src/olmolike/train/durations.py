@@ -32,10 +32,13 @@ class Progress:
     """Where training stands, and the batch geometry that turns tokens into steps."""
 
     step: int
+    """The last step trained (0 before the first)."""
     tokens_seen: int
+    """Training tokens consumed so far, over all ranks."""
     global_batch_size: int
     """Tokens per step."""
     steps_per_epoch: int | None
+    """Batches in one epoch, ``None`` if the data loader cannot tell."""
 
 
 def duration_to_steps(duration: Duration, progress: Progress, *, what: str = "duration") -> int:

@@ -41,6 +41,8 @@ class FlopCounter:
     flops_per_token: Callable[[int], int | None]
     """FLOPs per trained token at a sequence length; ``None`` if unknown."""
     known: dict[int, int | None] = field(default_factory=dict)
+    """FLOPs per token already asked for, by sequence length (``None``: the train module cannot
+    tell)."""
 
     def petaflops(self, seq_len: int, tokens: int) -> float:
         if seq_len not in self.known:
@@ -68,9 +70,13 @@ class CollectedMetrics:
     """The metrics of a run of steps, on their way to the host."""
 
     steps: list[int]
+    """The steps whose metrics these are, in order."""
     reduce_types: dict[str, ReduceType | None]
+    """How each metric is reduced over ranks, by name (``None``: not reduced)."""
     blocks: list[_DeviceBlock] = field(default_factory=list)
+    """Tensor metrics, one stacked block per device, with their device-to-host copy in flight."""
     numbers: dict[tuple[int, str], float] = field(default_factory=dict)
+    """Metrics that were already plain numbers, by (step, name)."""
 
     def host_values(self) -> dict[tuple[int, str], float]:
         """Wait for the device-to-host copies (off the training thread) and return all values."""

@@ -37,19 +37,27 @@ class StepResults:
     """Per-step metric collection, cancel checks and result delivery (see the module doc)."""
 
     runner: BookkeepingRunner
+    """Runs the collectives of bookkeeping (metric reductions, cancel checks), in the background or
+    inline."""
     cancel: CancelCoordinator
+    """The run's cancellation, checked every ``cancel_check_interval`` steps."""
     hooks: Callable[..., Any]
     """Calls a hook on every callback: ``hooks(name, *args)``."""
     device: torch.device
     """Where bookkeeping collectives run: the CPU with gloo, else the training device."""
     metrics_collect_interval: int
+    """Steps between metric collections (the trainer's ``metrics_collect_interval``)."""
     cancel_check_interval: int
+    """Steps between the agreed cancel checks (the trainer's ``cancel_check_interval``)."""
     train_timeout_seconds: int | None
     """After the first step, every process group's timeout drops to this (``None``: keep)."""
     metrics: MetricBuffer = field(default_factory=MetricBuffer)
     """The metrics recorded since the last collection."""
     reducer: MetricReducer = field(default_factory=MetricReducer)
+    """Reduces the collected metrics over ranks."""
     timeouts_shortened: bool = False
+    """Whether the process groups' timeouts have dropped to ``train_timeout_seconds`` (after the
+    first step)."""
     pending_saves: list[tuple[str, Future[None]]] = field(default_factory=list)
     """Saves whose completion has not been delivered, in order (path, future)."""
     saves_taken: int = 0

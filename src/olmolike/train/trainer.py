@@ -59,39 +59,69 @@ class Trainer:
     work_dir: Path
     """A local directory for temporary files; :meth:`persist_working_file` uploads from it."""
     train_module: TrainModule
+    """What one step does: the model, its optimizer and loss
+    (:class:`~olmolike.train.train_module.TrainModule`)."""
     data_loader: DataLoaderBase
+    """Which batches come next, and where a resumed run continues
+    (:class:`~olmolike.data.DataLoaderBase`)."""
     device: torch.device
+    """Where batches go: the device of the train module's model."""
     save_folder: str
     """Where checkpoints and run files go: a local directory (shared by all ranks) or a URL."""
     checkpointer: Checkpointer
+    """Writes and reads the checkpoints (:class:`~olmolike.train.checkpoint.Checkpointer`)."""
     callbacks: dict[str, Callback]
+    """The callbacks by name, called in priority order at each hook."""
     max_duration: Duration
     """How long to train. The step count must be known ahead of time (the LR schedule needs it)."""
     save_overwrite: bool = False
+    """Whether existing checkpoints in the save folder may be replaced
+    (:attr:`TrainerConfig.save_overwrite`)."""
     load_path: str | None = None
+    """Where to load from when the save folder holds no checkpoint
+    (:attr:`TrainerConfig.load_path`)."""
     load_strategy: LoadStrategy = LoadStrategy.if_available
+    """Whether ``fit()`` loads a checkpoint first (:attr:`TrainerConfig.load_strategy`)."""
     load_trainer_state: bool | None = None
+    """Whether a load restores the trainer state; ``None``: if the checkpoint has it
+    (:attr:`TrainerConfig.load_trainer_state`)."""
     load_optim_state: bool | None = None
+    """Whether a load restores the optimizer state; ``None``: if the checkpoint has it
+    (:attr:`TrainerConfig.load_optim_state`)."""
     metrics_collect_interval: int = 5
     """Steps between metric collections; each costs one device-to-host transfer."""
     dp_process_group: dist.ProcessGroup | None = None
+    """The process group of the data-parallel ranks (``None``: the default group), over which the
+    loader splits batches and metrics are reduced."""
     global_step: int = 0
     """The current step, 1-based once training starts; never reset by an epoch."""
     global_train_tokens_seen: int = 0
+    """Training tokens consumed so far over all ranks (saved with each checkpoint)."""
     global_train_petaflops: float = 0.0
+    """Training compute so far over all ranks, in petaFLOPs, from the train module's FLOPs per token
+    (saved with each checkpoint)."""
     epoch: int = 1
     """The current epoch (1-based)."""
     cancel_check_interval: int = 25
+    """Steps between the agreed checks for a stop request
+    (:attr:`TrainerConfig.cancel_check_interval`)."""
     hard_stop: Duration | None = None
     """Stop here without changing ``max_duration`` (and so without changing the LR schedule)."""
     async_bookkeeping: bool | None = None
+    """Whether bookkeeping collectives run on a background thread; resolved when the trainer is
+    built (:attr:`TrainerConfig.async_bookkeeping`)."""
     bookkeeping_soft_timeout: int = 30
+    """Seconds before a slow bookkeeping operation is warned about
+    (:attr:`TrainerConfig.bookkeeping_soft_timeout`)."""
     train_timeout_seconds: int | None = 300
     """After the first step, every process group's timeout drops to this (``None``: keep the
     run's timeout): a collective some rank never joins then fails with an error naming it."""
     no_checkpoints: bool = False
+    """Save no checkpoint at all (:attr:`TrainerConfig.no_checkpoints`)."""
     no_evals: bool = False
+    """Run no evaluator callback (:attr:`TrainerConfig.no_evals`)."""
     steps_to_skip: list[StepSkipRange] | None = None
+    """Ranges of steps whose batches are not trained on (:attr:`TrainerConfig.steps_to_skip`)."""
     checkpoints_to_eval: list[str] | None = None
     """Checkpoints :meth:`eval_checkpoints` evaluates (OLMo-core 3.0)."""
     owned_process_groups: list[dist.ProcessGroup] = field(default_factory=list, repr=False)
@@ -531,17 +561,17 @@ class Trainer:
             self._hooks.call_except("post_train", evaluators)
 
     def _fit(self) -> None:
-        log.info(
-            "Training from step %d to step %d (%s tokens per step, %d rank(s))",
-            self.global_step,
-            self._stop_step(),
-            f"{self.global_batch_size:,d}",
-            get_world_size(),
-        )
-        # Warns, naming the field to change.
-        durations.nothing_to_train(
+        # Warns, naming the field to change; else says what it trains.
+        if not durations.nothing_to_train(
             self.max_duration, self.hard_stop, self._progress(), self.save_folder
-        )
+        ):
+            log.info(
+                "Training from step %d to step %d (%s tokens per step, %d rank(s))",
+                self.global_step,
+                self._stop_step(),
+                f"{self.global_batch_size:,d}",
+                get_world_size(),
+            )
         self._hooks("pre_train")
         while not self.training_complete:
             self._fit_epoch()

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ...config_dict import register_config_class
 from ...exceptions import ConfigurationError
-from ..weights import load_pretrained_weights
+from ..weights import check_allowed_changes, load_pretrained_weights
 from .callback import Callback, model_of
 
 __all__ = ["InitWeightsCallback"]
@@ -23,6 +23,9 @@ class InitWeightsCallback(Callback):
 
     source: str = ""
     """A Hugging Face model folder or an olmolike checkpoint / save folder."""
+    allowed_changes: list[str] = field(default_factory=list)
+    """Model config fields that may differ from the config the weights were trained with
+    (see ``TransformerTrainModuleConfig.init_weights_allowed_changes``)."""
 
     priority: ClassVar[int] = 100
     """Before anything looks at the model at the start: evaluators, the step-0 checkpoint."""
@@ -32,6 +35,7 @@ class InitWeightsCallback(Callback):
             raise ConfigurationError(
                 "must name a Hugging Face model folder or an olmolike checkpoint", path="source"
             )
+        check_allowed_changes(self.allowed_changes)
 
     def pre_train(self) -> None:
         if self.trainer.checkpoint_loaded:
@@ -42,7 +46,12 @@ class InitWeightsCallback(Callback):
             needed_for="to load pretrained weights into",
             path="init_weights",
         )
-        load_pretrained_weights(model, self.source, work_dir=self.trainer.work_dir)
+        load_pretrained_weights(
+            model,
+            self.source,
+            work_dir=self.trainer.work_dir,
+            allowed_changes=self.allowed_changes,
+        )
 
 
 # Its name before it moved here from olmolike.train.weights, for configs written then.

@@ -95,12 +95,21 @@ class LeaseRecord:
     """What a lease record says about its holder."""
 
     run_id: str
+    """The holding run's id (``OLMOLIKE_RUN_ID``, else one made when it started): a restart of the
+    same job has the same."""
     host: str
+    """The host name of the holding process."""
     pid: int
+    """The process id of the holder on its host."""
     started_at: float
+    """When the holder took the lease, in seconds since the epoch (UTC)."""
     heartbeat_at: float
+    """The holder's latest heartbeat, in seconds since the epoch; a lease whose heartbeat is older
+    than ``timeout`` is stale."""
     timeout: float
+    """Seconds without a heartbeat after which the lease may be taken over."""
     released: bool = False
+    """Whether the holder gave the lease up when it ended (the folder is free at once)."""
 
     def age(self) -> float:
         return max(0.0, time.time() - self.heartbeat_at)
