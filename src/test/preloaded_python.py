@@ -225,6 +225,8 @@ def _run(request: dict[str, Any], fds: list[int], base_path: list[str]) -> None:
     import threading
     import types
 
+    from rank_processes import skip_torch_library_finalizers
+
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -290,6 +292,7 @@ def _run(request: dict[str, Any], fds: list[int], base_path: list[str]) -> None:
     finally:
         try:
             threading._shutdown()  # type: ignore[attr-defined]
+            skip_torch_library_finalizers()  # the process ends with os._exit
             atexit._run_exitfuncs()
         finally:
             for stream in (sys.stdout, sys.stderr):
