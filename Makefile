@@ -50,7 +50,7 @@ MOE_ARGS ?=
 
 moe: install
 	$(VENV)/bin/olmolike prepare-data --stdlib -o $(DATA_DIR) --val-fraction 0.02 --workers 2
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) src/examples/moe/train.py $(MOE_RUN) $(MOE_ARGS)
+	@threads=$(DEMO_THREADS); $(THREADS_NOTE); set -x; OMP_NUM_THREADS=$$threads $(PY) src/examples/moe/train.py $(MOE_RUN) $(MOE_ARGS)
 
 # `make sft`: fine-tune the `make run` model (trained first if runs/$(RUN_NAME) is missing) to
 # write standard-library functions from their docstrings; prints the masked loss on held-out

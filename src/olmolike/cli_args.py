@@ -41,6 +41,13 @@ def add_train_command(cmd: argparse.ArgumentParser) -> None:
         help="start N ranks on this machine (gloo on CPU, NCCL on GPUs) instead of one process, "
         "without torchrun; give it before the config file",
     )
+    cmd.add_argument(
+        "--max-restarts",
+        type=int,
+        metavar="K",
+        help="when a rank fails, start all ranks again from the latest checkpoint, up to K "
+        "times (as torchrun --max-restarts; not after Ctrl-C); give it before the config file",
+    )
     cmd.add_argument("config", help="the experiment config file (.yaml, .yml or .json)")
     cmd.add_argument(
         "--dry-run", action="store_true", help="print the config with the overrides; train nothing"

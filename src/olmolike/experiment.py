@@ -165,7 +165,7 @@ def train_command(args: argparse.Namespace) -> int:
     from .train import prepare_training_environment, teardown_training_environment
     from .utils import seed_all
 
-    if args.nproc_per_node is not None:
+    if args.nproc_per_node is not None or args.max_restarts is not None:
         return _launch(args)
     # First: a mistake in the file or the overrides is then one line, once per job.
     prepare_training_environment()
@@ -188,11 +188,18 @@ def _launch(args: argparse.Namespace) -> int:
     from .distributed.utils import launched_distributed
     from .launch import launch
 
-    if args.nproc_per_node < 1:
-        raise ConfigurationError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    nproc = 1 if args.nproc_per_node is None else args.nproc_per_node
+    if nproc < 1:
+        raise ConfigurationError(f"--nproc-per-node must be >= 1, got {nproc}")
+    restarts = args.max_restarts or 0
+    if restarts < 0:
+        raise ConfigurationError(f"--max-restarts must be >= 0, got {restarts}")
     if launched_distributed():
+        option = "--nproc-per-node" if args.nproc_per_node is not None else "--max-restarts"
         raise ConfigurationError(
-            "--nproc-per-node starts the ranks itself: drop it under torchrun (or drop torchrun)"
+            f"{option} is olmolike's launcher's: under torchrun drop it (torchrun has its own "
+            "--max-restarts), or drop torchrun"
         )
     dry_run = ["--dry-run"] if args.dry_run else []
-    return launch(args.nproc_per_node, ["train", args.config, *dry_run, *args.overrides])
+    argv = ["train", args.config, *dry_run, *args.overrides]
+    return launch(nproc, argv, max_restarts=0 if args.dry_run else restarts)

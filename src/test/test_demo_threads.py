@@ -14,7 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "src" / "examples" / "free_cpus.py"
-DEMOS = ["run", "sft", "dpo", "two-stage-kl", "grpo"]
+DEMOS = ["run", "moe", "sft", "dpo", "two-stage-kl", "grpo"]
 
 
 def _free_cpus():  # type: ignore[no-untyped-def]

@@ -237,5 +237,8 @@ def test_training_starts_from_olmoe_weights_and_refuses_other_routing(
     with pytest.raises(ConfigurationError, match=r"moe\.top_k: 1 vs 2.*--model\.moe\.top_k=2"):
         load_pretrained_weights(other.build(seed=5), str(folder))
     dense = config.replace(moe=None)
-    with pytest.raises(ConfigurationError, match=r"--model\.moe\.num_experts=N"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"moe: None vs .*--model\.moe\.num_experts=8 --model\.moe\.top_k=2",
+    ):
         load_pretrained_weights(dense.build(seed=5), str(folder))

@@ -23,11 +23,19 @@ parallelism, not tensor parallelism). Attention is split as in a dense block.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -157,16 +165,18 @@ class FeatureShardedNorm(ParallelStyle):
         return distribute_module(
             module,
             device_mesh,
-            partition_fn=_shard_parameters,
+            partition_fn=partial(_place_parameters, Shard(0)),
             output_fn=_local_output,
         )
 
 
-def _shard_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+def _place_parameters(placement: Placement, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    """``distribute_module``'s ``partition_fn``: each of ``module``'s own parameters becomes a
+    DTensor placed as ``placement`` says (bound with :func:`functools.partial`)."""
     del name
     for param_name, param in list(module.named_parameters(recurse=False)):
-        sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]))
-        module.register_parameter(param_name, sharded)
+        placed = nn.Parameter(distribute_tensor(param, mesh, [placement]))
+        module.register_parameter(param_name, placed)
 
 
 def _local_output(module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
@@ -187,17 +197,10 @@ class ReplicatedMoE(ParallelStyle):
         return distribute_module(
             module,
             device_mesh,
-            partition_fn=_replicate_parameters,
+            partition_fn=partial(_place_parameters, Replicate()),
             input_fn=_gather_sequence,
             output_fn=_scatter_sequence,
         )
-
-
-def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-    del name
-    for param_name, param in list(module.named_parameters(recurse=False)):
-        replicated = nn.Parameter(distribute_tensor(param, mesh, [Replicate()]))
-        module.register_parameter(param_name, replicated)
 
 
 def _gather_sequence(module: nn.Module, inputs: Any, mesh: DeviceMesh) -> Any:

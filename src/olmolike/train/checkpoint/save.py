@@ -235,14 +235,18 @@ class CheckpointSave:
         for future in [self.uploader.submit(self._upload, path) for path in rest]:
             future.result()
 
-    def _check_lease(self) -> None:
+    def _check_lease(self, *, renew: bool = False) -> None:
         """A run that lost its save folder's lease must not write there, nor vouch for
-        anything (the lease's heartbeat keeps the error to raise)."""
+        anything (the lease's heartbeat keeps the error to raise). ``renew``: look at the
+        lease now, not at the last heartbeat's finding (before a marker: a run given this
+        run's id by mistake may have taken it over since)."""
+        if self.lease is not None and renew:
+            self.lease.heartbeat()
         if self.lease is not None and self.lease.lost is not None:
             raise self.lease.lost.with_traceback(None)
 
     def _commit(self, ephemeral: bool) -> None:
-        self._check_lease()
+        self._check_lease(renew=True)
         marker = json.dumps(
             {
                 "format_version": FORMAT_VERSION,
