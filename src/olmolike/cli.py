@@ -347,7 +347,8 @@ def _plan(args: argparse.Namespace) -> int:
     tp = args.tp if args.tp is not None else (module.tp_config.degree if module.tp_config else 1)
     pp = args.pp if args.pp is not None else (module.pp_config.degree if module.pp_config else 1)
     cp = args.cp if args.cp is not None else (module.cp_config.degree if module.cp_config else 1)
-    layout = config_layout(module, args.gpus, args.gpus_per_node, tp, pp, cp)
+    ep = args.ep if args.ep is not None else (module.ep_config.degree if module.ep_config else 1)
+    layout = config_layout(module, args.gpus, args.gpus_per_node, tp, pp, cp, ep)
     batch = config.data_loader.global_batch_size
     print(plan_report(config.model, module, layout, args.gpu_memory, args.reserve, batch), end="")
     return 0
@@ -397,13 +398,21 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
         help="context-parallel degree of the layout: each sequence split over that many ranks "
         "(default: the config's train_module.cp_config.degree, else 1)",
     )
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=None,
+        help="expert-parallel degree of the layout: each MoE layer's experts split over that "
+        "many of the ranks FSDP/HSDP shard over (default: the config's "
+        "train_module.ep_config.degree, else 1)",
+    )
 
 
 def _add_plan_command(plan: argparse.ArgumentParser) -> None:
     plan.description = (
         "Plan the memory of a training run without a GPU. For the config's layout "
         "on --gpus GPUs (dp_config: DDP replicates, FSDP shards over all, HSDP over groups; "
-        "with --tp, --pp and --cp), print the bytes of the busiest rank: parameters, gradients and "
+        "with --tp, --pp, --cp and --ep), print the bytes of the busiest rank: parameters, gradients and "
         "optimizer state (exactly what the ranks hold), buffers, communication buffers, and "
         "activations of one micro-batch (rank_microbatch_size tokens) with and without "
         "activation checkpointing, by the formula printed below them, and the longest sequence "

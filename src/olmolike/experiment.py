@@ -77,6 +77,7 @@ class ExperimentConfig(Config):
 
     def validate(self) -> None:
         check_data(self.train_module, self.dataset, self.data_loader)
+        self._check_expert_parallel()
         if not isinstance(self.dataset, NumpyDatasetConfig):
             return  # the others' lengths are in their files, checked when the data is built
         seq_len = self.dataset.sequence_length
@@ -85,6 +86,26 @@ class ExperimentConfig(Config):
                 "dataset.sequence_length",
                 f"{seq_len} is longer than the model's max_sequence_length "
                 f"({self.model.max_sequence_length}); raise --model.max_sequence_length",
+            )
+
+    def _check_expert_parallel(self) -> None:
+        """An expert-parallel degree the model's experts cannot be split by, refused before
+        any process group or model exists (training would refuse it when sharding)."""
+        degree = self.train_module.ep_config.degree if self.train_module.ep_config else 1
+        if degree == 1:
+            return
+        moe = self.model.moe
+        if moe is None:
+            raise self._invalid(
+                "train_module.ep_config",
+                "expert parallelism splits the experts of a mixture of experts and the model "
+                "has no MoE layer: set ep_config=null",
+            )
+        if moe.num_experts % degree:
+            raise self._invalid(
+                "train_module.ep_config.degree",
+                f"the expert-parallel degree ({degree}) must divide num_experts "
+                f"({moe.num_experts}): every rank holds the same number of experts",
             )
 
 

@@ -141,6 +141,7 @@ TRAINER_COMPONENTS = (
     "olmolike.train.background_ops",
     "olmolike.train.cancellation",
     "olmolike.train.metrics",
+    "olmolike.train.metric_buffer",
     "olmolike.train.durations",
 )
 """Modules the trainer builds its parts from: they get values and narrow objects, never the
@@ -217,6 +218,29 @@ def test_trainer_components_import_neither_the_trainer_nor_callbacks() -> None:
         if _in_package(target, "olmolike.train.trainer")
         or _in_package(target, "olmolike.train.callbacks")
     ]
+    assert not offending, "\n".join(offending)
+
+
+TRAIN_MODULE_PACKAGE = "olmolike.train.train_module"
+
+
+def test_train_modules_neither_import_nor_register_callbacks() -> None:
+    # A train module owns what a step does; callbacks sit beside the loop and drive the trainer
+    # from outside it. What a module needs at the start of a run (pretrained weights) it does
+    # in its own TrainModule.on_fit_start, never by adding a callback to the trainer.
+    offending = [
+        f"{path.relative_to(PACKAGE_ROOT.parent)}:{line} imports {target}"
+        for path in SOURCES
+        if _in_package(module_name(path), TRAIN_MODULE_PACKAGE)
+        for line, target in imported_modules(path)
+        if _in_package(target, "olmolike.train.callbacks")
+    ]
+    for path in sorted((PACKAGE_ROOT / "train" / "train_module").rglob("*.py")):
+        offending += [
+            f"{path.relative_to(PACKAGE_ROOT.parent)}:{node.lineno} calls .{node.attr}()"
+            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.Attribute) and node.attr == "add_callback"
+        ]
     assert not offending, "\n".join(offending)
 
 

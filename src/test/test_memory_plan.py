@@ -383,3 +383,76 @@ def test_moe_activation_estimate_within_15_percent_of_mem_tracker(ac: str) -> No
         loss.backward()
     estimate = activation_bytes(config, 4 * 128, 4, AC_MODES[ac])
     assert abs(estimate - tracker.peak) <= 0.15 * tracker.peak, (estimate, tracker.peak)
+
+
+# -- expert parallelism ----------------------------------------------------------------------------
+
+
+def test_expert_parallelism_splits_the_experts_then_fsdp_shards_them() -> None:
+    olmoe = TransformerConfig.olmoe_1B_7B(50304)
+    meta = olmoe.build(init_device="meta")
+    experts = sum(p.numel() for n, p in meta.named_parameters() if ".experts." in n)
+    rest = olmoe.num_params() - experts
+    # 16 FSDP ranks, EP 8: 8 experts per EP rank, FSDP over the 2 ranks holding them; every
+    # other tensor over all 16 (OLMoE's dims divide evenly, so every rank holds the same).
+    for rank in (0, 7, 15):
+        held = state_bytes(olmoe, Layout(dp_shard=16, ep=8), AdamWConfig(), rank)
+        assert held.params == pytest.approx(4 * (experts / 16 + rest / 16), rel=1e-6)
+    # EP 16 over FSDP 16: each rank 4 whole experts, the same bytes as plain FSDP 16...
+    assert state_bytes(olmoe, Layout(dp_shard=16, ep=16), AdamWConfig()).params == (
+        state_bytes(olmoe, Layout(dp_shard=16), AdamWConfig()).params
+    )
+    # ... but FSDP gathers only the rank's own experts, not all 64.
+    fsdp = DataParallelConfig(name=DataParallelType.fsdp)
+    plain = gathered_bytes(olmoe, Layout(dp_shard=16), fsdp)
+    split = gathered_bytes(olmoe, Layout(dp_shard=16, ep=16), fsdp)
+    per_block_experts = experts // olmoe.n_layers
+    assert plain - split == 2 * 4 * (per_block_experts - per_block_experts // 16)
+
+
+def test_expert_parallelism_counts_the_all_to_all_and_is_refused_where_training_refuses_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from olmolike.plan.memory import all_to_all_bytes
+
+    olmoe = TransformerConfig.olmoe_1B_7B(50304)
+    # Sent and received copies, the results back and received: 4 x tokens x top_k x d.
+    assert all_to_all_bytes(olmoe, Layout(dp_shard=8, ep=8), 4096, 2) == 4 * 4096 * 8 * 2048 * 2
+    assert all_to_all_bytes(olmoe, Layout(dp_shard=8), 4096, 2) == 0
+    config = ExperimentConfig(
+        run_name="plan",
+        model=olmoe,
+        dataset=NumpyDatasetConfig(paths=[str(tmp_path / "tokens.npy")], sequence_length=4096),
+        data_loader=NumpyDataLoaderConfig(global_batch_size=64 * 4096, seed=0),
+        train_module=TransformerTrainModuleConfig(
+            rank_microbatch_size=4096,
+            dp_config=DataParallelConfig(name=DataParallelType.fsdp, param_dtype="bfloat16"),
+        ),
+        trainer=TrainerConfig(save_folder=str(tmp_path / "run"), max_duration=Duration.steps(1)),
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text(config.to_yaml())
+    plan = ["plan", str(path), "--gpus", "16", "--gpu-memory", "80"]
+    assert main([*plan, "--train_module.ep_config.degree=8"]) == 0
+    out = capsys.readouterr().out
+    assert "dp_shard 16 x cp 1 x tp 1 (ep 8) (fsdp on 16 GPUs)" in out
+    assert "all-to-all of one MoE layer" in out and "experts split over ep 8 ranks" in out
+    # With TP the experts are whole on every tensor-parallel rank of their EP rank.
+    assert main([*plan, "--ep", "4", "--tp", "2"]) == 0
+    assert "dp_shard 8 x cp 1 x tp 2 (ep 4) (fsdp on 16 GPUs)" in capsys.readouterr().out
+    for args, message in [
+        (["--ep", "3"], "expert-parallel degree (3) must be a multiple of cp (1)"),
+        (["--ep", "32"], "expert-parallel degree (32)"),
+        (
+            [
+                "--ep",
+                "2",
+                "--train_module.dp_config.name=ddp",
+                "--train_module.dp_config.param_dtype=null",
+            ],
+            "dp_config.name=fsdp",
+        ),
+    ]:
+        assert main([*plan, *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err

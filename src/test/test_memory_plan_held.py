@@ -35,6 +35,10 @@ MOE_MODEL = replace(
                             layers=[1]),
 )  # fmt: skip
 
+# Six experts: expert parallelism gives each of 2 ranks 3, which FSDP over the 2 ranks that
+# hold the same experts shards 2 + 1.
+EP_MODEL = replace(MOE_MODEL, moe=replace(MOE_MODEL.moe, num_experts=6))  # type: ignore[type-var]
+
 HELD_LAYOUTS: dict[str, tuple[dict[str, Any], Layout, TransformerConfig]] = {
     "ddp": ({"dp_config": {"name": "ddp"}}, Layout(dp_replicate=2), MODEL),
     "fsdp": ({"dp_config": {"name": "fsdp"}}, Layout(dp_shard=2), MODEL),
@@ -84,6 +88,23 @@ HELD_LAYOUTS: dict[str, tuple[dict[str, Any], Layout, TransformerConfig]] = {
     "moe-fsdp": ({"dp_config": {"name": "fsdp"}}, Layout(dp_shard=2), MOE_MODEL),
     "moe-tp-2": ({"tp_config": {"degree": 2}}, Layout(tp=2), MOE_MODEL),
     "moe-pp-2": ({"pp_config": {"degree": 2}}, Layout(pp=2), MOE_MODEL),
+    # Expert parallelism: the experts over the EP ranks, then FSDP over the ranks that hold
+    # the same experts; every other tensor over all of dp_shard (x cp).
+    "moe-ep-2-fsdp-2": (
+        {"dp_config": {"name": "fsdp"}, "ep_config": {"degree": 2}},
+        Layout(dp_shard=4, ep=2),
+        EP_MODEL,
+    ),
+    "moe-ep-2-tp-2": (
+        {"dp_config": {"name": "fsdp"}, "ep_config": {"degree": 2}, "tp_config": {"degree": 2}},
+        Layout(dp_shard=2, tp=2, ep=2),
+        EP_MODEL,
+    ),
+    "moe-cp-2-ep-2": (
+        {"dp_config": {"name": "fsdp"}, "ep_config": {"degree": 2}, "cp_config": {"degree": 2}},
+        Layout(cp=2, ep=2),
+        EP_MODEL,
+    ),
 }
 """Train-module config fields -> the layout they make, and the model."""
 

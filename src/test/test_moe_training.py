@@ -24,6 +24,7 @@ from olmolike.distributed.parallel import DataParallelConfig
 from olmolike.distributed.pipeline import PipelineParallelConfig
 from olmolike.distributed.tensor_parallel import ContextParallelConfig, TensorParallelConfig
 from olmolike.distributed.utils import broadcast_object, get_rank
+from olmolike.exceptions import ConfigurationError
 from olmolike.nn import TransformerConfig
 from olmolike.nn.moe import MoEConfig
 from olmolike.optim import AdamWConfig
@@ -205,18 +206,33 @@ def test_activation_checkpointing_changes_nothing(single: Run) -> None:
     assert_same_run(train(ac_config=ActivationCheckpointingConfig()), single)
 
 
-def test_the_load_callback_is_attached_once() -> None:
-    module = TransformerTrainModuleConfig(rank_microbatch_size=SEQ_LEN).build(
-        model_config().build(seed=0)
-    )
+def test_the_load_callback_is_added_once_by_the_trainers_config() -> None:
+    # The train module only names it (default_callbacks); TrainerConfig.build adds it, once.
+    def callbacks(model: Any, configured: dict[str, Callback]) -> list[str]:
+        module = TransformerTrainModuleConfig(rank_microbatch_size=SEQ_LEN).build(model)
+        loader = TokenTensorDataLoader(
+            random_token_instances(8, SEQ_LEN, VOCAB, seed=1), global_batch_size=SEQ_LEN
+        )
+        trainer = TrainerConfig(
+            save_folder=tempfile.mkdtemp(), device="cpu", max_duration=Duration.steps(1),
+            no_checkpoints=True, callbacks=configured,
+        ).build(module, loader)  # fmt: skip
+        return [n for n, c in trainer.callbacks.items() if isinstance(c, MoELoadCallback)]
+
+    assert callbacks(model_config().build(seed=0), {}) == ["moe_load"]
+    assert callbacks(model_config().build(seed=0), {"mine": MoELoadCallback()}) == ["mine"]
+    dense = TransformerConfig.tiny(VOCAB, max_sequence_length=SEQ_LEN)
+    assert callbacks(dense.build(seed=0), {}) == []
+    # A name no callback registered is refused when the trainer is built, naming it.
+    module = TransformerTrainModuleConfig(rank_microbatch_size=SEQ_LEN).build(dense.build(seed=0))
+    module.default_callbacks = lambda: ("no_such_callback",)  # type: ignore[method-assign]
     loader = TokenTensorDataLoader(
         random_token_instances(8, SEQ_LEN, VOCAB, seed=1), global_batch_size=SEQ_LEN
     )
-    trainer = TrainerConfig(
-        save_folder=tempfile.mkdtemp(), device="cpu", max_duration=Duration.steps(1),
-        no_checkpoints=True, callbacks={"mine": MoELoadCallback()},
-    ).build(module, loader)  # fmt: skip
-    assert [type(c) for c in trainer.callbacks.values()].count(MoELoadCallback) == 1
+    with pytest.raises(ConfigurationError, match="no_such_callback"):
+        TrainerConfig(
+            save_folder=tempfile.mkdtemp(), device="cpu", max_duration=Duration.steps(1)
+        ).build(module, loader)
 
 
 # -- two ranks ----------------------------------------------------------------------------------

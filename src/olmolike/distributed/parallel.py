@@ -71,15 +71,24 @@ class DataParallelConfig(Config):
             if self.num_replicas <= 0:
                 raise self._invalid("num_replicas", f"must be positive, got {self.num_replicas}")
 
-    def degrees(self, world_size: int, *, pp: int = 1, cp: int = 1, tp: int = 1) -> ParallelDegrees:
+    def degrees(
+        self, world_size: int, *, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1
+    ) -> ParallelDegrees:
         """The run's degrees: the data dimensions take the ranks the other degrees leave.
 
         DDP replicates over all of them (``dp_replicate``); FSDP shards over all of them
         (``dp_shard``); HSDP shards within ``num_replicas`` groups, by default one group per
         node's worth of data-parallel ranks, so the shard traffic stays on a node's links.
+        Expert parallelism (``ep``) is carved from the ranks FSDP/HSDP shard over.
         """
+        if ep > 1 and self.name == DataParallelType.ddp:
+            raise ConfigurationError(
+                "expert parallelism shards the experts over data-parallel ranks that FSDP or "
+                "HSDP shard over, not DDP's replicas: set it to fsdp (or hsdp)",
+                path="train_module.dp_config.name",
+            )
         if self.name == DataParallelType.fsdp:
-            return ParallelDegrees.resolve(world_size, pp=pp, cp=cp, tp=tp)
+            return ParallelDegrees.resolve(world_size, pp=pp, cp=cp, tp=tp, ep=ep)
         inner = pp * cp * tp
         data = ParallelDegrees.resolve(world_size, pp=pp, cp=cp, tp=tp).dp
         if self.name == DataParallelType.ddp:
@@ -92,7 +101,9 @@ class DataParallelConfig(Config):
                 f"other degrees) must be a multiple of num_replicas ({replicas})",
                 path="num_replicas",
             )
-        return ParallelDegrees.resolve(world_size, pp=pp, dp_replicate=replicas, cp=cp, tp=tp)
+        return ParallelDegrees.resolve(
+            world_size, pp=pp, dp_replicate=replicas, cp=cp, tp=tp, ep=ep
+        )
 
     def data_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The sub-mesh of the run's mesh that FSDP (``dp_shard``) or HSDP (``dp_replicate``

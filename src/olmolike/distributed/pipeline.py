@@ -32,10 +32,10 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.pipelining.stage import _PipelineStageBase
-from torch.distributed.tensor import DTensor
 
 from ..config import Config, StrEnum
 from ..exceptions import ConfigurationError
+from .expert_parallel import clip_grads_with_norm, grad_norm
 
 __all__ = [
     "PipelineParallelConfig",
@@ -195,13 +195,11 @@ def clip_grad_norm_across_stages(
     are summed over the pipeline ``group``: one all-reduce, on every rank, every step.
     """
     with_grads = [p for p in params if p.grad is not None]
-    local = torch.nn.utils.get_total_norm([p.grad for p in with_grads if p.grad is not None])
-    if isinstance(local, DTensor):
-        local = local.full_tensor()
+    local = grad_norm([p.grad for p in with_grads if p.grad is not None])
     square = local.float().pow(2)
     if group is not None:
         dist.all_reduce(square, group=group)
     total = square.sqrt()
     if max_norm is not None and math.isfinite(max_norm):
-        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total)
+        clip_grads_with_norm(with_grads, max_norm, total)
     return total

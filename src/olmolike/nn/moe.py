@@ -442,7 +442,10 @@ class MoEFeedForward(nn.Module):
             out = out + _swiglu(self.shared_expert, flat)
         weight = _AUX_LOSS_WEIGHT.get()
         if self.training and torch.is_grad_enabled() and weight != 0:
-            out = self._with_aux_losses(out, routing, counts, expert_out.shape[0], weight)
+            # The copies sent to an expert and combined back (under expert parallelism
+            # expert_out holds the copies other ranks sent here instead).
+            computed = dispatched.order.numel()
+            out = self._with_aux_losses(out, routing, counts, computed, weight)
         return out.view(*shape[:-1], out.shape[-1])
 
     def _with_aux_losses(

@@ -172,9 +172,12 @@ class FeatureShardedNorm(ParallelStyle):
 
 def _place_parameters(placement: Placement, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
     """``distribute_module``'s ``partition_fn``: each of ``module``'s own parameters becomes a
-    DTensor placed as ``placement`` says (bound with :func:`functools.partial`)."""
+    DTensor placed as ``placement`` says (bound with :func:`functools.partial`); one that
+    is a DTensor already (experts split by expert parallelism) stays as it is."""
     del name
     for param_name, param in list(module.named_parameters(recurse=False)):
+        if isinstance(param, DTensor):
+            continue
         placed = nn.Parameter(distribute_tensor(param, mesh, [placement]))
         module.register_parameter(param_name, placed)
 
@@ -191,7 +194,10 @@ class ReplicatedMoE(ParallelStyle):
 
     Every rank computes the same values (the layer runs on the plain local weights), so each
     parameter's gradient is the same on every rank, as ``Replicate()`` says; the sequence
-    gather's backward keeps each rank's shard of the input gradient."""
+    gather's backward keeps each rank's shard of the input gradient. Under expert
+    parallelism the experts are already split (DTensors on the expert-parallel ranks) and
+    stay so: every tensor-parallel rank holds its expert-parallel rank's experts and
+    exchanges the whole sequence's tokens with the ranks of the same ``tp`` index."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(

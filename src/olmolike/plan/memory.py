@@ -18,6 +18,11 @@ parallelism shards them:
   tensor (the stacked experts ``(E, ...)`` along the expert dimension).
 * **CP** (``cp``) splits the sequences, not the parameters: FSDP/HSDP cut each tensor over
   ``dp_shard x cp`` ranks (the train module shards over both), DDP replicates over them.
+* **EP** (``ep``, carved from ``dp_shard x cp``) splits every MoE layer's stacked experts
+  evenly along the expert dimension: expert-parallel rank ``r`` (``dp_shard``'s index within
+  its group of ``ep / cp``, times ``cp``, plus the ``cp`` index) holds experts ``r E/ep`` on;
+  FSDP/HSDP then chunk those rows over the ``dp_shard_mod_ep`` ranks that hold the same
+  experts, every other tensor over all ``dp_shard x cp`` ranks as without experts.
 * **PP** (``pp``) gives each pipeline rank the stages the pipeline train module gives it
   (:class:`~olmolike.nn.transformer_stage.TransformerStage`, built here on ``meta``: stage
   ``s`` of ``pp x stages_per_rank`` on pipeline rank ``s % pp``, layers split by
@@ -57,8 +62,10 @@ __all__ = [
     "MESH_DIMS",
     "Layout",
     "StateBytes",
+    "all_to_all_bytes",
     "chunk_size",
     "gathered_bytes",
+    "is_expert_weight",
     "layouts",
     "rank_tensors",
     "state_bytes",
@@ -139,8 +146,18 @@ class Layout(ParallelDegrees):
             rank //= size
         return {name: coords[name] for name in MESH_DIMS}
 
+    def expert_coordinates(self, coords: dict[str, int]) -> tuple[int, int]:
+        """Under expert parallelism, (the expert-parallel rank, the index among the ranks
+        holding the same experts) of the rank at ``coords``: ``dp_shard`` is laid out as
+        ``dp_shard_mod_ep x dp_shard_in_ep`` (row-major), and the expert-parallel ranks are
+        ``dp_shard_in_ep x cp`` flattened (see :func:`~olmolike.distributed.mesh.expert_mesh`)."""
+        in_ep = self.dp_shard_in_ep
+        shard = coords["dp_shard"]
+        return (shard % in_ep) * self.cp + coords["cp"], shard // in_ep
+
     def __str__(self) -> str:
-        return " x ".join(f"{name} {getattr(self, name)}" for name in MESH_DIMS)
+        dims = " x ".join(f"{name} {getattr(self, name)}" for name in MESH_DIMS)
+        return dims + (f" (ep {self.ep})" if self.ep > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -241,15 +258,29 @@ def _local_numel(
     layout: Layout,
     coords: dict[str, int],
     tp_dims: dict[str, int],
+    sharded: bool = True,
 ) -> int:
-    """The elements rank ``coords`` holds of a tensor of ``shape``: TP first, then FSDP's dim 0."""
+    """The elements rank ``coords`` holds of a tensor of ``shape``: TP first (or EP for an
+    MoE layer's stacked experts), then FSDP's dim 0 (``sharded=False``: as FSDP gathers it)."""
     local = list(shape)
+    if layout.ep > 1 and is_expert_weight(name):
+        ep_rank, holder = layout.expert_coordinates(coords)
+        local[0] = chunk_size(local[0], layout.ep, ep_rank)
+        if sharded:
+            local[0] = chunk_size(local[0], layout.dp_shard_mod_ep, holder)
+        return math.prod(local)
     dim = tp_dims.get(name)
     if layout.tp > 1 and dim is not None:
         local[dim] = chunk_size(local[dim], layout.tp, coords["tp"])
-    if layout.shards > 1 and local:
+    if sharded and layout.shards > 1 and local:
         local[0] = chunk_size(local[0], layout.shards, layout.shard_index(coords))
     return math.prod(local)
+
+
+def is_expert_weight(name: str) -> bool:
+    """Whether parameter ``name`` is an MoE layer's stacked routed-expert weight (what expert
+    parallelism splits; a shared expert is not one)."""
+    return ".experts." in name
 
 
 def _optim_states(optim: OptimConfig) -> tuple[int, int]:
@@ -323,14 +354,13 @@ def gathered_bytes(
     if layout.data_parallel in ("ddp", "none"):
         ddp = layout.data_parallel == "ddp"
         return sum(size for _, size in _param_bytes(model, layout, rank)) if ddp else 0
-    whole = replace(layout, dp_replicate=1, dp_shard=1, cp=1)  # the ranks without the data cut
     gather_dtype = dp.param_dtype.as_pt() if dp is not None and dp.param_dtype else None
     coords = layout.coordinates(rank)
     tp_dims = tensor_parallel_dims(model) if layout.tp > 1 else {}
     root = 0
     blocks: dict[str, int] = {}
     for name, p in rank_tensors(model, layout, coords["pp"])[0]:
-        size = _local_numel(name, tuple(p.shape), whole, coords, tp_dims)
+        size = _local_numel(name, tuple(p.shape), layout, coords, tp_dims, sharded=False)
         size *= (gather_dtype or p.dtype).itemsize
         if name.startswith("blocks."):
             index = name.split(".")[1]
@@ -339,3 +369,17 @@ def gathered_bytes(
             root += size
     gathered = len(blocks) if dp is not None and not dp.reshard_after_forward else 2
     return root + sum(sorted(blocks.values(), reverse=True)[:gathered])
+
+
+def all_to_all_bytes(
+    model: TransformerConfig, layout: Layout, tokens: int, dtype_bytes: int
+) -> int:
+    """Expert parallelism's exchange buffers on a rank during one MoE layer (an estimate: they
+    live one layer at a time, beside the activations): the ``top_k`` routed copies of the
+    rank's ``tokens / cp`` tokens sorted for sending, the copies received, the results sent
+    back and received, ``4 k d`` values per token in ``dtype_bytes``-byte elements. Received
+    equals sent when the routing is balanced; a rank whose experts every rank prefers
+    receives up to ``ep`` times more. 0 without expert parallelism."""
+    if layout.ep == 1 or model.moe is None:
+        return 0
+    return 4 * -(-tokens // layout.cp) * model.moe.top_k * model.d_model * dtype_bytes

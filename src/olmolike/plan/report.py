@@ -38,7 +38,7 @@ from ..train.train_module.transformer import (
     TransformerTrainModuleConfig,
 )
 from .activations import activation_bytes, microbatches_in_flight
-from .memory import Layout, StateBytes, gathered_bytes, layouts, state_bytes
+from .memory import Layout, StateBytes, all_to_all_bytes, gathered_bytes, layouts, state_bytes
 
 __all__ = ["RankMemory", "config_layout", "longest_sequence", "plan_report", "rank_memory"]
 
@@ -139,6 +139,7 @@ def pipeline_memory(
         )
         state = state_bytes(model, layout, module.optim, rank)
         gathered = gathered_bytes(model, layout, module.dp_config, rank)
+        gathered += all_to_all_bytes(model, layout, forward_tokens(module), dtype_bytes)
         memories.append(RankMemory(layout, ac, state, gathered, activations, pp_rank))
     return memories
 
@@ -161,9 +162,28 @@ def config_layout(
     tp: int,
     pp: int,
     cp: int = 1,
+    ep: int = 1,
 ) -> Layout:
     """The layout the train module's ``dp_config`` gives on ``gpus`` GPUs, with ``tp``/``pp``
-    (and ``pp_config``'s schedule) and ``cp``."""
+    (and ``pp_config``'s schedule), ``cp`` and ``ep`` (carved from FSDP/HSDP's ranks, as
+    training carves it)."""
+    layout = _data_layout(module, gpus, gpus_per_node, tp, pp, cp)
+    if ep == 1:
+        return layout
+    if module.dp_config is None or module.dp_config.name == DataParallelType.ddp:
+        raise ConfigurationError(
+            f"--ep {ep}: expert parallelism is carved from the ranks FSDP or HSDP shard over; "
+            "set --train_module.dp_config.name=fsdp (or hsdp)"
+        )
+    layout = replace(layout, ep=ep)
+    layout.check_expert_parallel()
+    return layout
+
+
+def _data_layout(
+    module: TransformerTrainModuleConfig, gpus: int, gpus_per_node: int, tp: int, pp: int, cp: int
+) -> Layout:
+    """:func:`config_layout` without expert parallelism."""
     for flag, degree in (("--tp", tp), ("--pp", pp), ("--cp", cp)):
         if degree < 1 or gpus % degree:
             raise ConfigurationError(
@@ -241,12 +261,26 @@ def _context_refusal(module: TransformerTrainModuleConfig, layout: Layout) -> st
     return None
 
 
+def _expert_refusal(model: TransformerConfig, layout: Layout) -> str | None:
+    """Why training refuses ``layout``'s expert parallelism for ``model`` (``None``: it runs)."""
+    if layout.ep == 1:
+        return None
+    if model.moe is None:
+        return f"--ep {layout.ep}: the model has no MoE layer to split; set --ep 1"
+    if model.moe.num_experts % layout.ep:
+        return (
+            f"--ep {layout.ep} must divide num_experts ({model.moe.num_experts}): every "
+            "expert-parallel rank holds the same number of experts"
+        )
+    return None
+
+
 def check_model_split(
     model: TransformerConfig, module: TransformerTrainModuleConfig, layout: Layout, n: int
 ) -> None:
     """Refuse a TP degree that splits attention heads, or a pipeline or context parallelism
     training refuses."""
-    refusal = _context_refusal(module, layout)
+    refusal = _context_refusal(module, layout) or _expert_refusal(model, layout)
     if refusal:
         raise ConfigurationError(refusal)
     if _splits_heads(model, layout.tp):
@@ -273,14 +307,18 @@ def fitting(
 ) -> tuple[list[RankMemory], RankMemory | None]:
     """The cheapest way each layout of ``gpus`` fits in ``limit`` bytes, cheapest first; and
     if none fits, the layout that comes closest. Pipelines run the config's schedule (1F1B
-    without ``pp_config``)."""
+    without ``pp_config``); with the config's ``ep_config``, the layouts its expert
+    parallelism can be carved from (FSDP/HSDP)."""
     options: list[ActivationCheckpointingConfig | None] = [None, FULL_AC]
     if module.ac_config is not None and module.ac_config.mode != ActivationCheckpointingMode.full:
         options.insert(1, module.ac_config)
     schedule = _schedule(module, pp=2)
+    ep = module.ep_config.degree if module.ep_config else 1
     fits, closest = [], None
-    for layout in layouts(gpus, schedule["stages_per_rank"]):
-        layout = replace(layout, schedule=schedule["schedule"])
+    for candidate in layouts(gpus, schedule["stages_per_rank"]):
+        layout = _with_experts(replace(candidate, schedule=schedule["schedule"]), ep)
+        if layout is None or _expert_refusal(model, layout):
+            continue
         n = microbatches(module, layout, global_batch_size)
         if _splits_heads(model, layout.tp) or _pipeline_refusal(model, module, layout, n):
             continue
@@ -302,6 +340,17 @@ def fitting(
         )
     )  # fmt: skip
     return fits, None if fits else closest
+
+
+def _with_experts(layout: Layout, ep: int) -> Layout | None:
+    """``layout`` with expert parallelism ``ep``; ``None`` where training would refuse it."""
+    if ep == 1:
+        return layout
+    if layout.data_parallel not in ("fsdp", "hsdp") or not layout.cp_sharded:
+        return None
+    if ep % layout.cp or (layout.dp_shard * layout.cp) % ep:
+        return None
+    return replace(layout, ep=ep)
 
 
 def longest_sequence(
@@ -398,7 +447,9 @@ def plan_report(
         f"  gradients         {_gib(plain.state.grads)}",
         f"  optimizer state   {_gib(plain.state.optim)}   ({type(module.optim).__name__})",
         f"  buffers           {_gib(plain.state.buffers)}   (RoPE tables)",
-        f"  comm buffers      {_gib(plain.gathered)}   ({_COMM[layout.data_parallel]})",
+        f"  comm buffers      {_gib(plain.gathered)}   ({_COMM[layout.data_parallel]}"
+        + (", the all-to-all of one MoE layer at balanced routing" if layout.ep > 1 else "")
+        + ")",
         f"  activations       {_gib(plain.activations)}   without activation checkpointing",
         f"                    {_gib(checkpointed_busiest.activations)}   with "
         f"{checkpointed_busiest.ac_name} "
@@ -435,7 +486,9 @@ def plan_report(
     lines.append(
         f"layouts that fit in {gpu_memory_gib:g} GiB less {reserve_gib:g} GiB reserve, "
         f"cheapest (least communication and recomputation) first; pipelines run "
-        f"{schedule['schedule']} with {schedule['stages_per_rank']} stage(s) per rank:"
+        f"{schedule['schedule']} with {schedule['stages_per_rank']} stage(s) per rank"
+        + (f", experts split over ep {layout.ep} ranks (no DDP)" if layout.ep > 1 else "")
+        + ":"
     )
     lines.append(
         "data-par is the dp_config each row trains with (hsdp's num_replicas: dp_replicate); "

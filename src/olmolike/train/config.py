@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +23,7 @@ from ..distributed.utils import (
 )
 from ..io import is_url, local_path, removed_if_left_empty, url_to_fs
 from ..utils import get_default_device
-from .callbacks.callback import Callback
+from .callbacks.callback import Callback, callback_registry
 from .callbacks.checkpointer import CheckpointerCallback
 from .callbacks.console_logger import ConsoleLoggerCallback
 from .checkpoint import Checkpointer, CheckpointerConfig
@@ -35,6 +36,26 @@ if TYPE_CHECKING:
     from .trainer import Trainer
 
 __all__ = ["TrainerConfig"]
+
+_AS_THEY_ARE = (
+    "save_folder",
+    "max_duration",
+    "save_overwrite",
+    "load_path",
+    "load_strategy",
+    "load_trainer_state",
+    "load_optim_state",
+    "metrics_collect_interval",
+    "cancel_check_interval",
+    "hard_stop",
+    "async_bookkeeping",
+    "bookkeeping_soft_timeout",
+    "train_timeout_seconds",
+    "no_checkpoints",
+    "no_evals",
+)
+"""The fields :meth:`TrainerConfig.build` passes to the ``Trainer`` as they are (the trainer's
+fields of the same names); the others it builds or copies first."""
 
 
 @dataclass
@@ -283,42 +304,42 @@ class TrainerConfig(Config):
         from .trainer import Trainer
 
         callbacks = dict(self.callbacks)
-        # Defaults, unless the user has one of the kind (a user callback keeps its name).
-        if not any(isinstance(cb, CheckpointerCallback) for cb in callbacks.values()):
-            callbacks.setdefault("checkpointer", CheckpointerCallback())
-        if not any(isinstance(cb, ConsoleLoggerCallback) for cb in callbacks.values()):
-            # Metrics arrive once per collect interval: logging them as they come costs least.
-            logger = ConsoleLoggerCallback(log_interval=self.metrics_collect_interval)
-            callbacks.setdefault("console_logger", logger)
+        # Defaults, unless the user has one of the kind (a user callback keeps its name): the
+        # checkpointer, the console logger (metrics arrive once per collect interval: logging
+        # them as they come costs least) and those the train module's metrics are meant for.
+        defaults: dict[str, Callable[[], Callback]] = {
+            "checkpointer": CheckpointerCallback,
+            "console_logger": lambda: ConsoleLoggerCallback(
+                log_interval=self.metrics_collect_interval
+            ),
+        }
+        for name in train_module.default_callbacks():
+            if name not in callback_registry:
+                raise self._invalid(
+                    "callbacks",
+                    f"{type(train_module).__name__}.default_callbacks() names {name!r}, which "
+                    "is no registered callback; import the module that defines it first",
+                )
+            defaults.setdefault(name, callback_registry[name])
+        for name, default in defaults.items():
+            kind = callback_registry[name]
+            if not any(isinstance(cb, kind) for cb in callbacks.values()):
+                callbacks.setdefault(name, default())
         _check_token_ids(train_module, data_loader)
         return Trainer(
             work_dir=work_dir,
             train_module=train_module,
             data_loader=data_loader,
             device=self._device_for(train_module),
-            save_folder=self.save_folder,
             checkpointer=self.checkpointer.build(
                 work_dir, save_overwrite=self.save_overwrite, process_group=checkpointer_pg
             ),
             callbacks=callbacks,
-            max_duration=self.max_duration,
-            save_overwrite=self.save_overwrite,
-            load_path=self.load_path,
-            load_strategy=self.load_strategy,
-            load_trainer_state=self.load_trainer_state,
-            load_optim_state=self.load_optim_state,
-            metrics_collect_interval=self.metrics_collect_interval,
             dp_process_group=dp_process_group,
-            cancel_check_interval=self.cancel_check_interval,
-            hard_stop=self.hard_stop,
-            async_bookkeeping=self.async_bookkeeping,
-            bookkeeping_soft_timeout=self.bookkeeping_soft_timeout,
-            train_timeout_seconds=self.train_timeout_seconds,
-            no_checkpoints=self.no_checkpoints,
-            no_evals=self.no_evals,
             steps_to_skip=list(self.steps_to_skip) if self.steps_to_skip else None,
             checkpoints_to_eval=list(self.checkpoints_to_eval or ()) or None,
             owned_process_groups=owned,
+            **{name: getattr(self, name) for name in _AS_THEY_ARE},
         )
 
     def _check_same_on_every_rank(self) -> None:

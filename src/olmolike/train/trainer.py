@@ -32,12 +32,10 @@ from .common import (
     Duration,
     DurationUnit,
     LoadStrategy,
-    MetricMergeStrategy,
-    ReduceType,
     StepSkipRange,
     TrainingProgress,
 )
-from .metrics import FlopCounter, metric_name
+from .metric_buffer import MetricBuffer, _record_ce_loss, _record_metric, metric_name
 from .run_scope import RunScope
 from .step_results import StepResults
 from .train_module import TrainModule
@@ -133,7 +131,7 @@ class Trainer:
     _step_results: StepResults = field(init=False, repr=False)
     _cancel: CancelCoordinator = field(init=False, repr=False)
     _hooks: HookCaller = field(init=False, repr=False)
-    _flops: FlopCounter = field(init=False, repr=False)
+    _flops: durations.FlopCounter = field(init=False, repr=False)
     _blocking_ephemeral_checkpoints: set[str] = field(default_factory=set, init=False, repr=False)
     _checkpoints: RunCheckpoints = field(init=False, repr=False)
     _scope: RunScope = field(init=False, repr=False)
@@ -156,7 +154,7 @@ class Trainer:
     def _wire(self) -> None:
         """Build the components and attach the train module and the callbacks."""
         # Asked when a step needs it: a callback may replace the train module's method.
-        self._flops = FlopCounter(lambda n: self.train_module.num_flops_per_token(n))
+        self._flops = durations.FlopCounter(lambda n: self.train_module.num_flops_per_token(n))
         self._cancel = CancelCoordinator(rank=get_rank(), world_size=get_world_size())
         self._hooks = HookCaller(self.callbacks.values(), ALL_HOOKS, Callback)
         self._checkpoints = RunCheckpoints(
@@ -188,7 +186,7 @@ class Trainer:
             save_folder=self.save_folder,
             cancel=self._cancel,
         )
-        self.train_module._attach_trainer(self)
+        self.train_module._attach_trainer(self, self._step_results.metrics)
         self._hooks.attach(self, self.callbacks.values(), self.callbacks.values())
 
     # -- construction ------------------------------------------------------------------------
@@ -253,6 +251,8 @@ class Trainer:
 
     def convert_duration_to_steps(self, duration: Duration) -> int:
         """The global step at which ``duration`` is reached."""
+        if duration.unit == DurationUnit.steps:
+            return duration.value  # asked every step (progress, ETAs): no progress to read
         return durations.duration_to_steps(duration, self._progress())
 
     def _progress(self) -> durations.Progress:
@@ -361,23 +361,12 @@ class Trainer:
 
     # -- metrics -----------------------------------------------------------------------------
 
-    def record_metric(
-        self,
-        name: str,
-        value: float | torch.Tensor,
-        reduce_type: ReduceType | None = None,
-        namespace: str | None = None,
-        merge_strategy: MetricMergeStrategy = MetricMergeStrategy.warn,
-    ) -> None:
-        """Record a metric for the current step. Tensors stay on the device (no sync)."""
-        self._step_results.metrics.record(
-            self.global_step, metric_name(name, namespace), value, reduce_type, merge_strategy
-        )
+    # One implementation, the train module's too: into the metric buffer, at the current step.
+    record_metric = _record_metric
+    record_ce_loss = _record_ce_loss
 
-    def record_ce_loss(
-        self, value: float | torch.Tensor, reduce_type: ReduceType | None = None
-    ) -> None:
-        self.record_metric("CE loss", value, reduce_type, namespace="train")
+    def _metric_buffer(self) -> tuple[MetricBuffer, int]:
+        return self._step_results.metrics, self.global_step
 
     def get_metric(self, name: str, namespace: str | None = None) -> torch.Tensor | None:
         """A metric recorded in the current step. Reading its value syncs with the device."""
@@ -572,6 +561,7 @@ class Trainer:
                 f"{self.global_batch_size:,d}",
                 get_world_size(),
             )
+        self.train_module.on_fit_start(resumed=self.checkpoint_loaded)
         self._hooks("pre_train")
         while not self.training_complete:
             self._fit_epoch()
@@ -608,15 +598,17 @@ class Trainer:
             self.data_loader.reset()
 
     def _train_step(self, batch: dict[str, Any]) -> None:
-        self.global_step += 1
-        self.global_train_tokens_seen += self.global_batch_size
-        self._step_results.begin_step(self.global_step)
+        # The step's flow leaves this file for the train module, the hooks and the step
+        # component, and does not come back to it in between (test_step_path.py counts it).
+        step = self.global_step = self.global_step + 1
+        tokens = self.global_batch_size  # a callback changes it between steps, never within
+        self.global_train_tokens_seen += tokens
+        self._step_results.begin_step(step)
         batch = move_to_device(batch, self.device)
         self._hooks("pre_step", batch)
-        if any(self.global_step in skip for skip in self.steps_to_skip or ()):
+        if self.steps_to_skip and any(step in skip for skip in self.steps_to_skip):
             log.info(
-                "Skipping step %d (steps_to_skip): its batch is consumed, not trained on",
-                self.global_step,
+                "Skipping step %d (steps_to_skip): its batch is consumed, not trained on", step
             )
         else:
             self.train_module.train_batch(batch)
@@ -624,7 +616,7 @@ class Trainer:
             self.train_module.optim_step()
             self.train_module.zero_grads()
             seq_len = int(batch["input_ids"].shape[-1])
-            self.global_train_petaflops += self._flops.petaflops(seq_len, self.global_batch_size)
+            self.global_train_petaflops += self._flops.petaflops(seq_len, tokens)
         self._hooks("post_train_batch")
         self._hooks("post_step")
-        self._step_results.end_step(self.global_step)
+        self._step_results.end_step(step)

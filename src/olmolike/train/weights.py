@@ -2,8 +2,10 @@
 
 :func:`load_pretrained_weights` loads *weights only* (no optimizer, scheduler, data position
 or step count) into a model that may be plain, wrapped in DDP or sharded with FSDP2, on one
-rank or many. :class:`~olmolike.train.callbacks.InitWeightsCallback` does it at the start of a run that does not
-resume from a checkpoint; ``TransformerTrainModuleConfig.init_weights`` adds it.
+rank or many. :func:`load_init_weights` is the start of a run: it loads them unless the run
+resumed from a checkpoint. ``TransformerTrainModuleConfig.init_weights`` has the train module
+call it when ``fit()`` starts; :class:`~olmolike.train.callbacks.InitWeightsCallback` does the
+same for any train module with a ``model``.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from ..nn.transformer_config import TransformerConfig, computation_changes, mode
 from ..nn.transformer_stage import TransformerParts
 from .checkpoint import Checkpointer
 
-__all__ = ["check_allowed_changes", "load_pretrained_weights"]
+__all__ = ["check_allowed_changes", "load_init_weights", "load_pretrained_weights"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,24 @@ def load_pretrained_weights(
     else:
         _load_checkpoint(model, path, allowed)
     log.info("loaded pretrained weights from %s", path)
+
+
+def load_init_weights(
+    model: nn.Module,
+    source: str,
+    *,
+    resumed: bool,
+    work_dir: str | Path | None = None,
+    allowed_changes: Collection[str] = (),
+) -> bool:
+    """A run's starting weights: :func:`load_pretrained_weights` of ``source``, unless the run
+    ``resumed`` from a checkpoint, whose weights are the ones the run had reached (``source``
+    is then not read at all, so it may be gone). Returns whether it loaded them."""
+    if resumed:
+        log.info("resumed from a checkpoint: not loading the init weights %s", source)
+        return False
+    load_pretrained_weights(model, source, work_dir=work_dir, allowed_changes=allowed_changes)
+    return True
 
 
 def _resolve(source: str) -> tuple[str, str]:

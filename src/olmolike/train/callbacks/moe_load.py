@@ -2,12 +2,13 @@
 each expert received over all ranks.
 
 A train module records, at each metrics collection, the routed tokens of every expert of every
-MoE layer since the last one (:data:`EXPERT_TOKENS`, summed over the ranks); this callback
-turns each layer's counts into its imbalance (:data:`LOAD_IMBALANCE`): the most loaded
-expert's tokens over the mean, 1 when perfectly balanced, ``num_experts`` when every token
-went to one expert. It works on the reduced values, so the imbalance is that of the whole
-run's routing, not an average of each rank's. Train modules of MoE models attach it
-themselves (as ``moe_load``) when it is not configured.
+MoE layer since the last one (:data:`~olmolike.train.train_module.moe.EXPERT_TOKENS`, summed
+over the ranks); this callback turns each layer's counts into its imbalance
+(:data:`LOAD_IMBALANCE`): the most loaded expert's tokens over the mean, 1 when perfectly
+balanced, ``num_experts`` when every token went to one expert. It works on the reduced values,
+so the imbalance is that of the whole run's routing, not an average of each rank's. The
+trainer's config adds it (as ``moe_load``) for a train module of an MoE model when none is
+configured (:meth:`~olmolike.train.train_module.TrainModule.default_callbacks`).
 """
 
 from __future__ import annotations
@@ -18,14 +19,10 @@ from typing import ClassVar
 
 from .callback import Callback
 
-__all__ = ["DROPPED_TOKENS", "EXPERT_TOKENS", "LOAD_IMBALANCE", "MoELoadCallback", "expert_loads"]
+__all__ = ["LOAD_IMBALANCE", "MoELoadCallback", "expert_loads"]
 
-EXPERT_TOKENS = "moe/layer {layer}/expert {expert} tokens"
-"""Tokens routed to an expert (over all ranks) since the previous metrics collection."""
 LOAD_IMBALANCE = "moe/layer {layer}/load max/mean"
 """Max over mean of a layer's expert tokens (1: balanced)."""
-DROPPED_TOKENS = "moe/dropped tokens"
-"""Routed token copies that no expert computed, every layer together (0: dropless)."""
 
 _EXPERT_TOKENS = re.compile(r"^moe/layer (\d+)/expert (\d+) tokens$")
 

@@ -8,6 +8,12 @@ already split) parameters over the data dimensions and ``cp`` together; DDP repl
 them and averages gradients over both. The ranks of one tensor- or context-parallel group see
 the same batch, so the data loader, the micro-batch agreement and the loss's token count use
 the data-parallel group (:attr:`ParallelLayout.dp_process_group`), never the global ranks.
+
+Expert parallelism (``ep``) is carved from the ``dp_shard x cp`` ranks: each MoE layer's
+experts are split over ``ep`` of them (:mod:`olmolike.nn.expert_parallel`), and FSDP/HSDP
+shard the experts over the data ranks that hold the same experts
+(:func:`~olmolike.distributed.mesh.expert_data_mesh`), every other parameter over all of
+them as without experts.
 """
 
 from __future__ import annotations
@@ -19,12 +25,23 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from ...distributed.mesh import DATA_DIMS, ParallelDegrees, build_device_mesh, gradient_mesh
+from ...distributed.expert_parallel import shard_experts
+from ...distributed.mesh import (
+    DATA_DIMS,
+    ParallelDegrees,
+    build_device_mesh,
+    expert_data_mesh,
+    expert_mesh,
+    gradient_mesh,
+)
 from ...distributed.parallel import DataParallelConfig, DataParallelType, apply_fsdp
 from ...distributed.utils import adopt_group, get_world_size, is_distributed
 from ...exceptions import ConfigurationError
 from ...nn.context_parallel import ContextParallel, apply_context_parallel
+from ...nn.expert_parallel import apply_expert_parallel
+from ...nn.moe import Experts
 from ...nn.parallel_plan import apply_tensor_parallel, keep_embedding_gradient_sharded
 from ...nn.transformer import Transformer
 from .train_module import data_parallel_group
@@ -145,9 +162,10 @@ class ParallelLayout:
             keep_embedding_gradient_sharded(model)
 
     def shard(self, model: nn.Module) -> None:
-        """Tensor and context parallelism, then FSDP/HSDP: the model's parameters become
-        DTensors on the mesh (on the ``meta`` device too: they are materialised shard by shard
-        afterwards)."""
+        """Expert, tensor and context parallelism, then FSDP/HSDP: the model's parameters
+        become DTensors on the mesh (on the ``meta`` device too: they are materialised shard
+        by shard afterwards)."""
+        self.expert_parallel(model)  # first: tensor parallelism replicates the rest of a layer
         self.tensor_parallel(model)
         self.split_sequences(model)
         if self.sharded:
@@ -182,10 +200,31 @@ class ParallelLayout:
             )
         apply_context_parallel(model, self.context_parallel.group, tensor_parallel=self.degrees.tp)
 
+    def expert_parallel(self, model: nn.Module) -> None:
+        """Split every MoE layer's experts over the expert-parallel ranks (nothing when
+        ``ep`` is 1); a pipeline does it before cutting the model into stages."""
+        if self.degrees.ep == 1:
+            return
+        assert self.mesh is not None
+        apply_expert_parallel(model, expert_mesh(self.mesh))
+
     def fully_shard(self, module: nn.Module, dp: DataParallelConfig) -> None:
         """FSDP/HSDP per ``dp`` over the data dimensions: ``module`` (the model, or one
-        pipeline stage) becomes an FSDP root, each of its blocks its own unit."""
+        pipeline stage) becomes an FSDP root, each of its blocks its own unit; under expert
+        parallelism each MoE layer's experts are a unit first, over the ranks that hold the
+        same experts."""
         assert self.mesh is not None
+        if self.degrees.ep > 1:
+            shard_experts(
+                [m for m in module.modules() if isinstance(m, Experts)],
+                expert_data_mesh(self.mesh, replicate=dp.name == DataParallelType.hsdp),
+                policy=MixedPrecisionPolicy(
+                    param_dtype=dp.param_dtype.as_pt() if dp.param_dtype else None,
+                    reduce_dtype=dp.reduce_dtype.as_pt(),
+                ),
+                reshard_after_forward=dp.reshard_after_forward,
+                averaged_ranks=self.averaged_ranks,
+            )
         apply_fsdp(
             module,
             dp.data_mesh(self.mesh),

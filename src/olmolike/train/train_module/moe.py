@@ -22,11 +22,15 @@ import torch
 import torch.nn as nn
 
 from ...nn.moe import MoEFeedForward, moe_layers
-from ..callbacks.moe_load import DROPPED_TOKENS, EXPERT_TOKENS
 from ..common import ReduceType
 from .train_module import TrainModule
 
-__all__ = ["MoEMetrics"]
+__all__ = ["DROPPED_TOKENS", "EXPERT_TOKENS", "MoEMetrics"]
+
+EXPERT_TOKENS = "moe/layer {layer}/expert {expert} tokens"
+"""Tokens routed to an expert (over all ranks) since the previous metrics collection."""
+DROPPED_TOKENS = "moe/dropped tokens"
+"""Routed token copies that no expert computed, every layer together (0: dropless)."""
 
 
 class MoEMetrics:

@@ -91,6 +91,7 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
         layers = split_layers(model.config.n_layers, pp.num_stages)
         if self.config.compile_model or self.config.ac_config is not None:
             self._wrap_blocks(model)
+        self.layout.expert_parallel(model)
         self.layout.tensor_parallel(model)
         self.layout.split_sequences(model)
         dp = self._dp_config_under_pipeline(self.config.dp_config)

@@ -14,10 +14,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from ...config import Config, DType
+from ...distributed.expert_parallel import (
+    ExpertParallelConfig,
+    clip_grads_with_norm,
+    grad_norm,
+)
 from ...distributed.mesh import ParallelDegrees
 from ...distributed.parallel import DataParallelConfig, DataParallelType, apply_ddp
 from ...distributed.pipeline import PipelineParallelConfig
@@ -28,10 +32,8 @@ from ...nn.functional import cross_entropy_loss
 from ...nn.moe import aux_loss_weight
 from ...optim import AdamWConfig, OptimConfig, Scheduler, SchedulerUnits
 from ...utils import get_default_device
-from ..callbacks.init_weights import InitWeightsCallback
-from ..callbacks.moe_load import MoELoadCallback
 from ..common import ReduceType
-from ..weights import check_allowed_changes
+from ..weights import check_allowed_changes, load_init_weights
 from .activation_checkpointing import ActivationCheckpointingConfig, ActivationCheckpointingMode
 from .layout import ParallelLayout
 from .moe import MoEMetrics
@@ -92,6 +94,10 @@ class TransformerTrainModuleConfig(Config):
     """Context parallelism: every sequence split over ``cp_config.degree`` ranks, for
     sequences whose activations do not fit one device (see :class:`ContextParallelConfig`);
     ``None`` means none. The data dimensions take the ranks the other degrees leave."""
+    ep_config: ExpertParallelConfig | None = None
+    """Expert parallelism: every MoE layer's experts split over ``ep_config.degree`` ranks
+    carved from the data ranks FSDP/HSDP shard over (see :class:`ExpertParallelConfig`);
+    ``None`` means none (every data rank holds its shard of every expert)."""
     pp_config: PipelineParallelConfig | None = None
     """Pipeline parallelism: the layers split into stages over ``pp_config.degree`` ranks
     (:mod:`olmolike.train.train_module.pipeline`); the data dimensions take the other ranks."""
@@ -151,7 +157,13 @@ class TransformerTrainModuleConfig(Config):
         world = get_world_size() if world_size is None else world_size
         dp = self.dp_config or DataParallelConfig(name=DataParallelType.ddp)
         pp = _degree(self.pp_config)
-        return dp.degrees(world, pp=pp, cp=_degree(self.cp_config), tp=_degree(self.tp_config))
+        return dp.degrees(
+            world,
+            pp=pp,
+            cp=_degree(self.cp_config),
+            tp=_degree(self.tp_config),
+            ep=_degree(self.ep_config),
+        )
 
     def build(
         self,
@@ -290,16 +302,20 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
                 self.scheduler.get_lr(1.0, 0, self._schedule_position()[1])
             except ConfigurationError as e:
                 raise e.under("train_module.scheduler") from None
+
+    def default_callbacks(self) -> tuple[str, ...]:
+        return () if self._moe is None else ("moe_load",)
+
+    def on_fit_start(self, *, resumed: bool) -> None:
+        super().on_fit_start(resumed=resumed)
         if self.config.init_weights is not None:
-            self.trainer.add_callback(
-                "init_weights",
-                InitWeightsCallback(
-                    source=self.config.init_weights,
-                    allowed_changes=list(self.config.init_weights_allowed_changes),
-                ),
+            load_init_weights(
+                self.model,
+                self.config.init_weights,
+                resumed=resumed,
+                work_dir=self.trainer.work_dir,
+                allowed_changes=self.config.init_weights_allowed_changes,
             )
-        if self._moe is not None and not self.trainer.has_callback(MoELoadCallback):
-            self.trainer.add_callback("moe_load", MoELoadCallback())
 
     def _check_batches(self) -> None:
         """Refuse a data loader whose batches this module cannot split (before any step)."""
@@ -483,8 +499,11 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
 
     def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients to a total norm of ``max_norm``; returns the norm before."""
-        grad_norm = nn.utils.clip_grad_norm_(self._params, max_norm)
-        return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        # The experts' gradients live on another mesh under expert parallelism: grad_norm
+        # takes each mesh's norm, then theirs.
+        norm = grad_norm([p.grad for p in self._params if p.grad is not None])
+        clip_grads_with_norm(self._params, max_norm, norm)
+        return norm
 
     def _warn_if_rewarmed(self, scheduler: Scheduler, current: int, t_max: int | None) -> None:
         """Warn when a resumed run's LR jumps up: its schedule was stretched, e.g. by extending
@@ -523,7 +542,11 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
 
 
 def _degree(
-    config: TensorParallelConfig | ContextParallelConfig | PipelineParallelConfig | None,
+    config: TensorParallelConfig
+    | ContextParallelConfig
+    | ExpertParallelConfig
+    | PipelineParallelConfig
+    | None,
 ) -> int:
     return 1 if config is None else config.degree
 
