@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from remote_servers import RemoteStore, gcs_bucket, gcs_server, s3_bucket, s3_server
+from remote_servers import RemoteStore
 from testutils import build_trainer, full_params, run_distributed_test
 
 from olmolike.distributed.checkpoint import load_state_dict, save_state_dict
@@ -29,9 +29,6 @@ from olmolike.distributed.checkpoint_records import Window, stored_records
 from olmolike.exceptions import DamagedCheckpointError
 from olmolike.train import Callback, Duration
 from olmolike.train.callbacks import CheckpointerCallback
-
-# pytest finds fixtures by name in this module; importing them is what registers them here.
-__all__ = ["gcs_bucket", "gcs_server", "s3_bucket", "s3_server"]
 
 RECORDS = [
     "data/0",
