@@ -1,5 +1,6 @@
-"""Loading checkpoints (``checkpoint_loading``, ``checkpoint_records``): a load checks every
-record's CRC-32 from the bytes it reads anyway (one read of each shard, not two).
+"""Loading checkpoints (``checkpoint_loading``, ``checkpoint_archive``, ``checkpoint_records``):
+a load checks every record's CRC-32 from the bytes it reads anyway (one read of each shard,
+not two), and never calls ``torch.load``.
 """
 
 from __future__ import annotations
@@ -10,12 +11,11 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 from olmolike.distributed.checkpoint import load_state_dict, save_state_dict
-from olmolike.distributed.checkpoint_records import CheckingWindow, Window, stored_records
-from olmolike.distributed.checkpoint_save import describe_error
-from olmolike.distributed.checkpoint_unpickle import StoredTensor, stored_tensor
+from olmolike.distributed.checkpoint_archive import Archive, StoredTensor
+from olmolike.distributed.checkpoint_records import Window, stored_records
+from olmolike.exceptions import CheckpointError, DamagedCheckpointError
 
 PROC_IO = Path("/proc/self/io")
 
@@ -51,45 +51,73 @@ def _archive(path: Path) -> tuple[int, int]:
     return data.start, data.size
 
 
-@pytest.mark.parametrize("damaged", [False, True])
-def test_a_record_torch_does_not_read_in_order_is_checked_from_the_file(
-    tmp_path: Path, damaged: bool
-) -> None:
+@pytest.mark.parametrize("where", ["start", "middle", "end"])
+def test_a_garbled_byte_in_a_storage_is_found_as_it_is_read(tmp_path: Path, where: str) -> None:
     path = tmp_path / "archive.pt"
     start, size = _archive(path)
-    if damaged:  # a byte in the half that is never read through the window
-        with open(path, "r+b") as f:
-            f.seek(start + size * 3 // 4)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0xFF]))
-    length = path.stat().st_size
+    position = {"start": start, "middle": start + size // 2, "end": start + size - 1}[where]
+    _flip(path, position)
     with open(path, "rb") as f:
-        records = stored_records(Window(f, 0, length))  # type: ignore[arg-type]
-        window = CheckingWindow(f, 0, length, records, path)
-        window.seek(start)
-        window.read(size // 2)
-    problem = window.problem()  # its stream is closed: the rest is read from the path
-    if damaged:
-        assert problem is not None and "does not match its CRC-32" in problem
-    else:
-        assert problem is None
+        archive = Archive(f, "archive.pt")
+        stored = archive.header()  # (the header is whole)
+        with pytest.raises(DamagedCheckpointError, match="does not match its CRC-32"):
+            archive.tensor(stored)
+        with pytest.raises(DamagedCheckpointError, match="does not match its CRC-32"):
+            archive.read_into(stored, torch.empty(1 << 18))
 
 
-def test_a_garbled_record_read_through_the_window_is_found(tmp_path: Path) -> None:
+def test_a_record_that_ends_beyond_its_archive_is_damage_not_an_allocation(
+    tmp_path: Path,
+) -> None:
+    """The size of a record comes from the archive's directory: reading it must not allocate
+    what that says before knowing the bytes are there."""
+    import struct
+
     path = tmp_path / "archive.pt"
-    start, _ = _archive(path)
-    with open(path, "r+b") as f:
-        f.seek(start + 12345)
-        f.write(b"\x00\x01\x02")
-    length = path.stat().st_size
-    with open(path, "rb") as f:
-        records = stored_records(Window(f, 0, length))  # type: ignore[arg-type]
-        window = CheckingWindow(f, 0, length, records, path)
-        torch.load(window, weights_only=True)  # reads every record, as DCP's reader does
-        assert all(r.checked == r.size for r in records)  # checked from torch's own reads
-        problem = window.problem()
-    assert problem is not None and "does not match its CRC-32" in problem
+    _archive(path)
+    data = bytearray(path.read_bytes())
+    entry = data.index(b"PK\x01\x02")
+    while not data[entry + 46 :].startswith(b"archive/data/0"):
+        entry = data.index(b"PK\x01\x02", entry + 4)
+    data[entry + 20 : entry + 28] = struct.pack("<II", 0x7FFFFFF0, 0x7FFFFFF0)  # its sizes
+    path.write_bytes(bytes(data))
+    with open(path, "rb") as f, pytest.raises(DamagedCheckpointError, match="beyond its archive"):
+        Archive(f, "archive.pt")
+
+
+def test_a_compressed_record_is_refused_unread() -> None:
+    """torch.save stores its records: a deflated one (64 MB of zeros in 64 KB) is never
+    inflated."""
+    import io
+    import tracemalloc
+    import zipfile
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("archive/data/0", bytes(64 << 20))
+    assert len(buffer.getvalue()) < 1 << 20
+    tracemalloc.start()
+    try:
+        with pytest.raises(DamagedCheckpointError, match="is compressed"):
+            Archive(buffer, "bomb")
+        assert tracemalloc.get_traced_memory()[1] < 8 << 20
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_window_reads_at_most_what_it_holds() -> None:
+    """``zipfile`` reads the sizes an archive's directory gives: a read of 1 TB of a window
+    of 3 bytes returns 3, allocating nothing more."""
+    import io
+    import tracemalloc
+
+    window = Window(io.BytesIO(b"xabcx"), 1, 3)
+    tracemalloc.start()
+    try:
+        assert window.read(1 << 40) == b"abc" and window.read(1 << 40) == b""
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
 
 
 # -- reading in place ---------------------------------------------------------------------------
@@ -111,41 +139,51 @@ def _saved(tmp_path: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture
-def loaded_by_torch(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    """The shapes of the tensors ``torch.load`` builds from now on (DCP's way to read one)."""
+def read_apart(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The shapes of the tensors read into a new tensor first, from now on (torch's way to
+    read one); ``torch.load`` itself must never be called."""
     shapes: list[tuple[int, ...]] = []
-    load = torch.load
+    tensor = Archive.tensor
 
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        loaded = load(*args, **kwargs)
-        if isinstance(loaded, torch.Tensor):
-            shapes.append(tuple(loaded.shape))
+    def recording(self: Archive, stored: StoredTensor) -> torch.Tensor:
+        loaded = tensor(self, stored)
+        shapes.append(tuple(loaded.shape))
         return loaded
 
-    monkeypatch.setattr(torch, "load", recording)
+    load = torch.load
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        import traceback
+
+        if any("olmolike/distributed" in frame.filename for frame in traceback.extract_stack()):
+            raise AssertionError("torch.load was called on checkpoint bytes")
+        return load(*args, **kwargs)  # (the test's own transfers between processes)
+
+    monkeypatch.setattr(Archive, "tensor", recording)
+    monkeypatch.setattr(torch, "load", refused)
     return shapes
 
 
 def test_a_tensor_whose_destination_fits_is_read_into_it(
-    tmp_path: Path, loaded_by_torch: list[tuple[int, ...]]
+    tmp_path: Path, read_apart: list[tuple[int, ...]]
 ) -> None:
     state = _saved(tmp_path)
     target = {key: torch.zeros_like(value) for key, value in state.items()}
     destinations = dict(target)
     load_state_dict(tmp_path, target, thread_count=1)
-    assert loaded_by_torch == []  # no tensor of torch's allocated, no second copy
+    assert read_apart == []  # no tensor of torch's allocated, no second copy
     for key, value in state.items():
         assert target[key] is destinations[key] and torch.equal(target[key], value), key
     assert target["weight"]._version > 0  # written in place, as copy_ would count it
 
 
 def test_a_slice_of_a_larger_tensor_is_read_into_that_slice_alone(
-    tmp_path: Path, loaded_by_torch: list[tuple[int, ...]]
+    tmp_path: Path, read_apart: list[tuple[int, ...]]
 ) -> None:
     state = _saved(tmp_path)
     whole = torch.full((500, 7), -1.0)
     load_state_dict(tmp_path, {"weight": whole[100:400]}, thread_count=1)
-    assert loaded_by_torch == []
+    assert read_apart == []
     assert torch.equal(whole[100:400], state["weight"])
     assert (whole[:100] == -1).all() and (whole[400:] == -1).all()
 
@@ -157,13 +195,13 @@ DESTINATIONS = {  # what cannot take the stored bytes as they are
 
 
 @pytest.mark.parametrize("destination", DESTINATIONS)
-def test_a_destination_that_does_not_fit_is_loaded_by_torch(
-    tmp_path: Path, loaded_by_torch: list[tuple[int, ...]], destination: str
+def test_a_destination_that_does_not_fit_is_read_apart(
+    tmp_path: Path, read_apart: list[tuple[int, ...]], destination: str
 ) -> None:
     state = _saved(tmp_path)
     target = DESTINATIONS[destination](state["weight"])
     load_state_dict(tmp_path, {"weight": target}, thread_count=1)
-    assert loaded_by_torch == [(300, 7)]
+    assert read_apart == [(300, 7)]
     assert torch.equal(target, state["weight"].to(target.dtype))
 
 
@@ -190,16 +228,14 @@ def _flip(path: Path, position: int) -> None:
 
 
 @pytest.mark.parametrize("record", ["data/0", "data.pkl", "version"])
-@pytest.mark.parametrize("read", ["in place", "by torch"])
+@pytest.mark.parametrize("read", ["in place", "apart"])
 def test_a_garbled_byte_in_a_tensor_record_is_found(tmp_path: Path, record: str, read: str) -> None:
     _saved(tmp_path)
     path, start, size = _record(tmp_path, "weight", record)
     _flip(path, start + size // 2)
     dtype = torch.float32 if read == "in place" else torch.float64
-    with pytest.raises(CheckpointException) as error:
+    with pytest.raises(DamagedCheckpointError, match="garbled"):
         load_state_dict(tmp_path, {"weight": torch.zeros(300, 7, dtype=dtype)}, thread_count=1)
-    message = describe_error(error.value)
-    assert "DamagedCheckpointError" in message and "garbled" in message, message
 
 
 def test_a_tensor_record_cut_short_is_found(tmp_path: Path) -> None:
@@ -207,9 +243,8 @@ def test_a_tensor_record_cut_short_is_found(tmp_path: Path) -> None:
     path, start, size = _record(tmp_path, "weight", "data/0")
     with open(path, "r+b") as f:
         f.truncate(start + size // 2)
-    with pytest.raises(CheckpointException) as error:
+    with pytest.raises(DamagedCheckpointError, match=r"__0_0\.distcp .* is garbled"):
         load_state_dict(tmp_path, {"weight": torch.zeros(300, 7)}, thread_count=1)
-    assert "DamagedCheckpointError" in describe_error(error.value)
 
 
 # -- sharded and resharded ----------------------------------------------------------------------
@@ -272,7 +307,7 @@ def _assert_equal(found: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]
 
 @pytest.mark.slow
 def test_fsdp_checkpoints_load_sharded_and_resharded(
-    tmp_path: Path, loaded_by_torch: list[tuple[int, ...]]
+    tmp_path: Path, read_apart: list[tuple[int, ...]]
 ) -> None:
     from testutils import run_distributed_test
 
@@ -290,22 +325,11 @@ def test_fsdp_checkpoints_load_sharded_and_resharded(
     model, optim = _model_and_optim(seed=3, fsdp=False)
     load_model_and_optim_state(by_two, model, optim, thread_count=1)
     _assert_equal(_whole(model, optim), saved)
-    assert loaded_by_torch == []
+    assert read_apart == []
     # One process -> FSDP over 2 ranks: each rank reads a part of each saved tensor.
     save_model_and_optim_state(by_one, model, optim, thread_count=1)
     for found in run_distributed_test(_load_sharded, args=(by_one,)):
         _assert_equal(found, saved)
-
-
-def _header(value: Any) -> bytes:
-    """The ``data.pkl`` of ``torch.save(value)``."""
-    import io
-    import zipfile
-
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    with zipfile.ZipFile(buffer) as archive:
-        return archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
 
 
 class _Subclass(torch.Tensor):
@@ -313,24 +337,31 @@ class _Subclass(torch.Tensor):
 
 
 def test_a_tensor_header_is_read_without_running_anything(tmp_path: Path) -> None:
-    import pickle
+    import io
 
-    stored = stored_tensor(_header(torch.zeros(3, 4, dtype=torch.bfloat16)))
+    def header(value: Any) -> StoredTensor:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        return Archive(buffer, "x").header()
+
+    stored = header(torch.zeros(3, 4, dtype=torch.bfloat16))
     assert stored == StoredTensor("0", torch.bfloat16, 12, 0, (3, 4), (4, 1))
     assert stored.contiguous_whole
-    assert not stored_tensor(_header(torch.zeros(4, 3).t())).contiguous_whole  # type: ignore[union-attr]
-    # Anything but a plain tensor is left to torch.load(weights_only=True).
-    for other in (
-        torch.zeros(2).as_subclass(_Subclass),
-        torch.zeros(2, dtype=torch.complex64).conj(),
-        {"a": 1},
+    assert not header(torch.zeros(4, 3).t()).contiguous_whole
+    # Anything but a plain tensor is refused, naming what it is.
+    for other, refused in (
+        (torch.zeros(2).as_subclass(_Subclass), "refusing to unpickle torch._tensor"),
+        (torch.zeros(2, dtype=torch.complex64).conj(), "not plain"),
+        ({"a": 1}, "holds a dict, not a tensor"),
     ):
-        assert stored_tensor(_header(other)) is None, other
+        with pytest.raises(CheckpointError, match=refused):
+            header(other)
     marker = tmp_path / "ran"
 
     class Payload:
         def __reduce__(self) -> tuple[Any, ...]:
             return (os.system, (f"touch {marker}",))
 
-    assert stored_tensor(pickle.dumps(Payload())) is None
+    with pytest.raises(CheckpointError, match=r"refusing to unpickle posix\.system"):
+        header(Payload())
     assert not marker.exists()

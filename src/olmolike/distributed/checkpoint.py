@@ -10,7 +10,9 @@ with a flattened optimizer state, renamed parameters or a partial load), read a 
 metadata or chosen keys in a plain process, unshard it into plain files, and edit nested state
 dicts by dotted keys. A save to a URL is written locally, then uploaded (object stores have
 no rename, which DCP's writer needs). DCP's ``.metadata`` and non-tensor values are
-unpickled by :mod:`.checkpoint_unpickle`: reading a checkpoint never runs code from it.
+read as data (:mod:`.checkpoint_unpickle`): reading a checkpoint runs no code, changes nothing
+in the process and reads nothing outside it; a load that fails in olmolike's reader raises its
+:class:`~olmolike.exceptions.CheckpointError`, not DCP's ``CheckpointException``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import (
@@ -43,10 +46,9 @@ from .. import io
 from ..exceptions import CheckpointError
 from .checkpoint_download import local_copy
 from .checkpoint_format import dcp_dir_of, read_metadata
-from .checkpoint_loading import dcp_reader
+from .checkpoint_loading import WeightsOnlyLoadPlanner, checkpoint_error_of, dcp_reader
 from .checkpoint_reader import load_keys
 from .checkpoint_save import Write, check_checkpoint_backend, in_background, save_local
-from .checkpoint_unpickle import WeightsOnlyLoadPlanner
 from .checkpoint_upload import save_to_url
 from .state_dict_keys import merge_state_dicts, prune_state_dict, swap_param_keys
 from .unshard import UnshardStrategy, UnshardStrategyType, unshard_checkpoint
@@ -232,15 +234,29 @@ def load_state_dict(
     pre_download: bool = False,
     work_dir: str | Path | None = None,
     thread_count: int | None = None,
+    metadata: Metadata | None = None,
 ) -> None:
     """Load saved values into the tensors of ``state_dict`` in place (any sharding, any ranks).
 
     ``dir`` is a DCP directory or a train checkpoint folder, local or remote; ``pre_download``
     copies a remote one under ``work_dir`` first, once per host. ``thread_count`` threads
-    read (by default :func:`~.checkpoint_save.default_thread_count`).
+    read (by default :func:`~.checkpoint_save.default_thread_count`). ``metadata``: the
+    checkpoint's metadata if it was read already (by :func:`read_metadata`), not read again.
     """
     with _readable(dir, process_group, pre_download, work_dir, thread_count) as source:
-        _load(source, state_dict, process_group, strict=True, thread_count=thread_count)
+        if metadata is None and not is_distributed():
+            # Read (and checked) before dcp.load, which logs tracebacks when it cannot read
+            # it; across ranks, dcp.load gathers every rank's failure (one rank's read
+            # failing here alone would leave the others waiting in its collectives).
+            metadata = read_metadata(source)
+        _load(
+            source,
+            state_dict,
+            process_group,
+            strict=True,
+            thread_count=thread_count,
+            metadata=metadata,
+        )
 
 
 def _load(
@@ -250,14 +266,21 @@ def _load(
     *,
     strict: bool,
     thread_count: int | None,
+    metadata: Metadata | None = None,
 ) -> None:
-    dcp.load(
-        state_dict,
-        storage_reader=dcp_reader(dir, thread_count),
-        planner=WeightsOnlyLoadPlanner(allow_partial_load=not strict),
-        process_group=group,
-        no_dist=not is_distributed(),
-    )
+    try:
+        dcp.load(
+            state_dict,
+            storage_reader=dcp_reader(dir, thread_count, metadata),
+            planner=WeightsOnlyLoadPlanner(allow_partial_load=not strict),
+            process_group=group,
+            no_dist=not is_distributed(),
+        )
+    except CheckpointException as e:  # (a BaseException) one of the readers': one line
+        ours = checkpoint_error_of(e)
+        if ours is None:
+            raise
+        raise ours from None
 
 
 def get_checkpoint_metadata(dir: str | Path) -> Metadata:
@@ -347,7 +370,14 @@ def load_model_and_optim_state(
         )
         if key_mapping:
             swap_param_keys(state, key_mapping, metadata=metadata)
-        _load(source, state, process_group, strict=strict, thread_count=thread_count)
+        _load(
+            source,
+            state,
+            process_group,
+            strict=strict,
+            thread_count=thread_count,
+            metadata=metadata,
+        )
         if key_mapping:
             swap_param_keys(state, key_mapping, reverse=True, quiet=True)
     apply_model_and_optim_state_dict(

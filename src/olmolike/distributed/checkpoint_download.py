@@ -46,6 +46,9 @@ def local_copy(
     if downloads:
         try:
             download_dir(url, local, thread_count=thread_count)
+        except CheckpointError as e:  # (says what is wrong in one line)
+            log.error("%s", e)
+            ok = False
         except Exception:
             log.exception("Downloading %s failed", url)
             ok = False
@@ -66,7 +69,14 @@ def download_dir(url: str, local: Path, *, thread_count: int | None = None) -> N
     fs, path = io.url_to_fs(url)
     # thread_count bounds the concurrent downloads of async stores (gcsfs, s3fs).
     batch = {"batch_size": thread_count} if thread_count else {}
-    io.retry_network(
-        lambda: fs.get(path, str(local), recursive=True, **batch), f"downloading {url}"
-    )
+    try:
+        io.retry_network(
+            lambda: fs.get(path, str(local), recursive=True, **batch), f"downloading {url}"
+        )
+    except ValueError as e:  # fsspec's refusal of a name that would land outside the copy
+        shutil.rmtree(local, ignore_errors=True)
+        raise CheckpointError(
+            f"refusing to download {url}: a file in it is named to land outside the copy "
+            f"({str(e)[:200]}). It was crafted or damaged; load another checkpoint"
+        ) from None
     log.info("Downloaded %s to %s", url, local)

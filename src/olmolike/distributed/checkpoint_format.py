@@ -40,15 +40,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .. import io
 from ..config import Config
 from ..exceptions import CheckpointError, DamagedCheckpointError
 from ..threads import DaemonThreadPool
-from .checkpoint_loading import dcp_reader
-from .checkpoint_records import archive_problem
+from .checkpoint_archive import Archive
+from .checkpoint_loading import dcp_reader, open_regular_file
 
 __all__ = [
     "DCP_METADATA",
@@ -73,6 +72,7 @@ __all__ = [
     "read_metadata",
     "remove_abandoned",
     "remove_checkpoint",
+    "shard_files_problem",
     "step_of",
     "verify_checkpoint",
     "wait_for_purges",
@@ -336,21 +336,13 @@ def verify_checkpoint(dir: str) -> CheckedCheckpoint:
     except BaseException as e:  # DCP and pickle raise anything, including BaseExceptions
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
+        detail = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"[:200]
         raise DamagedCheckpointError(
-            f"checkpoint {dir}: {MODEL_AND_OPTIM}/.metadata is unreadable ({type(e).__name__}: "
-            f"{str(e)[:200]})"
+            f"checkpoint {dir}: {MODEL_AND_OPTIM}/.metadata is unreadable ({detail})"
         ) from None
-    sizes = _file_sizes(dcp_dir)
-    for name, needed in sorted(_bytes_needed(metadata).items()):
-        if name not in sizes:
-            raise DamagedCheckpointError(
-                f"checkpoint {dir}: shard {MODEL_AND_OPTIM}/{name} is missing"
-            )
-        if sizes[name] < needed:
-            raise DamagedCheckpointError(
-                f"checkpoint {dir}: shard {MODEL_AND_OPTIM}/{name} is truncated "
-                f"({sizes[name]} of {needed} bytes)"
-            )
+    problem = shard_files_problem(dcp_dir, metadata)
+    if problem is not None:
+        raise DamagedCheckpointError(f"checkpoint {dir}: {problem}")
     train_files = _file_sizes(io.join_path(dir, TRAIN_STATE))
     for rank in range(marker["world_size"]):
         if f"rank{rank}.pt" not in train_files:
@@ -364,21 +356,22 @@ def load_train_state(dir: str, rank: int) -> dict[str, Any]:
     """The trainer state saved by ``rank``; :class:`CheckpointError` if unreadable."""
     path = io.join_path(dir, f"{TRAIN_STATE}/rank{rank}.pt")
     try:
-        data = io.read_bytes(path)
+        if io.is_url(path):
+            data = io.read_bytes(path)
+        else:  # a regular file: a link could lead outside the checkpoint, a pipe never end
+            with open_regular_file(str(io.local_path(path))) as file:
+                data = file.read()
     except FileNotFoundError:
         raise DamagedCheckpointError(
             f"checkpoint {dir}: {TRAIN_STATE}/rank{rank}.pt is missing"
         ) from None
-    problem = archive_problem(std_io.BytesIO(data))  # torch.load takes garbled tensors as they are
-    if problem is None:
-        try:
-            state = torch.load(std_io.BytesIO(data), weights_only=True, map_location="cpu")
-        except Exception as e:
-            problem = f"{type(e).__name__}: {str(e)[:200]}"
-    if problem is not None:
-        raise DamagedCheckpointError(
-            f"checkpoint {dir}: {TRAIN_STATE}/rank{rank}.pt is truncated or unreadable ({problem})"
-        )
+    where = f"checkpoint {dir}: {TRAIN_STATE}/rank{rank}.pt"
+    try:  # decoded as plain data and plain tensors, every record checked against its CRC-32
+        state = Archive(std_io.BytesIO(data), where, "is truncated or unreadable").value()
+    except DamagedCheckpointError:
+        raise
+    except CheckpointError as e:  # crafted, or written by something else: skipped all the same
+        raise DamagedCheckpointError(str(e)) from None
     if not isinstance(state, dict):
         raise DamagedCheckpointError(
             f"checkpoint {dir}: {TRAIN_STATE}/rank{rank}.pt holds no state dict"
@@ -386,16 +379,30 @@ def load_train_state(dir: str, rank: int) -> dict[str, Any]:
     return state
 
 
-def _bytes_needed(metadata: Metadata) -> dict[str, int]:
+def shard_files_problem(dcp_dir: str, metadata: Metadata) -> str | None:
+    """What is wrong with the shard files of the DCP directory ``dcp_dir`` as ``metadata``
+    names them (one listing): a file missing or shorter than its records, or (locally) a
+    symbolic link; ``None`` if nothing is. With the checks of
+    :func:`~.checkpoint_metadata.unpickle_metadata`, this bounds every size the metadata
+    gives by the bytes of the files."""
     needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
+    for info in metadata.storage_data.values():
         end = int(info.offset) + int(info.length)
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    return needed
+    sizes = _file_sizes(dcp_dir)
+    for name, end in sorted(needed.items()):
+        if name not in sizes:
+            return f"shard {MODEL_AND_OPTIM}/{name} is missing"
+        if sizes[name] < 0:
+            return f"shard {MODEL_AND_OPTIM}/{name} is a symbolic link, which is not read"
+        if sizes[name] < end:
+            return f"shard {MODEL_AND_OPTIM}/{name} is truncated ({sizes[name]} of {end} bytes)"
+    return None
 
 
 def _file_sizes(dir: str) -> dict[str, int]:
-    """Sizes of the files directly in ``dir`` (empty if it does not exist)."""
+    """Sizes of the files directly in ``dir`` (empty if it does not exist); -1 for a
+    symbolic link."""
     fs, path = io.url_to_fs(dir)
 
     def listing() -> dict[str, int]:
@@ -404,9 +411,11 @@ def _file_sizes(dir: str) -> dict[str, int]:
         except FileNotFoundError:
             return {}
         return {
-            str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+            str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: -1
+            if e.get("islink")
+            else int(e.get("size") or 0)
             for e in entries
-            if e.get("type") == "file"
+            if e.get("type") == "file" or e.get("islink")
         }
 
     return io.retry_network(listing, f"listing {dir}")

@@ -2,8 +2,9 @@
 
 :func:`load_keys` (OLMo-core's name) returns chosen values of a checkpoint unsharded;
 :mod:`.unshard` streams a whole checkpoint into plain files through :class:`CheckpointSource`.
-Its ``.metadata`` and non-tensor values are unpickled by :mod:`.checkpoint_unpickle`:
-reading a checkpoint never runs code from it.
+Its ``.metadata`` and non-tensor values are read as data (:mod:`.checkpoint_metadata`,
+:mod:`.checkpoint_archive`): reading a checkpoint runs no code and changes nothing in the
+process; the metadata's paths (``planner_data``) and sizes are bounded by what it holds.
 """
 
 from __future__ import annotations
@@ -24,15 +25,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .. import io
-from ..exceptions import CheckpointError
+from ..exceptions import CheckpointError, DamagedCheckpointError
 from .checkpoint_download import download_dir
-from .checkpoint_format import dcp_dir_of
-from .checkpoint_loading import dcp_reader
+from .checkpoint_format import dcp_dir_of, shard_files_problem
+from .checkpoint_loading import WeightsOnlyLoadPlanner, checkpoint_error_of, dcp_reader
 from .checkpoint_save import describe_error
-from .checkpoint_unpickle import WeightsOnlyLoadPlanner
 
 __all__ = ["CheckpointSource", "SavedTensor", "StatePath", "load_keys", "nest", "open_checkpoint"]
 
+_MAX_DEPTH = 64
+"""The most keys a value's path in a saved state may have (DCP's default planner: a few; the
+nested state of a longer one could not be saved again without exhausting Python's stack)."""
 StatePath = tuple[str | int, ...]
 """Where a value sits in the nested state below its top-level name, e.g. ``("state", fqn, "step")``."""
 
@@ -69,15 +72,23 @@ class CheckpointSource:
         metadata = self._reader.read_metadata()
         # Unpickle .metadata once, not on each of the many loads.
         setattr(self._reader, "read_metadata", lambda *args, **kwargs: metadata)  # noqa: B010
+        # The sizes in the metadata are bounded by its records: the records by the files.
+        problem = shard_files_problem(dcp_dir, metadata)
+        if problem is not None:
+            raise DamagedCheckpointError(f"{dcp_dir}: {problem}")
         # The save planner's record of how it flattened the nested state: FQNs contain dots,
         # so the keys alone cannot be split back into paths.
-        paths: dict[str, StatePath] = metadata.planner_data or {}
+        paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
         self._tensors: dict[str, list[SavedTensor]] = {}
         self._objects: dict[str, list[tuple[str, StatePath]]] = {}
         self._full_paths: dict[str, StatePath] = {}
         for key, item in metadata.state_dict_metadata.items():
-            if key not in paths:
-                raise CheckpointError(f"{dcp_dir} was not saved by DCP's default planner")
+            if not _is_path(paths.get(key)):
+                raise CheckpointError(
+                    f"{dcp_dir} was not saved by DCP's default planner: its planner_data gives "
+                    f"{key[:80]!r} no place in a nested state (keys and list indices, at most "
+                    f"{_MAX_DEPTH} deep)"
+                )
             self._full_paths[key] = tuple(paths[key])
             top, path = str(paths[key][0]), tuple(paths[key][1:])
             if isinstance(item, TensorStorageMetadata):
@@ -103,7 +114,7 @@ class CheckpointSource:
         return self._tensors.get(top, [])
 
     def load_tensor(self, tensor: SavedTensor) -> torch.Tensor:
-        state = {tensor.key: torch.empty(tensor.shape, dtype=tensor.dtype)}
+        state = {tensor.key: torch.zeros(tensor.shape, dtype=tensor.dtype)}
         self._load(state)
         return state[tensor.key]
 
@@ -131,7 +142,7 @@ class CheckpointSource:
             raise KeyError(key)
         tensors = self._metadata.state_dict_metadata
         state: dict[str, Any] = {
-            k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            k: torch.zeros(tuple(m.size), dtype=m.properties.dtype)
             if isinstance(m := tensors[k], TensorStorageMetadata)
             else None
             for k, _ in below
@@ -148,6 +159,9 @@ class CheckpointSource:
         try:
             dcp.load(state, storage_reader=self._reader, planner=planner, no_dist=True)
         except CheckpointException as e:  # a BaseException, one per failed read
+            ours = checkpoint_error_of(e)
+            if ours is not None:
+                raise ours from None
             raise CheckpointError(f"reading {self.dir} failed: {describe_error(e)}") from None
 
 
@@ -194,26 +208,78 @@ def load_keys(
 
 
 def nest(items: Iterable[tuple[StatePath, Any]]) -> dict[str, Any]:
-    """Rebuild the nested state DCP flattened; an int in a path is a list index."""
+    """Rebuild the nested state DCP flattened; an int in a path is a list index.
+
+    The paths come from a checkpoint's metadata, so what they make is bounded by the number
+    of ``items``: a path is at most 64 keys long, and the lists together hold at most two
+    entries per item and 64 more (an entry holds a value or what holds one, or is a hole
+    where DCP dropped an empty dict), checked before a list grows.
+
+    :raises CheckpointError: for a path that is not a place in a state of ``items``.
+    """
+    items = list(items)
+    room = 2 * len(items) + 64  # the list entries still to be made
     root: dict[str, Any] = {}
     for path, value in items:
+        if not _is_path(path):
+            raise _misplaced(path, len(items))
         node: Any = root
         for key, next_key in itertools.pairwise(path):
-            child = node.get(key) if isinstance(node, dict) else _list_item(node, key)
+            child = _child(node, key)
             if child is None:
-                child = [] if isinstance(next_key, int) else {}
-                _put(node, key, child)
+                child = [] if type(next_key) is int else {}
+                room = _put(node, key, child, room, path, len(items))
             node = child
-        _put(node, path[-1], value)
+        room = _put(node, path[-1], value, room, path, len(items))
     return root
 
 
-def _list_item(node: list[Any], index: Any) -> Any:
-    return node[index] if index < len(node) else None
+def _misplaced(path: Any, count: int) -> CheckpointError:
+    shown = list(path)[:8] if type(path) in (tuple, list) else path
+    return CheckpointError(
+        f"a checkpoint's metadata places a value at {str(shown)[:200]}, which is not a place "
+        f"in its state of {count} values: it was crafted or damaged"
+    )
 
 
-def _put(node: Any, key: str | int, value: Any) -> None:
+def _is_path(path: Any) -> bool:
+    """Whether ``path`` is a place in a nested state: keys, or list indices."""
+    return (
+        type(path) in (tuple, list)
+        and 0 < len(path) <= _MAX_DEPTH
+        and all(type(k) is str or (type(k) is int and k >= 0) for k in path)
+    )
+
+
+def _child(node: Any, key: str | int) -> Any:
+    if isinstance(node, dict) and type(key) is str:
+        return node.get(key)
+    if isinstance(node, list) and type(key) is int:
+        return node[key] if key < len(node) else None
+    raise CheckpointError(
+        f"a checkpoint's metadata nests a value under {key!r} of a "
+        f"{type(node).__name__}: it was crafted or damaged"
+    )
+
+
+def _put(node: Any, key: str | int, value: Any, room: int, path: StatePath, count: int) -> int:
+    """Set ``node[key]`` where nothing is yet, growing a list by at most ``room`` entries;
+    the room left."""
+    _child(node, key)  # (checks the kind of key)
     if isinstance(node, list):
         assert isinstance(key, int)
-        node.extend([None] * (key + 1 - len(node)))
+        grown = max(0, key + 1 - len(node))
+        if grown > room:
+            raise _misplaced(path, count)
+        taken = not grown and node[key] is not None
+    else:
+        grown, taken = 0, key in node
+    if taken:
+        raise CheckpointError(
+            f"a checkpoint's metadata places two values at {list(path)[:8]}: it was crafted "
+            "or damaged"
+        )
+    if grown:
+        node.extend([None] * grown)
     node[key] = value
+    return room - grown

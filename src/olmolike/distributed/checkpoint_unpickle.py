@@ -1,269 +1,431 @@
-"""Reading a DCP checkpoint never runs code from it.
+"""Reading a checkpoint changes nothing in the process: the one unpickler olmolike runs on
+bytes from a checkpoint.
 
-DCP unpickles two things with plain ``pickle``: the ``.metadata`` file
-(``FileSystemReader.read_metadata``) and every non-tensor value
-(``DefaultLoadPlanner.load_bytes``, with ``weights_only=False``). A crafted file runs any
-code it likes there, and can then return real metadata so that the load goes on as if
-nothing happened. (Tensors are safe already: DCP reads them with ``weights_only=True``.)
+A pickle is a program for a small stack machine, and stock unpicklers run it with few
+limits: ``find_class`` decides which names a file may reach, but what the file then does
+with them is not asked. BUILD sets attributes on whatever object is on the stack (a class
+that ``find_class`` returned, say ``pathlib.PosixPath``), REDUCE calls whatever is there,
+APPEND(S), SETITEM(S) and ADDITEMS call ``append``, ``[]=`` and ``add`` on it, and lengths
+in the file size allocations before anything is read (pickle's own reads, and the C
+unpickler's memo). :class:`PolicedUnpickler` is pickle's pure-Python unpickler (the C one
+cannot be policed opcode by opcode) with a dispatch table of its own:
 
-Every DCP read of olmolike goes through this module instead:
+* **Names** resolve only to what the caller's table admits: constants (dtypes, layouts,
+  memory formats) or a :class:`Factory` or :class:`DataClass` of this module, never to
+  anyone else's class, function or module.
+* **Calls** (REDUCE) reach only a :class:`Factory`; each checks its arguments' types and
+  makes a new value no larger than they are. NEWOBJ (NEWOBJ_EX) on a :class:`DataClass`,
+  with no arguments, makes a new :class:`Fields` record: the real class is never created
+  from the file; the caller builds it from the checked fields afterwards.
+* **Attributes** are set only by BUILD on a :class:`Fields` record that no BUILD filled
+  yet, and only its class's declared fields.
+* **Items** are added only to a list (APPEND, APPENDS), a dict or ``OrderedDict``
+  (SETITEM, SETITEMS), a set (ADDITEMS): every such object on the stack was made by this
+  load, as no factory returns anything shared.
+* **Persistent ids** go to the caller's ``persistent_load`` (a tensor's storage), or are
+  refused. INST, OBJ, EXT1/2/4 (copyreg's registry), BYTEARRAY8 (it allocates a length from
+  the file before reading) and out-of-band buffers are refused, as is any other byte.
+* The file is read into memory first and unpickled from there, so that no read asks for
+  more than the file holds.
 
-* :func:`unpickle_metadata` reads ``.metadata`` with an unpickler that admits only the classes
-  DCP metadata is made of (found in torch's ``metadata.py`` and ``filesystem.py`` and in real
-  saves of torch, older torch and OLMo-core) and refuses anything else, naming it, before
-  it is imported or called;
-* :class:`WeightsOnlyLoadPlanner` is DCP's load planner with non-tensor values read by
-  ``torch.load(weights_only=True)`` (numbers, strings, tuples and the like: all an optimizer's
-  ``param_groups`` hold).
-* :func:`stored_tensor` reads the header of a tensor's record (its ``data.pkl``) for the
-  readers that read the tensor's bytes straight into place: an unpickler that calls nothing
-  of torch's and admits only the names a plain tensor's header holds.
-
-The readers of :mod:`.checkpoint_loading` use the first and accept no other planner than the
-second, so a load cannot take the unsafe path by accident.
+Whatever the bytes make pickle raise becomes a :class:`~olmolike.exceptions.CheckpointError`
+naming the file. :mod:`.checkpoint_metadata` uses this for DCP's ``.metadata``,
+:mod:`.checkpoint_archive` for the ``data.pkl`` of every ``torch.save`` archive (each record
+of a shard, each trainer state).
 """
 
 from __future__ import annotations
 
+import _compat_pickle
 import collections
 import io as io_
-import math
 import pathlib
 import pickle
-from dataclasses import dataclass
-from typing import IO, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
-import torch.distributed._shard.sharded_tensor.metadata as old_metadata
-from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.planner import ReadItem
 
 from ..exceptions import CheckpointError
 
-__all__ = ["StoredTensor", "WeightsOnlyLoadPlanner", "stored_tensor", "unpickle_metadata"]
+__all__ = [
+    "PLAIN_NAMES",
+    "DataClass",
+    "Factory",
+    "Fields",
+    "PolicedUnpickler",
+    "unpickle",
+]
 
 
-def _metadata_classes() -> dict[tuple[str, str], Any]:
-    """``(module, name)`` as a pickle names it, to the object it may stand for."""
-    admitted: dict[tuple[str, str], Any] = {
-        ("torch", "Size"): torch.Size,
-        # torch.layout pickles as a call of this lookup by name (see torch/serialization.py).
-        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-        # FileSystemWriter records the checkpoint's path; Python 3.13 moved the class.
-        ("pathlib", "PosixPath"): pathlib.PosixPath,
-        ("pathlib._local", "PosixPath"): pathlib.PosixPath,
-        ("collections", "OrderedDict"): collections.OrderedDict,
-        # The one place of each item in the shard files (torch's FileSystemWriter).
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-        # OLMo-core's writer pickles its own copy of it (without transform_descriptors, which
-        # torch's class defaults to None): read as torch's, so OLMo-core need not be installed.
-        ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-        # Older torch releases pickled TensorProperties from the sharded-tensor module.
-        **{
-            (old_metadata.__name__, name): getattr(old_metadata, name)
-            for name in ("TensorProperties", "MEM_FORMAT_ENCODING")
-        },
-    }
-    for name in (
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "_MEM_FORMAT_ENCODING",
-    ):
-        admitted[(dcp_metadata.__name__, name)] = getattr(dcp_metadata, name)
-    for name, value in vars(torch).items():  # dtypes, layouts, memory formats: constants
-        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-            admitted[("torch", name)] = value
-    # Plain values that pickle names as a class (sets before protocol 4, for one); harmless.
-    for kind in (set, frozenset, bytearray, complex):
-        admitted[("builtins", kind.__name__)] = kind
-    return admitted
+class Factory:
+    """What a name in the file may call (REDUCE): ``make(arguments, unpickler)`` checks the
+    arguments and returns a new value (or an immutable constant), no larger than they are."""
+
+    __slots__ = ("_make", "name")
+
+    def __init__(self, name: str, make: Callable[[tuple[Any, ...], PolicedUnpickler], Any]):
+        self.name, self._make = name, make
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
 
 
-_ADMITTED = _metadata_classes()
+class DataClass:
+    """An admitted data class: NEWOBJ on it makes a new :class:`Fields` record, which one BUILD
+    fills with ``fields`` (by name, or by position where ``positional``)."""
+
+    __slots__ = ("cls", "fields", "positional")
+
+    def __init__(self, cls: type, fields: tuple[str, ...], positional: bool = False) -> None:
+        self.cls, self.fields, self.positional = cls, fields, positional
+
+    def __repr__(self) -> str:
+        return f"<{self.cls.__name__}>"
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only the names in :data:`_ADMITTED` (pickle's own way to
-    restrict what a file may construct or call: every global goes through ``find_class``)."""
+class Fields:
+    """A new record of a :class:`DataClass`'s fields, made by this load: the only thing BUILD
+    may set anything on, and only once."""
 
-    def __init__(self, file: IO[bytes], source: str) -> None:
-        super().__init__(file)
-        self._source = source
+    __slots__ = ("built", "kind", "values")
+
+    def __init__(self, kind: DataClass) -> None:
+        self.kind, self.built = kind, False
+        self.values: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        return f"<fields of {self.kind.cls.__name__}>"
+
+
+def _length(value: Any) -> int:
+    """How much a call's argument holds, as the size of what a call makes from it."""
+    return len(value) if type(value) in (str, bytes, tuple, list, set, frozenset, dict) else 1
+
+
+def _what(value: Any) -> str:
+    return repr(value) if isinstance(value, (Factory, DataClass, Fields)) else type(value).__name__
+
+
+_PurePythonUnpickler: Any = pickle._Unpickler
+"""pickle's pure-Python unpickler (typed loosely: typeshed describes the C one)."""
+_STOP: Any = pickle._Stop  # type: ignore[attr-defined]
+
+
+class PolicedUnpickler(_PurePythonUnpickler):
+    """Pickle's pure-Python unpickler, with every opcode that acts on an object policed (see
+    the module's notes). ``names`` maps ``(module, name)`` to what the name stands for."""
+
+    def __init__(
+        self,
+        data: bytes,
+        source: str,
+        names: Mapping[tuple[str, str], Any],
+        persistent_load: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self._file = io_.BytesIO(data)
+        super().__init__(self._file)
+        self.source, self.size, self._names = source, len(data), names
+        self._persistent = persistent_load
+        self._made = 0
+
+    def load(self) -> Any:
+        """pickle's ``_Unpickler.load``, reading straight from memory: frames are only a hint
+        for buffered reading, and each read returns at most what is left of the bytes."""
+        self.read, self.readline = self._file.read, self._file.readline
+        self.metastack: list[list[Any]] = []
+        self.stack: list[Any] = []
+        self.append = self.stack.append
+        self.proto = 0
+        read, dispatch = self.read, self.dispatch
+        try:
+            while True:
+                key = read(1)
+                if not key:
+                    raise EOFError
+                dispatch[key[0]](self)
+        except _STOP as stop:
+            return stop.value
+
+    def _frame(self) -> None:
+        self.read(8)  # the frame's length: its bytes follow, as everything else, in memory
+
+    def refuse(self, what: str) -> CheckpointError:
+        return CheckpointError(
+            f"refusing to unpickle {self.source}: it {what}, which no checkpoint does. Do not "
+            "load it unless you know who wrote it and why"
+        )
 
     def find_class(self, module: str, name: str) -> Any:
+        if self.proto < 3:  # Python 2's names, as pickle maps them (torch.save writes protocol 2)
+            module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         try:
-            return _ADMITTED[(module, name)]
-        except KeyError:
+            return self._names[(module, name)]
+        except (KeyError, TypeError):
             raise CheckpointError(
-                f"refusing to unpickle {module}.{name} from {self._source}: DCP metadata is "
-                "made of DCP's own classes only, and loading anything else could run code. "
-                "Do not load this checkpoint unless you know who wrote it and why"
+                f"refusing to unpickle {module}.{name} from {self.source}: a checkpoint holds "
+                "only plain data and the classes DCP and torch.save write, and loading anything "
+                "else could run code. Do not load it unless you know who wrote it and why"
             ) from None
 
+    def persistent_load(self, pid: Any) -> Any:
+        if self._persistent is None:
+            raise self.refuse("refers to an object outside the pickle (a persistent id)")
+        return self._persistent(pid)
 
-def unpickle_metadata(file: IO[bytes], source: str) -> dcp_metadata.Metadata:
-    """DCP's ``Metadata`` unpickled from ``file`` (read from ``source``, named in errors).
+    def _reduce(self) -> None:
+        stack = self.stack
+        arguments = stack.pop()
+        function = stack[-1]
+        if type(function) is not Factory or type(arguments) is not tuple:
+            raise self.refuse(f"calls {_what(function)}")
+        self._charge(1 + sum(map(_length, arguments)))
+        stack[-1] = function._make(arguments, self)
 
-    :raises CheckpointError: if the file names anything but what DCP metadata is made of (it is
-        never imported or called), or holds something other than ``Metadata``.
-    """
-    metadata = _MetadataUnpickler(file, source).load()
-    if not isinstance(metadata, dcp_metadata.Metadata):
-        raise CheckpointError(
-            f"{source} holds a {type(metadata).__name__}, not DCP metadata; is it a checkpoint?"
-        )
-    return metadata
+    def _new(self, kind: Any, arguments: Any, keywords: Any = None) -> None:
+        if type(kind) is not DataClass or type(arguments) is not tuple or arguments or keywords:
+            raise self.refuse(f"creates {_what(kind)} with arguments {_what(arguments)}")
+        self._charge(1)
+        self.append(Fields(kind))
 
+    def _charge(self, cost: int) -> None:
+        """Count what a call may make (at most as much as its arguments hold): the calls of a
+        file together may not make more than it holds. A memoized argument is a few bytes
+        per call, and each call could make as much as it holds again."""
+        self._made += cost
+        if self._made > 2 * self.size + 4096:
+            raise self.refuse("makes more values than it holds bytes (one argument, many calls)")
 
-class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, with non-tensor values unpickled by ``weights_only=True``.
+    def _newobj(self) -> None:
+        arguments = self.stack.pop()
+        self._new(self.stack.pop(), arguments)
 
-    Takes the arguments of ``DefaultLoadPlanner``; values land in the state dict given to
-    ``dcp.load``, nested (``flatten_state_dict=True``) or flat (keyed as saved).
-    """
+    def _newobj_ex(self) -> None:
+        keywords, arguments = self.stack.pop(), self.stack.pop()
+        if type(keywords) is not dict:
+            raise self.refuse(f"passes {_what(keywords)} as keyword arguments")
+        self._new(self.stack.pop(), arguments, keywords)
 
-    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
-        key = read_item.dest_index.fqn
-        try:
-            loaded = torch.load(value, weights_only=True, map_location="cpu")
-        except pickle.UnpicklingError as e:
-            raise CheckpointError(
-                f"refusing to load checkpoint value {key!r}: it is not plain data "
-                f"({_reason(e)}), and loading it could run code"
-            ) from None
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[key], loaded)
+    def _build(self) -> None:
+        state = self.stack.pop()
+        record = self.stack[-1]
+        if type(record) is not Fields or record.built:
+            raise self.refuse(f"sets attributes of {_what(record)}")
+        kind, values = record.kind, record.values
+        if kind.positional and type(state) is tuple and len(state) == len(kind.fields):
+            values.update(zip(kind.fields, state, strict=True))
         else:
-            # Not into self.state_dict as DCP's does: that is a copy (see _flatten_sharded_tensors).
-            self.original_state_dict[key] = loaded
+            if type(state) is tuple and len(state) == 2 and state[0] is None:
+                state = state[1]  # (no __dict__, slot values)
+            if type(state) is not dict or not all(key in kind.fields for key in state):
+                raise self.refuse(f"sets other attributes than the fields of {kind!r}")
+            values.update(state)
+        record.built = True
 
+    def _append(self) -> None:
+        value = self.stack.pop()
+        self._target(list, "appends to").append(value)
 
-def _reason(error: pickle.UnpicklingError) -> str:
-    """The line of torch's weights-only error that names what was refused."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "")
+    def _appends(self) -> None:
+        items = self.pop_mark()
+        self._target(list, "appends to").extend(items)
 
+    def _setitem(self) -> None:
+        value, key = self.stack.pop(), self.stack.pop()
+        self._target(dict, "sets an item of")[key] = value
 
-@dataclass(frozen=True, slots=True)
-class StoredTensor:
-    """A plain tensor as its ``torch.save`` header describes it: its bytes are the archive's
-    record ``data/{key}``, ``numel`` elements of ``dtype``, viewed from ``offset`` with
-    ``size`` and ``stride``."""
+    def _setitems(self) -> None:
+        items = self.pop_mark()
+        if len(items) % 2:
+            raise self.refuse("sets an item without a value")
+        target = self._target(dict, "sets an item of")
+        for i in range(0, len(items), 2):
+            target[items[i]] = items[i + 1]
 
-    key: str
-    """The archive record holding the tensor's storage (``data/{key}``)."""
-    dtype: torch.dtype
-    """The element dtype of the storage."""
-    numel: int
-    """Elements in the storage."""
-    offset: int
-    """Where the tensor starts in its storage, in elements."""
-    size: tuple[int, ...]
-    """The tensor's shape."""
-    stride: tuple[int, ...]
-    """The tensor's strides, in elements."""
+    def _additems(self) -> None:
+        items = self.pop_mark()
+        self._target(set, "adds to").update(items)
 
-    @property
-    def contiguous_whole(self) -> bool:
-        """Whether the tensor is all of its bytes, in row-major order (as DCP saves one)."""
-        strides, step = [], 1
-        for length in reversed(self.size):
-            strides.append(step)
-            step *= length
-        return (self.offset, self.numel, self.stride) == (
-            0,
-            math.prod(self.size),
-            tuple(reversed(strides)),
+    def _target(self, kind: type, action: str) -> Any:
+        target = self.stack[-1] if self.stack else None
+        if type(target) is kind or (kind is dict and type(target) is collections.OrderedDict):
+            return target
+        raise self.refuse(f"{action} {_what(target)}")
+
+    def _refused_opcode(self) -> None:
+        raise CheckpointError(
+            f"refusing to unpickle {self.source}: it holds a pickle opcode that reaches beyond "
+            "plain data (INST, OBJ, EXT, BYTEARRAY8, out-of-band buffers) or is not one at all"
         )
 
-
-class _NotPlain(pickle.UnpicklingError):
-    """The header names something a plain tensor's header does not."""
+    dispatch: dict[int, Callable[[Any], None]] = {}
 
 
-def _storage_dtypes() -> dict[tuple[str, str], torch.dtype]:
-    """The typed storage classes a header names (``torch.FloatStorage``), to their dtypes:
-    the plain ones only (not quantized)."""
-    plain = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
-    return {
-        ("torch", name): dtype
-        for dtype, name in torch.storage._dtype_to_storage_type_map().items()
-        if dtype.is_floating_point or dtype.is_complex or dtype in plain
+def _dispatch() -> dict[int, Callable[[Any], None]]:
+    """Pickle's own handlers for the opcodes that only push, pop and memoize plain values;
+    ours for the others; a refusal for everything else."""
+    # fmt: off
+    plain = (
+        "PROTO", "NONE", "NEWFALSE", "NEWTRUE", "INT", "BININT", "BININT1", "BININT2", "LONG",
+        "LONG1", "LONG4", "FLOAT", "BINFLOAT", "STRING", "BINSTRING", "SHORT_BINSTRING",
+        "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE",
+        "BINUNICODE8", "TUPLE", "EMPTY_TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_LIST",
+        "EMPTY_DICT", "EMPTY_SET", "FROZENSET", "LIST", "DICT", "POP", "POP_MARK", "DUP", "GET",
+        "BINGET", "LONG_BINGET", "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE", "MARK", "STOP",
+        "GLOBAL", "STACK_GLOBAL", "PERSID", "BINPERSID",
+    )
+    # fmt: on
+    table: dict[int, Callable[[Any], None]] = dict.fromkeys(
+        range(256), PolicedUnpickler._refused_opcode
+    )
+    for name in plain:
+        code = getattr(pickle, name)[0]
+        table[code] = _PurePythonUnpickler.dispatch[code]
+    policed = {
+        "FRAME": PolicedUnpickler._frame,
+        "REDUCE": PolicedUnpickler._reduce,
+        "NEWOBJ": PolicedUnpickler._newobj,
+        "NEWOBJ_EX": PolicedUnpickler._newobj_ex,
+        "BUILD": PolicedUnpickler._build,
+        "APPEND": PolicedUnpickler._append,
+        "APPENDS": PolicedUnpickler._appends,
+        "SETITEM": PolicedUnpickler._setitem,
+        "SETITEMS": PolicedUnpickler._setitems,
+        "ADDITEMS": PolicedUnpickler._additems,
     }
+    for name, handler in policed.items():
+        table[getattr(pickle, name)[0]] = handler
+    return table
 
 
-_STORAGE_DTYPES = _storage_dtypes()
+PolicedUnpickler.dispatch = _dispatch()
 
 
-@dataclass(frozen=True, slots=True)
-class _StorageReference:
-    dtype: torch.dtype
-    key: str
-    numel: int
+def unpickle(
+    data: bytes,
+    source: str,
+    names: Mapping[tuple[str, str], Any],
+    persistent_load: Callable[[Any], Any] | None = None,
+) -> Any:
+    """The value pickled in ``data`` (read from ``source``, named in errors), unpickled by
+    :class:`PolicedUnpickler` with ``names``.
 
-
-def _plain_tensor(
-    storage: Any,
-    offset: Any,
-    size: Any,
-    stride: Any,
-    requires_grad: Any,
-    hooks: Any,
-    metadata: Any = None,
-) -> StoredTensor:
-    """Stands for ``torch._utils._rebuild_tensor_v2``: what it would build, described."""
-    if not (
-        isinstance(storage, _StorageReference)
-        and type(offset) is int
-        and _int_tuple(size)
-        and _int_tuple(stride)
-        and type(requires_grad) is bool
-        and isinstance(hooks, collections.OrderedDict)
-        and not hooks
-        and not metadata  # conj or neg bits
-    ):
-        raise _NotPlain("not a plain tensor")
-    return StoredTensor(storage.key, storage.dtype, storage.numel, offset, size, stride)
-
-
-def _int_tuple(value: Any) -> bool:
-    return type(value) is tuple and all(type(n) is int and n >= 0 for n in value)
-
-
-class _TensorHeaderUnpickler(pickle.Unpickler):
-    """Unpickles a tensor's header into a :class:`StoredTensor`; every global it may name
-    goes through ``find_class``, which resolves only harmless stand-ins."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _plain_tensor
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if (module, name) in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[(module, name)]
-        raise _NotPlain(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> _StorageReference:
-        match pid:
-            case ("storage", torch.dtype() as dtype, str(key), str(), int(numel)) if numel >= 0:
-                return _StorageReference(dtype, key, numel)
-        raise _NotPlain("not a typed storage")
-
-
-def stored_tensor(header: bytes) -> StoredTensor | None:
-    """The plain tensor that ``header`` (a ``torch.save`` archive's ``data.pkl``) describes,
-    or ``None`` for anything else (a tensor subclass, a quantized tensor, a value, damaged
-    bytes): the caller then loads it the general way, with ``torch.load``."""
+    :raises CheckpointError: for anything the unpickler refuses, and for bytes that are not a
+        whole pickle (whatever pickle raised, named).
+    """
     try:
-        found = _TensorHeaderUnpickler(io_.BytesIO(header)).load()
-    except Exception:  # whatever the bytes do, they are not a plain tensor's header
-        return None
-    return found if isinstance(found, StoredTensor) else None
+        return PolicedUnpickler(data, source, names, persistent_load).load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # whatever the bytes make pickle raise: they are not a pickle of ours
+        raise CheckpointError(
+            f"{source} is damaged or not a checkpoint file ({type(e).__name__}: {str(e)[:200]})"
+        ) from None
+
+
+# -- the factories of plain values ----------------------------------------------------------------
+
+
+def _arguments(unpickler: PolicedUnpickler, name: str, given: tuple[Any, ...], *kinds: Any) -> None:
+    """Refuse unless ``given`` holds one value of each of ``kinds`` (a type or a tuple of them)."""
+    if len(given) != len(kinds) or not all(
+        type(value) in (kind if isinstance(kind, tuple) else (kind,))
+        for value, kind in zip(given, kinds, strict=True)
+    ):
+        raise unpickler.refuse(f"calls {name} with {', '.join(map(_what, given)) or 'nothing'}")
+
+
+def _size(arguments: tuple[Any, ...], unpickler: PolicedUnpickler) -> torch.Size:
+    if len(arguments) != 1 or type(arguments[0]) not in (tuple, list):
+        raise unpickler.refuse(f"calls torch.Size with {', '.join(map(_what, arguments))}")
+    try:  # (torch.Size takes ints, and what has __index__: bools, of what can be on the stack)
+        size = torch.Size(arguments[0])
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise unpickler.refuse("makes a torch.Size of other values than lengths") from None
+    if size and min(size) < 0:
+        raise unpickler.refuse("makes a torch.Size of negative lengths")
+    return size
+
+
+def _collection(kind: type) -> Factory:
+    def make(arguments: tuple[Any, ...], unpickler: PolicedUnpickler) -> Any:
+        if not arguments:
+            return kind()
+        _arguments(unpickler, kind.__name__, arguments, (list, tuple, set, frozenset))
+        return kind(arguments[0])
+
+    return Factory(kind.__name__, make)
+
+
+def _ordered_dict(arguments: tuple[Any, ...], unpickler: PolicedUnpickler) -> Any:
+    _arguments(unpickler, "OrderedDict", arguments)
+    return collections.OrderedDict()
+
+
+def _complex(arguments: tuple[Any, ...], unpickler: PolicedUnpickler) -> complex:
+    _arguments(unpickler, "complex", arguments, *[(int, float)] * len(arguments or (0,)))
+    if len(arguments) > 2:
+        raise unpickler.refuse("calls complex with more than two numbers")
+    return complex(*arguments)
+
+
+def _encode(arguments: tuple[Any, ...], unpickler: PolicedUnpickler) -> bytes:
+    """``_codecs.encode(text, "latin1")``: how protocol 2 pickles bytes."""
+    _arguments(unpickler, "_codecs.encode", arguments, str, str)
+    if arguments[1] not in ("latin1", "latin-1"):
+        raise unpickler.refuse(f"encodes text as {arguments[1][:20]!r}")
+    return arguments[0].encode("latin1")
+
+
+def _empty_bytes(arguments: tuple[Any, ...], unpickler: PolicedUnpickler) -> bytes:
+    _arguments(unpickler, "bytes", arguments)  # protocol 2's b""
+    return b""
+
+
+_LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+
+
+def _layout(arguments: tuple[Any, ...], unpickler: PolicedUnpickler) -> torch.layout:
+    """``torch.serialization._get_layout(name)``, looked up in a table of this module's."""
+    _arguments(unpickler, "torch.serialization._get_layout", arguments, str)
+    if arguments[0] not in _LAYOUTS:
+        raise unpickler.refuse(f"names a layout {arguments[0][:40]!r} torch does not have")
+    return _LAYOUTS[arguments[0]]
+
+
+def _path(arguments: tuple[Any, ...], unpickler: PolicedUnpickler) -> pathlib.PurePath:
+    """``PosixPath(*parts)`` (DCP records the directory it saved to), as a pure path: no
+    larger than the file (its parts may be one memoized string many times)."""
+    if not all(type(part) is str for part in arguments):
+        raise unpickler.refuse("makes a path of other values than strings")
+    if sum(map(len, arguments)) > unpickler.size:
+        raise unpickler.refuse("makes a path longer than the file")
+    return pathlib.PurePosixPath(*arguments)
+
+
+def _constants() -> dict[tuple[str, str], Any]:
+    """dtypes, layouts and memory formats by the names pickle gives them."""
+    kinds = (torch.dtype, torch.layout, torch.memory_format)
+    return {("torch", name): v for name, v in vars(torch).items() if isinstance(v, kinds)}
+
+
+PLAIN_NAMES: Mapping[tuple[str, str], Any] = {
+    **_constants(),
+    ("torch", "Size"): Factory("torch.Size", _size),
+    ("torch.serialization", "_get_layout"): Factory("_get_layout", _layout),
+    ("collections", "OrderedDict"): Factory("OrderedDict", _ordered_dict),
+    ("builtins", "set"): _collection(set),
+    ("builtins", "frozenset"): _collection(frozenset),
+    ("builtins", "complex"): Factory("complex", _complex),
+    ("builtins", "bytes"): Factory("bytes", _empty_bytes),
+    ("_codecs", "encode"): Factory("_codecs.encode", _encode),
+}
+"""The names of plain values, as ``pickle`` and ``torch.save`` write them."""
+
+PATH_NAMES: Mapping[tuple[str, str], Any] = {
+    (module, name): Factory("PosixPath", _path)
+    for module in ("pathlib", "pathlib._local")  # Python 3.13 moved the class
+    for name in ("PosixPath", "PurePosixPath")
+}
+"""A path, as DCP's ``StorageMeta.checkpoint_id`` holds one."""

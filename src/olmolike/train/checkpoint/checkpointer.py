@@ -28,8 +28,8 @@ rank that fails keeps joining the save's collectives and hands its error to the 
 agreement (:mod:`~olmolike.distributed.checkpoint_save`), so no rank waits for it until a
 timeout.
 Loading first checks that the checkpoint is intact (:mod:`.checkpoint_format`). Trainer state
-is saved with ``torch.save`` and loaded with ``weights_only=True``: loading never runs code
-from a file. The run's lease on the save folder (:mod:`.lease`) is held by the checkpointer.
+is saved with ``torch.save`` and read back as data (:mod:`~olmolike.distributed.checkpoint_archive`,
+never ``torch.load``): loading runs no code from a file and changes nothing in the process. The run's lease on the save folder (:mod:`.lease`) is held by the checkpointer.
 """
 
 from __future__ import annotations

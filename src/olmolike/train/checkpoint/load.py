@@ -127,7 +127,13 @@ class CheckpointLoad:
             raise CheckpointError(change)
         dcp_dir = io.join_path(source, MODEL_AND_OPTIM)
         try:
-            load_state_dict(dcp_dir, state, process_group=self.group, thread_count=thread_count)
+            load_state_dict(
+                dcp_dir,
+                state,
+                process_group=self.group,
+                thread_count=thread_count,
+                metadata=metadata,  # (read and checked by verify_checkpoint: not read again)
+            )
         except (Exception, CheckpointException) as e:  # raised on every rank alike
             damage = _damage(e)
             if damage is not None:

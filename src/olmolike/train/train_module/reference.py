@@ -23,6 +23,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ...data.preference import PreferenceDataLoader, split_pair_rows
+from ...distributed.checkpoint_archive import Archive
+from ...distributed.checkpoint_loading import open_regular_file
 from ...distributed.utils import broadcast_object, get_rank, get_world_size, is_distributed
 from ...exceptions import CheckpointError, ConfigurationError
 from ...nn.context_parallel import ContextParallel
@@ -236,7 +238,7 @@ def cached_reference_logps(
     )
     cached: torch.Tensor | None = None
     if get_rank() == 0 and path.is_file():
-        cached = torch.load(path, weights_only=True)
+        cached = _read_cached(path)
     if is_distributed():
         cached = broadcast_object(cached)
     if cached is not None:
@@ -251,6 +253,18 @@ def cached_reference_logps(
         os.replace(tmp, path)
         log.info("reference log-probs of %d pairs cached in %s", logps.shape[0], path)
     return logps
+
+
+def _read_cached(path: Path) -> torch.Tensor | None:
+    """The log-probs cached at ``path``, read as data (never by ``torch.load``); ``None``, with
+    a warning, if the file is damaged or holds something else (they are scored again)."""
+    try:
+        with open_regular_file(str(path)) as file:
+            cached = Archive(file, str(path)).value()
+    except CheckpointError as e:
+        log.warning("Not using the cached reference log-probs: %s", e)
+        return None
+    return cached if isinstance(cached, torch.Tensor) else None
 
 
 @torch.no_grad()
