@@ -24,7 +24,7 @@ from ..distributed.failure import find_lost_ranks
 from ..distributed.utils import get_rank
 from ..exceptions import DiskFullError, RankLostError
 
-__all__ = ["describe_interrupt", "explain_failure", "last_checkpoint"]
+__all__ = ["describe_interrupt", "explain_failure", "last_checkpoint", "stopped_at"]
 
 _RESUME = "run the same command again to resume"
 
@@ -52,10 +52,12 @@ def explain_failure(
     lost = find_lost_ranks(exc)
     if lost is None:
         return exc
-    return RankLostError(
-        f"{lost}; rank {get_rank()} stopped at step {step}; {last_checkpoint(save_folder)}: "
-        f"{_RESUME}"
-    )
+    return RankLostError(f"{lost}; {stopped_at(step, save_folder)}")
+
+
+def stopped_at(step: int, save_folder: str) -> str:
+    """Where this rank stopped, and what a resume starts from, as a phrase."""
+    return f"rank {get_rank()} stopped at step {step}; {last_checkpoint(save_folder)}: {_RESUME}"
 
 
 def describe_interrupt(exc: BaseException, step: int, save_folder: str) -> str:

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from ..distributed.failure import report_rank_failure
+from ..distributed.failure import report_rank_failure, set_failure_context
 from ..distributed.utils import destroy_group, is_distributed
 from ..exceptions import OLMoLikeError
 from .background_ops import BookkeepingRunner
 from .cancellation import CancelCoordinator, log_failure
 from .checkpoint.run import RunCheckpoints
-from .explain import explain_failure
+from .explain import explain_failure, stopped_at
 from .step_results import StepResults
 
 __all__ = ["RunScope"]
@@ -59,6 +59,8 @@ class RunScope:
                 "the process groups it made; build a new trainer to train or evaluate again"
             )
         self.error = None
+        # For the line of a rank that the failure monitor ends (another rank froze).
+        set_failure_context(lambda: stopped_at(self.step(), self.save_folder))
         try:
             yield
         except BaseException as exc:
@@ -72,7 +74,10 @@ class RunScope:
                 raise self.error from exc
             raise
         finally:
-            self._close()
+            try:
+                self._close()
+            finally:
+                set_failure_context(None)
 
     def _report(self, exc: BaseException) -> None:
         first = report_rank_failure(exc)  # a later rank's failure follows from the first's
