@@ -7,6 +7,11 @@ say. It also keeps a rank that died unreaped until the others have ended, so the
 how it ended (``/proc``, see :mod:`olmolike.distributed.lost_ranks`) and name the signal.
 Several machines need torchrun (or another launcher) still.
 
+Like torchrun's agent, it holds the job's key-value store itself (``TORCHELASTIC_USE_AGENT_STORE``
+tells the ranks so): the store outlives every rank, so the ranks left can always tell each
+other who failed first (one line per job, not one per rank), and a rank 0 that freezes does
+not freeze the store with it.
+
 Signals: the ranks run in their own sessions, so a Ctrl-C in the terminal reaches the
 launcher alone, which passes each SIGINT and SIGTERM on to every rank once: the first stops
 the run gracefully, a second SIGINT aborts it, as in a single process.
@@ -16,14 +21,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import datetime
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 __all__ = ["GRACE_SECONDS", "launch"]
 
@@ -35,8 +44,10 @@ and say why), before the launcher ends them with SIGTERM, then SIGKILL."""
 def launch(nproc: int, argv: Sequence[str]) -> int:
     """Run ``python -m olmolike *argv`` as ``nproc`` ranks on this machine; the exit status
     of the first rank that failed (128 + the signal for a signal), else 0."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    store = _job_store()  # held until every rank has ended
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
     env.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    env.update(TORCHELASTIC_USE_AGENT_STORE="True")
     ranks = [
         subprocess.Popen(
             [sys.executable, "-m", "olmolike", *argv],
@@ -110,7 +121,14 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _job_store() -> TCPStore:
+    """The job's store, on a free port of this machine, for the ranks to connect to."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(minutes=15),
+    )
