@@ -116,30 +116,34 @@ def test_a_killed_rank_is_one_line_on_the_rank_left(tmp_path: Path, killed: int)
 
 
 END_SCRIPT = """
-import os, signal
+import os, signal, sys
 import torch.distributed as dist
 from olmolike.train import prepare_training_environment, teardown_training_environment
 
 prepare_training_environment()
-if dist.get_rank() == 1:
+dist.barrier()  # every rank's monitor knows every rank's process (and so the store's)
+if dist.get_rank() == int(sys.argv[1]):
     os.kill(os.getpid(), signal.SIGKILL)
 teardown_training_environment()
 """
 
 
 @pytest.mark.timeout(300)
-def test_a_rank_killed_before_the_teardown_barrier_is_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("killed", [1, 0], ids=["rank1", "rank0-holding-the-store"])
+def test_a_rank_killed_before_the_teardown_barrier_is_one_line(tmp_path: Path, killed: int) -> None:
     """The teardown's barrier meets a dead rank. Before: gloo's raw traceback from the
-    barrier, naming no rank."""
+    barrier, naming no rank; and with rank 0 dead, the rank left called itself rank 0 (it
+    read its rank after its groups had ended)."""
     script = tmp_path / "end.py"
     script.write_text(END_SCRIPT)
-    ranks = start_ranks([sys.executable, str(script)])
-    output = _output_of(ranks[0], ranks, timeout=120)
-    assert ranks[0].returncode == 1
+    ranks = start_ranks([sys.executable, str(script), str(killed)])
+    left = 1 - killed
+    output = _output_of(ranks[left], ranks, timeout=120)
+    assert ranks[left].returncode == 1
     (line,) = failure_lines(output)
     assert re.fullmatch(
-        r"error: rank 1 \(pid \d+\) (was killed by SIGKILL|is gone); rank 0 was ending its "
-        r"run \(full traceback: \S+\)",
+        rf"error: rank {killed} \(pid \d+\) (was killed by SIGKILL|is gone); rank {left} was "
+        r"ending its run \(full traceback: \S+\)",
         line,
     ), line
 
