@@ -67,8 +67,12 @@ def describe_interrupt(exc: BaseException, step: int, save_folder: str) -> str:
     saving = isinstance(exc, SaveFailedError) or bool(
         frames & {"save", "save_async", "save_checkpoint", "save_checkpoint_async", "_save"}
     )
-    what = f"a checkpoint save at step {step} (left incomplete)" if saving else f"step {step}"
-    return f"second SIGINT during {what}; {last_checkpoint(save_folder)}: {_RESUME}"
+    last = last_checkpoint(save_folder)
+    what = f"step {step}"
+    if saving:  # another rank may have committed it before the SIGINT reached this one
+        done = last.endswith(f"/step{step}")
+        what = f"a checkpoint save at step {step}" + ("" if done else " (left incomplete)")
+    return f"second SIGINT during {what}; {last}: {_RESUME}"
 
 
 def _disk_full(exc: SaveFailedError) -> bool:

@@ -9,6 +9,7 @@ made for the trainer. It gets the components and functions it calls, never the t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from .explain import explain_failure, stopped_at
 from .step_results import StepResults
 
 __all__ = ["RunScope"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -65,6 +68,8 @@ class RunScope:
             yield
         except BaseException as exc:
             self.cancel.error = exc
+            if self.cancel.aborted:
+                self._settle_saves()
             self.error = explain_failure(
                 exc, self.step(), self.save_folder, interrupted=self.cancel.aborted
             )
@@ -78,6 +83,16 @@ class RunScope:
                 self._close()
             finally:
                 set_failure_context(None)
+
+    def _settle_saves(self) -> None:
+        """After a second Ctrl-C, before the line that names the newest complete checkpoint
+        is composed: the saves in flight finish (every rank waits for its own, so none
+        leaves another's agreement short) or fail. Before, a save could commit after the
+        line named an older checkpoint. A further Ctrl-C stops waiting."""
+        try:
+            self.step_results.settle_saves()
+        except KeyboardInterrupt:
+            log.info("Stopped waiting for the checkpoint saves in flight (another SIGINT)")
 
     def _report(self, exc: BaseException) -> None:
         first = report_rank_failure(exc)  # a later rank's failure follows from the first's
