@@ -30,6 +30,7 @@ from olmolike.distributed.lost_ranks import (
     Roster,
     SilenceWatch,
     StoreUnresponsive,
+    StuckThreads,
     _stat,
     describe_frozen,
     process_state,
@@ -343,3 +344,35 @@ def test_a_frozen_rank_is_described_with_its_state_only_from_its_host() -> None:
         "rank 1 (pid 4242 on node-7) is frozen: no heartbeat for 61s"
     )
     assert describe_frozen(roster, 2, 3) == "rank 2 is frozen: no heartbeat for 3s"
+
+
+def _task(tasks: Path, tid: int, name: str, state: str, switches: int) -> None:
+    (tasks / str(tid)).mkdir(parents=True, exist_ok=True)
+    (tasks / str(tid) / "stat").write_text(f"{tid} ({name}) {state} 1 2 3\n")
+    (tasks / str(tid) / "status").write_text(
+        f"Name:\t{name}\nvoluntary_ctxt_switches:\t{switches}\nnonvoluntary_ctxt_switches:\t7\n"
+    )
+
+
+def test_a_thread_that_sleeps_in_d_without_running_for_the_timeout_is_stuck(
+    tmp_path: Path,
+) -> None:
+    """An async save's writer on a dead mount sleeps in D (uninterruptible) and is never
+    switched in again, while the rest of the rank, its heartbeat included, runs on: the rank
+    finds it in its own /proc (no real dead mount here: a /proc-shaped folder)."""
+    tasks = tmp_path / "task"
+    _task(tasks, 100, "python", "S", 5000)
+    _task(tasks, 101, "writer", "D", 40)  # stuck from now on
+    _task(tasks, 102, "reader", "D", 10)  # busy reading: in D often, but switched in
+    stuck = StuckThreads(timeout=10, tasks=tasks)
+    assert stuck.look(0.0) is None
+    _task(tasks, 102, "reader", "D", 11)
+    assert stuck.look(6.0) is None
+    _task(tasks, 102, "reader", "R", 12)
+    assert stuck.look(10.5) == (
+        "thread 'writer' (tid 101) has been in D (disk sleep) for 10s without running"
+    )
+    _task(tasks, 101, "writer", "D", 41)  # it ran again: the count starts afresh
+    assert stuck.look(11.0) is None and stuck.look(20.0) is None
+    assert stuck.look(21.0) is not None
+    assert StuckThreads(timeout=10).look(0.0) is None  # this process has no such thread

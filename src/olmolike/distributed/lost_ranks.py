@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -43,6 +44,7 @@ __all__ = [
     "Roster",
     "SilenceWatch",
     "StoreUnresponsive",
+    "StuckThreads",
     "describe_frozen",
     "describe_lost_ranks",
     "process_end",
@@ -452,6 +454,66 @@ class SilenceWatch:
                 cpu - self._cpu_since,
             )
         return True
+
+
+class StuckThreads:
+    """This process's own watch for a thread stuck in uninterruptible sleep (``D``).
+
+    A thread that writes to a mount whose server went away (a hard NFS mount, a FUSE
+    filesystem that stopped answering) sleeps in ``D`` until the server comes back. If that
+    thread is an async save's writer, the rest of the process, and its heartbeat, run on,
+    while every other rank waits for the save's agreement until the group's timeout. The
+    kernel calls such a task hung when it stays in ``D`` without being switched in for
+    ``hung_task_timeout_secs`` (120 s by default): :meth:`look` applies the same test, with the
+    frozen-rank timeout, to every thread of this process (from ``/proc/self/task``).
+    """
+
+    def __init__(self, timeout: float, tasks: Path = Path("/proc/self/task")) -> None:
+        self.timeout = timeout
+        self._tasks = tasks
+        self._seen: dict[str, tuple[int, float]] = {}  # tid -> (context switches, since)
+
+    def look(self, now: float) -> str | None:
+        """``thread 'name' (tid N) has been in D (disk sleep) for 121s without running``,
+        for a thread stuck that long; ``None`` otherwise (or without ``/proc``)."""
+        seen: dict[str, tuple[int, float]] = {}
+        found = None
+        with contextlib.suppress(OSError):
+            for task in self._tasks.iterdir():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    stat = (task / "stat").read_text()
+                    if stat.rsplit(")", 1)[1].split()[0] != "D":
+                        continue
+                    switches = _context_switches((task / "status").read_text())
+                    before = self._seen.get(task.name)
+                    since = before[1] if before is not None and before[0] == switches else now
+                    seen[task.name] = (switches, since)
+                    if found is None and now - since >= self.timeout:
+                        name = (
+                            _thread_name(int(task.name))
+                            or stat[stat.index("(") + 1 : stat.rindex(")")]
+                        )
+                        found = (
+                            f"thread {name!r} (tid {task.name}) has been in D (disk sleep) "
+                            f"for {now - since:.0f}s without running"
+                        )
+        self._seen = seen
+        return found
+
+
+def _thread_name(tid: int) -> str | None:
+    """The Python name of this process's thread ``tid`` (the kernel's is "python" for all)."""
+    return next((t.name for t in threading.enumerate() if t.native_id == tid), None)
+
+
+def _context_switches(status: str) -> int:
+    """How often a task was switched in (``/proc/PID/task/TID/status``): it stops counting
+    while the task sleeps and is never woken."""
+    return sum(
+        int(line.split(":", 1)[1])
+        for line in status.splitlines()
+        if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:"))
+    )
 
 
 def describe_frozen(roster: Roster, rank: int, silent: float, *, what: str = "heartbeat") -> str:

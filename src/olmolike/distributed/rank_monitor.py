@@ -28,6 +28,7 @@ from .lost_ranks import (
     Roster,
     SilenceWatch,
     StoreUnresponsive,
+    StuckThreads,
     describe_frozen,
     describe_lost_ranks,
     process_exiting,
@@ -87,6 +88,8 @@ class RankFailureMonitor:
             if self.frozen_timeout
             else None
         )
+        self._stuck = StuckThreads(self.frozen_timeout) if self.frozen_timeout else None
+        self._polls = 0
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._reported = False
@@ -218,6 +221,20 @@ class RankFailureMonitor:
             if silent is not None and self._silence is not None:
                 self._frozen(describe_frozen(self.roster, self._silence.rank, silent))
                 return
+            self._polls += 1
+            if self._stuck is not None and self._polls % 4 == 0:  # every ~2 s: it reads /proc
+                self._check_own_threads(self._stuck)
+
+    def _check_own_threads(self, stuck: StuckThreads) -> None:
+        """A thread of this rank stuck in uninterruptible I/O (an async save's writer on a
+        dead mount, say) holds the others up as a frozen rank would, while the rest of this
+        process, heartbeat included, runs on: this rank says so itself."""
+        found = stuck.look(time.monotonic())
+        if found is None:
+            return
+        me = self.roster.processes.get(self.rank)
+        where = f" (pid {me.pid} on {me.host})" if me is not None else ""
+        self._frozen(f"rank {self.rank}{where} is frozen: its {found} (a dead mount?)")
 
     def _follow(self, said: bool) -> None:
         """Another rank failed first: this rank's own failure, when it comes, follows from it
