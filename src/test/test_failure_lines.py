@@ -230,6 +230,11 @@ def _wait_for(condition: object) -> None:
 @pytest.fixture
 def experiment_file(tmp_path: Path) -> Path:
     """A tiny `olmolike train` experiment that saves every 2 steps and runs long."""
+    return write_experiment(tmp_path)
+
+
+def write_experiment(tmp_path: Path) -> Path:
+    """:func:`experiment_file`'s file, written into ``tmp_path``."""
     from olmolike.data import prepare_data
     from olmolike.data.numpy_data_loader import NumpyDataLoaderConfig
     from olmolike.data.numpy_dataset import NumpyDatasetConfig

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from test_failure_lines import _rank_pids, write_experiment
 from testutils import patient, start_ranks
 
-from olmolike.distributed import rank_monitor
+from olmolike.distributed import failure, rank_monitor
 from olmolike.distributed.lost_ranks import (
     BoundedStore,
     RankProcess,
@@ -159,6 +160,66 @@ def test_a_frozen_rank_is_named_in_one_line_and_the_job_ends(
     assert found["checkpoint"] == list(Checkpointer.find_checkpoints(run))[-1][1]
     if where == "load":
         assert found["step"] == "0" and found["checkpoint"].endswith("step2")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_frozen_rank_0_under_olmolike_s_own_launcher_is_named_by_its_heartbeat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``olmolike train --nproc-per-node 2`` holds the job's store itself: a frozen rank 0
+    does not take it along, and the line is the heartbeat's. The rank that said it ends on
+    its own; the launcher exits once the stopped rank is gone too."""
+    monkeypatch.setenv(rank_monitor.FROZEN_ENV, str(TIMEOUT))
+    command = [sys.executable, "-m", "olmolike", "train", "--nproc-per-node=2"]
+    launcher = subprocess.Popen(
+        [*command, str(write_experiment(tmp_path))],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    pids: dict[int, int] = {}
+    lines: list[str] = []
+    watchdog = threading.Timer(patient(300), launcher.kill)
+    watchdog.start()
+    try:
+        for line in launcher.stdout or ():
+            lines.append(line)
+            if not pids and "Saved checkpoint" in line:  # training, and saving
+                pids = _rank_pids(launcher.pid)
+                os.kill(pids[0], signal.SIGSTOP)
+            if line.startswith("error: "):
+                break
+        assert pids, "".join(lines)[-3000:]
+        _wait_until_ended(pids[1])  # the rank that said it: the launcher's first failure
+        os.kill(pids[0], signal.SIGCONT)  # what the user does next: end the stopped rank
+        os.kill(pids[0], signal.SIGKILL)
+        output = "".join(lines) + launcher.communicate(timeout=patient(120))[0]
+    finally:
+        watchdog.cancel()
+        launcher.kill()
+        launcher.communicate()
+    # Rank 1 ended on its own (above); the launcher's status is the first failure it saw,
+    # rank 1's or, seen in the same look, the stopped rank's SIGKILL.
+    assert launcher.returncode in (EXIT_CODE, 128 + signal.SIGKILL), output[-3000:]
+    said = _failure_lines(output)
+    assert len(said) == 1, output[-3000:]
+    found = FROZEN_LINE.fullmatch(said[0])
+    assert found and found["frozen"] == "0" and "no heartbeat" in said[0], said[0]
+
+
+def _wait_until_ended(pid: int) -> None:
+    """Until ``pid`` has exited (a zombie its launcher has not reaped yet, or gone)."""
+    deadline = time.monotonic() + patient(60)
+    while time.monotonic() < deadline:
+        try:
+            if _stat(pid)[0] in ("Z", "X"):
+                return
+        except OSError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} did not end")
 
 
 # -- the pieces, in one process ----------------------------------------------------------------
@@ -299,7 +360,7 @@ def _wait_for(condition: object) -> None:
 
 
 def test_the_rank_that_finds_a_frozen_rank_says_it_once_and_the_others_end_quietly(
-    ends: list[int], capsys: pytest.CaptureFixture[str]
+    ends: list[int], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Three ranks, rank 2 frozen (it stops beating): rank 1 watches it, prints the line
     and ends; rank 0 sees the report and ends without a line, and so would its own error."""
@@ -334,6 +395,10 @@ def test_the_rank_that_finds_a_frozen_rank_says_it_once_and_the_others_end_quiet
     )
     assert monitors[0].line_said and monitors[1].line_said
     assert not monitors[0].report(RuntimeError("a collective failed: rank 1 exited"))
+    # The rank that said it: its main thread's error (its collective's peer was killed
+    # meanwhile) is not a second line, nor an error record.
+    monkeypatch.setattr(failure, "_monitor", monitors[1])
+    assert not failure.report_rank_failure(RuntimeError("Connection closed by peer"))
 
 
 def test_a_frozen_rank_is_described_with_its_state_only_from_its_host() -> None:

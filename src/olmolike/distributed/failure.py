@@ -163,10 +163,14 @@ def exiting_on_error() -> bool:
 
 
 def report_rank_failure(exc: BaseException) -> bool:
-    """Report ``exc`` to the other ranks; whether it is the job's first failure (True when
-    not monitoring: a single process's failure is always the one to show)."""
+    """Report ``exc`` to the other ranks; whether it is the job's first failure, the one to
+    show (True when not monitoring: a single process's failure is always the one to show;
+    False once a monitor printed the job's line, say that a rank froze: an error of this
+    rank's after that, a collective's lost connection, follows from it)."""
     monitor = _monitor or _stopped_monitor
-    return monitor.report(exc) if monitor is not None else True
+    if monitor is None:
+        return True
+    return monitor.report(exc) and not monitor.line_said
 
 
 _PRINTED: set[int] = set()

@@ -180,8 +180,8 @@ class RankFailureMonitor:
             self._first = self._speaks_for_silent_store()
             self.line_said = not self._first
         except Exception as store_error:  # the job is already failing; do not mask exc
+            # Better said twice than not at all: the line stays this rank's to print.
             log.info("Could not report this rank's failure to the other ranks: %s", store_error)
-            self._first = False  # the store ended with the process of a rank that failed
         return self._first
 
     def _speaks_for_silent_store(self) -> bool:
