@@ -441,3 +441,22 @@ def test_a_thread_that_sleeps_in_d_without_running_for_the_timeout_is_stuck(
     assert stuck.look(11.0) is None and stuck.look(20.0) is None
     assert stuck.look(21.0) is not None
     assert StuckThreads(timeout=10).look(0.0) is None  # this process has no such thread
+
+
+def test_a_rank_beats_once_before_its_monitor_start_returns() -> None:
+    """Silence counts only after a rank's first beat. Before, the first beat came from the
+    monitor's thread one poll later: a rank that froze at once (a load from a dead mount
+    right at the start) never beat, and the others waited for the group's timeout."""
+    store = dist.HashStore()
+    watcher = RankFailureMonitor(store, 0, world_size=2, poll_interval=3600)
+    frozen = RankFailureMonitor(store, 1, world_size=2, poll_interval=3600)
+    starting = [threading.Thread(target=m.start) for m in (watcher, frozen)]
+    for thread in starting:
+        thread.start()
+    for thread in starting:
+        thread.join()
+    try:
+        assert watcher.roster.beat_count(1) == 1  # no thread has polled yet
+    finally:
+        for monitor in (watcher, frozen):
+            monitor._stopped.set()

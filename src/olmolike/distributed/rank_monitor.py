@@ -105,6 +105,9 @@ class RankFailureMonitor:
     def start(self) -> None:
         try:
             self.roster.enter()
+            # The first beat before this rank runs anything: silence counts only after one,
+            # and a rank that froze before its thread's first beat was never named.
+            self.roster.beat()
         except Exception as e:  # the job can run without it: a lost rank is then unnamed
             log.debug("Could not enter this rank's process into the job's store: %s", e)
         self._thread.start()
