@@ -185,6 +185,7 @@ def _train_command(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     """``--nproc-per-node``: this process starts the ranks (see :mod:`olmolike.launch`)."""
+    from .distributed.failure import frozen_rank_timeout
     from .distributed.utils import launched_distributed
     from .launch import launch
 
@@ -198,6 +199,7 @@ def _launch(args: argparse.Namespace) -> int:
     # starts (each rank would say it, and tear the job's store down under the others).
     overrides = [o for o in args.overrides if o != "--dry-run"]
     check_layout(load_experiment(args.config, overrides), args.nproc_per_node, args.nproc_per_node)
+    frozen_rank_timeout()  # the ranks' environment, this one's
     dry_run = ["--dry-run"] if args.dry_run else []
     return launch(args.nproc_per_node, ["train", args.config, *dry_run, *args.overrides])
 

@@ -443,6 +443,60 @@ def test_a_thread_that_sleeps_in_d_without_running_for_the_timeout_is_stuck(
     assert StuckThreads(timeout=10).look(0.0) is None  # this process has no such thread
 
 
+@pytest.mark.parametrize(
+    ("text", "seconds"), [(None, 120.0), ("30", 30.0), ("0", 0.0), ("inf", 0.0), ("2.5", 2.5)]
+)
+def test_the_frozen_rank_timeout_is_read_from_the_environment(
+    text: str | None, seconds: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if text is None:
+        monkeypatch.delenv(rank_monitor.FROZEN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(rank_monitor.FROZEN_ENV, text)
+    assert failure.frozen_rank_timeout() == seconds
+
+
+@pytest.mark.parametrize("text", ["-3", "abc", "nan", "-inf", "1e300", ""])
+def test_a_frozen_rank_timeout_that_is_no_duration_is_refused(
+    text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: a negative one made every store call of the monitor time out at once and an
+    infinite one overflowed its waits, and either ended a healthy job with a line that blamed
+    the store's holder ("rank 0 is frozen: no answer for -5s ...")."""
+    from olmolike.exceptions import ConfigurationError
+
+    monkeypatch.setenv(rank_monitor.FROZEN_ENV, text)
+    with pytest.raises(ConfigurationError, match=rf"^{rank_monitor.FROZEN_ENV} must be a number"):
+        failure.frozen_rank_timeout()
+    with pytest.raises(ConfigurationError, match=r"^frozen_rank_timeout must be .* got -5.0$"):
+        failure.check_frozen_timeout(-5.0, "frozen_rank_timeout")
+
+
+def test_a_refused_frozen_rank_timeout_is_said_once_per_job(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The refusal is raised once the monitor runs (with the default timeout): every rank
+    refuses alike, and only the job's first failing rank prints it."""
+    from olmolike.exceptions import ConfigurationError
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")  # never reached: the store is this test's
+    store = dist.HashStore()
+    monkeypatch.setattr(failure.dist, "TCPStore", lambda *a, **k: store)
+    monkeypatch.setattr(failure, "_monitor", None)
+    monkeypatch.setattr(failure, "_stopped_monitor", None)
+    with pytest.raises(ConfigurationError) as refused:
+        failure.start_failure_monitor(0, frozen_timeout=-1.0)
+    monitor = failure._monitor
+    assert monitor is not None and monitor.frozen_timeout == rank_monitor.DEFAULT_FROZEN_SECONDS
+    try:
+        assert failure.report_rank_failure(refused.value)  # the job's first: it prints the line
+        second = RankFailureMonitor(store, 1, world_size=2)
+        assert not second.report(refused.value)  # another rank's, alike: no second line
+    finally:
+        monitor.stop()
+
+
 def test_a_rank_beats_once_before_its_monitor_start_returns() -> None:
     """Silence counts only after a rank's first beat. Before, the first beat came from the
     monitor's thread one poll later: a rank that froze at once (a load from a dead mount

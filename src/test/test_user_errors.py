@@ -218,3 +218,21 @@ def test_the_hsdp_error_names_its_field_in_full() -> None:
     )
     with pytest.raises(ConfigurationError, match=r"^train_module.dp_config.num_replicas: "):
         config.parallel_degrees(4, local_world_size=4)
+
+
+@pytest.mark.timeout(180)
+def test_a_bad_frozen_rank_timeout_is_one_line_before_any_rank_starts(experiment: Path) -> None:
+    command = [sys.executable, "-m", "olmolike", "train", "--nproc-per-node=4", str(experiment)]
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=patient(150),
+        env={**os.environ, "OMP_NUM_THREADS": "1", "OLMOLIKE_FROZEN_RANK_TIMEOUT": "-1"},
+    )
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "error: OLMOLIKE_FROZEN_RANK_TIMEOUT must be a number of seconds >= 0 (0 or inf: never "
+        "name a rank frozen), got '-1'"
+    ]
+    assert result.stdout == ""

@@ -16,6 +16,7 @@ import atexit
 import contextlib
 import datetime
 import logging
+import math
 import os
 import signal
 import sys
@@ -48,6 +49,7 @@ __all__ = [
     "FROZEN_ENV",
     "GRACE_ENV",
     "RankFailureMonitor",
+    "check_frozen_timeout",
     "exiting_on_error",
     "find_lost_ranks",
     "frozen_rank_timeout",
@@ -92,8 +94,14 @@ def start_failure_monitor(
         wait_for_workers=False,
     )
     grace = float(os.environ.get(GRACE_ENV, DEFAULT_GRACE_SECONDS))
-    if frozen_timeout is None:
-        frozen_timeout = frozen_rank_timeout()
+    refusal: ConfigurationError | None = None
+    try:
+        if frozen_timeout is None:
+            frozen_timeout = frozen_rank_timeout()
+        else:
+            frozen_timeout = check_frozen_timeout(frozen_timeout, "frozen_rank_timeout")
+    except ConfigurationError as e:  # said once per job: by the monitor's first failing rank
+        refusal, frozen_timeout = e, DEFAULT_FROZEN_SECONDS
     # torchrun keeps one store across restarts: key the reports by attempt so an old failure
     # does not end the new attempt.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -110,21 +118,41 @@ def start_failure_monitor(
         frozen_timeout=frozen_timeout,
     )
     _monitor.start()
+    if refusal is not None:
+        raise refusal
     return _monitor
 
 
 def frozen_rank_timeout() -> float:
-    """``$OLMOLIKE_FROZEN_RANK_TIMEOUT`` (seconds), else :data:`DEFAULT_FROZEN_SECONDS`."""
+    """``$OLMOLIKE_FROZEN_RANK_TIMEOUT`` (seconds), else :data:`DEFAULT_FROZEN_SECONDS`,
+    checked (:func:`check_frozen_timeout`)."""
     text = os.environ.get(FROZEN_ENV)
+    if text is None:
+        return DEFAULT_FROZEN_SECONDS
     try:
-        seconds = float(text) if text is not None else DEFAULT_FROZEN_SECONDS
+        seconds = float(text)
     except ValueError:
-        seconds = -1.0
-    if not seconds >= 0:
+        seconds = math.nan
+    return check_frozen_timeout(seconds, FROZEN_ENV, shown=repr(text))
+
+
+_LONGEST_WAIT = threading.TIMEOUT_MAX / 2
+"""Longer waits overflow the clock of a thread's wait (about 146 years)."""
+
+
+def check_frozen_timeout(seconds: float, name: str, *, shown: str | None = None) -> float:
+    """``seconds`` as a frozen-rank timeout: 0 (never) for 0 or infinity. Anything else
+    that is not a duration a thread can wait for is refused, naming ``name``: a negative
+    one made every call to the store time out at once, and an infinite one overflowed, both
+    ending a healthy job with a line that blamed the store's holder."""
+    if seconds == math.inf:
+        return 0.0
+    if not 0 <= seconds <= _LONGEST_WAIT:
         raise ConfigurationError(
-            f"{FROZEN_ENV} must be a number of seconds >= 0 (0: never), got {text!r}"
+            f"{name} must be a number of seconds >= 0 (0 or inf: never name a rank frozen), "
+            f"got {shown if shown is not None else seconds}"
         )
-    return seconds
+    return float(seconds)
 
 
 def stop_failure_monitor() -> None:

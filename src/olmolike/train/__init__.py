@@ -94,8 +94,9 @@ def prepare_training_environment(
     :param frozen_rank_timeout: how long a rank's heartbeat may be silent before the others
         name it frozen (stopped, or stuck in uninterruptible I/O) and the job ends, instead of
         waiting in their collectives for ``timeout`` (default: ``$OLMOLIKE_FROZEN_RANK_TIMEOUT``
-        seconds, else 120 s; zero: never). The heartbeat comes from a thread that keeps
-        beating while the training thread computes, saves, compiles or sits in a debugger.
+        seconds, else 120 s; zero or infinite: never; negative: refused). The heartbeat comes
+        from a thread that keeps beating while the training thread computes, saves, compiles
+        or sits in a debugger.
         See docs/failures.md.
     """
     if log_filter_type is not None:  # before anything is set up
@@ -104,9 +105,9 @@ def prepare_training_environment(
     install_error_hook()
     if backend is not None and launched_distributed():
         init_distributed(backend, timeout)
+        install_exit_on_error()  # first: the monitor refuses a bad timeout once per job
         frozen = frozen_rank_timeout.total_seconds() if frozen_rank_timeout is not None else None
         start_failure_monitor(get_rank(), frozen)
-        install_exit_on_error()
     teardown_at_exit()  # any process group: also when the script never reaches its teardown
     set_shared_filesystem(shared_filesystem)
     setup_logging(log_filter_type)  # after the process group: records carry the rank
