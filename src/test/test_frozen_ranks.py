@@ -514,3 +514,51 @@ def test_a_rank_beats_once_before_its_monitor_start_returns() -> None:
     finally:
         for monitor in (watcher, frozen):
             monitor._stopped.set()
+
+
+PAUSED_CALL = """
+import sys, time
+from pathlib import Path
+from olmolike.distributed.lost_ranks import BoundedStore
+
+flag = Path(sys.argv[1])
+
+
+class Store:  # answers once the test says so
+    def add(self, key, value):
+        print("calling", flush=True)
+        while not flag.exists():
+            time.sleep(0.02)
+        return 1
+
+
+print(BoundedStore(Store(), deadline=2.0).add("k", 1), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_pause_of_this_process_during_a_store_call_is_not_the_store_s_silence(
+    tmp_path: Path,
+) -> None:
+    """Every process of the job stopped and resumed together (SLURM's ``scontrol suspend``)
+    while a store call waits: the wait wakes up long after its slice, and that time was this
+    process's, not the store's. Before: the call raised on resume, and a healthy job ended
+    blaming the store's holder ("the launcher: the job's key-value store did not answer")."""
+    flag = tmp_path / "answer"
+    child = subprocess.Popen(
+        [sys.executable, "-c", PAUSED_CALL, str(flag)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "calling\n"
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(7)  # longer than the deadline and than a late wake-up's allowance
+        os.kill(child.pid, signal.SIGCONT)
+        time.sleep(0.5)  # the store answers soon after the resume
+        flag.touch()
+        output, _ = child.communicate(timeout=patient(60))
+    finally:
+        child.kill()
+    assert child.returncode == 0 and output == "1\n", output

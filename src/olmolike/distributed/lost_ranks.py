@@ -197,6 +197,11 @@ class BoundedStore:
     store is taken for gone, and the worker stays stuck in the call it made).
     """
 
+    SLICE = 0.5
+    """Seconds of each wait for an answer."""
+    MAX_GAP = 5.0
+    """Seconds a wait may wake up late before the delay counts as this process's own pause."""
+
     def __init__(self, store: dist.Store, deadline: float | None) -> None:
         self.store = store
         self.deadline = deadline
@@ -211,13 +216,23 @@ class BoundedStore:
         if self._pool is None:
             self._pool = DaemonThreadPool(1, "store-calls")
         future = self._pool.submit(method, *args)
-        try:
-            return future.result(timeout=self.deadline + extra)
-        except FutureTimeout:
-            self.unresponsive = True
-            raise StoreUnresponsive(
-                f"the job's key-value store did not answer for {self.deadline:.0f}s"
-            ) from None
+        left = self.deadline + extra
+        last = time.monotonic()
+        while True:
+            try:
+                return future.result(timeout=max(0.0, min(left, self.SLICE)))
+            except FutureTimeout:
+                now = time.monotonic()
+                # A wait that woke up long after its slice: this process was held up itself
+                # (Ctrl-Z and fg, starved of CPU), and the time was not the store's to answer.
+                waited, last = now - last, now
+                left -= waited if waited <= self.SLICE + self.MAX_GAP else self.SLICE
+                if left <= 0:
+                    break
+        self.unresponsive = True
+        raise StoreUnresponsive(
+            f"the job's key-value store did not answer for {self.deadline:.0f}s"
+        ) from None
 
     def add(self, key: str, value: int) -> int:
         return int(self._call(self.store.add, key, value))
