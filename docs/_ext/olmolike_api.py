@@ -5,11 +5,13 @@ package itself first, then its modules; subpackages have their own page), each a
 ``automodule`` limited to the module's ``__all__``. A class or function exported by several
 modules is documented once, where it is first exported (``olmolike.train.Trainer``, not also
 ``olmolike.train.trainer.Trainer``); the other modules link to it. A public class or function
-without a docstring of its own is a warning, so the strict build (``make docs``) fails on it.
+without a docstring of its own is a warning, so the strict build (``make docs``) fails on it;
+so is a field of a public dataclass without one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import importlib
@@ -20,8 +22,10 @@ from collections.abc import Iterator
 from types import FunctionType, ModuleType
 from typing import Any
 
+from docutils import nodes
 from docutils.nodes import Element
 from docutils.statemachine import StringList
+from sphinx import addnodes
 from sphinx.addnodes import pending_xref
 from sphinx.application import Sphinx
 from sphinx.environment import BuildEnvironment
@@ -167,6 +171,58 @@ def has_own_docstring(obj: Any) -> bool:
     return bool(doc)
 
 
+def defining_module(cls: type) -> str:
+    """The module whose source defines ``cls``: its ``__module__``, unless that was changed to
+    a public path (``CheckpointerConfig``'s is its package's, for the name config files
+    write), in which case the file of one of its own methods says where the source is."""
+    from sphinx.pycode import ModuleAnalyzer
+
+    if cls.__qualname__ in ModuleAnalyzer.for_module(cls.__module__).find_tags():
+        return cls.__module__
+    for value in vars(cls).values():
+        function = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
+        function = function.fget if isinstance(function, property) else function
+        filename = getattr(getattr(function, "__code__", None), "co_filename", "")
+        for name, module in list(sys.modules.items()):
+            if filename and getattr(module, "__file__", None) == filename:
+                return name
+    return cls.__module__
+
+
+def attribute_docs(cls: type) -> dict[str, list[str]]:
+    """The attribute docstrings of ``cls``'s own body, by attribute name, read from the
+    source of the module that defines it."""
+    from sphinx.pycode import ModuleAnalyzer
+
+    docs = ModuleAnalyzer.for_module(defining_module(cls)).find_attr_docs()
+    return {name: list(lines) for (owner, name), lines in docs.items() if owner == cls.__qualname__}
+
+
+def _analyze_moved_classes(app: Sphinx) -> None:
+    """Give the analyzer of a class's ``__module__`` the attribute docstrings (and source
+    order) of the module that defines it, where the two differ: autodoc looks up an
+    attribute's docstring by ``__module__``, and would show the fields bare."""
+    from sphinx.pycode import ModuleAnalyzer
+
+    for module in {m for p in app.config.olmolike_api_packages for m in public_modules(p)}:
+        for name in getattr(module, "__all__", ()):
+            cls = getattr(module, name)
+            if not inspect.isclass(cls) or defining_module(cls) == cls.__module__:
+                continue
+            stated = ModuleAnalyzer.for_module(cls.__module__)
+            stated.analyze()
+            real = ModuleAnalyzer.for_module(defining_module(cls))
+            real.analyze()
+            prefix = f"{cls.__qualname__}."
+            stated.attr_docs.update(
+                {k: v for k, v in real.attr_docs.items() if k[0] == cls.__qualname__}
+            )
+            start = len(stated.tagorder)
+            stated.tagorder.update(
+                {k: start + i for k, i in real.tagorder.items() if k.startswith(prefix)}
+            )
+
+
 def _require_docstring(
     app: Sphinx, what: str, name: str, obj: Any, options: Any, lines: list[str]
 ) -> None:
@@ -185,6 +241,50 @@ def _require_docstring(
             type="olmolike",
             subtype="docstring",
         )
+
+
+def _require_field_docstring(
+    app: Sphinx, domain: str, objtype: str, contentnode: addnodes.desc_content
+) -> None:
+    """Warn about a field of a public dataclass (a config's) without a docstring of its own:
+    the reference would list it bare, and the field is what a user sets.
+
+    Checked on the rendered entry, not on autodoc's docstring event: autodoc emits none for
+    an attribute without a docstring.
+    """
+    if domain != "py" or objtype != "attribute" or contentnode.astext().strip():
+        return
+    signature = contentnode.parent[0]
+    module, fullname = signature.get("module") or "", signature.get("fullname") or ""
+    owner_path, _, field = f"{module}.{fullname}".rpartition(".")
+    owner = _object_at(owner_path)
+    is_field = dataclasses.is_dataclass(owner) and field in {
+        f.name
+        for f in dataclasses.fields(owner)  # not a ClassVar
+    }
+    if inspect.isclass(owner) and is_field:
+        log.warning(
+            "%s.%s has no docstring: every field of a public dataclass needs one, saying what "
+            "it does and its unit (a string on the line after the field)",
+            owner_path,
+            field,
+            type="olmolike",
+            subtype="docstring",
+            location=signature,
+        )
+
+
+def _object_at(path: str) -> Any:
+    """The object a dotted path names, looked up from an imported module; ``None`` if none."""
+    parts = path.split(".")
+    for split in range(len(parts), 0, -1):
+        obj: Any = sys.modules.get(".".join(parts[:split]))
+        if obj is None:
+            continue
+        for attr in parts[split:]:
+            obj = getattr(obj, attr, None)
+        return obj
+    return None
 
 
 def _drop_type_docstring(
@@ -322,9 +422,21 @@ def _resolve_alias(
 
 
 def _drop_object_base(app: Sphinx, name: str, obj: Any, options: Any, bases: list[Any]) -> None:
-    """No "Bases: object" line on every plain class."""
+    """No "Bases: object" line on every plain class (:func:`_drop_empty_bases` then removes
+    the "Bases:" line that autodoc still writes with no base in it)."""
     if bases == [object]:
         bases.clear()
+
+
+def _drop_empty_bases(
+    app: Sphinx, domain: str, objtype: str, contentnode: addnodes.desc_content
+) -> None:
+    """Remove the empty "Bases:" paragraph of a class whose only base is ``object``."""
+    if domain != "py" or objtype not in ("class", "exception"):
+        return
+    for child in list(contentnode.children):
+        if isinstance(child, nodes.paragraph) and child.astext().strip() == "Bases:":
+            contentnode.remove(child)
 
 
 def setup(app: Sphinx) -> dict[str, Any]:
@@ -332,8 +444,11 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.add_directive("autopackage", AutoPackage)
     app.connect("autodoc-process-docstring", _require_docstring)
     app.connect("autodoc-process-docstring", _drop_type_docstring)
+    app.connect("object-description-transform", _require_field_docstring)
+    app.connect("builder-inited", _analyze_moved_classes)
     app.connect("autodoc-process-signature", _plain_dataclass_signature)
     app.connect("missing-reference", _resolve_alias)
     app.connect("env-updated", _forget_index)
     app.connect("autodoc-process-bases", _drop_object_base)
+    app.connect("object-description-transform", _drop_empty_bases)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

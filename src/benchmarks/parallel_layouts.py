@@ -13,7 +13,7 @@ Per layout it prints:
 - the bytes the busiest rank holds in parameters, gradients and optimizer state (its local
   shards' sizes; pipeline ranks of different stages hold different bytes), as a ratio to
   FSDP's, and whether ``olmolike plan``'s figure
-  (:func:`~olmolike.train.memory_plan.state_bytes`) equals what each rank holds;
+  (:func:`~olmolike.plan.memory.state_bytes`) equals what each rank holds;
 - the largest difference from a one-process run of the same model, data and steps of its
   per-step losses, its last step's gradients and its final weights, and ``pass`` when the
   losses are within 1e-5 (relative) and the gradients and weights within 1e-5 (``rtol`` and
@@ -56,9 +56,9 @@ from olmolike.distributed.utils import broadcast_object, gather_objects, get_ran
 from olmolike.exceptions import ConfigurationError
 from olmolike.nn import TransformerConfig
 from olmolike.optim import SGDConfig
+from olmolike.plan.memory import Layout, state_bytes
 from olmolike.testing import random_token_instances, run_distributed_test
 from olmolike.train import Callback, Duration, TrainerConfig
-from olmolike.train.memory_plan import Layout, state_bytes
 from olmolike.train.train_module import TransformerTrainModuleConfig
 
 SEQ, VOCAB, GLOBAL_ROWS, MICROBATCH_ROWS = 128, 512, 16, 2

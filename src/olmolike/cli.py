@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import platform
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -53,7 +54,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "evaluate": (
         "print the cross-entropy loss and perplexity of a checkpoint on token data",
-        "olmolike.inference:add_evaluate_command",
+        "olmolike.cli_args:add_evaluate_command",
     ),
     "plan": (
         "print a config's memory per GPU (parameters, gradients, optimizer state, "
@@ -63,7 +64,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": (
         "train from an experiment config file (YAML or JSON) with dotted overrides; under "
         "torchrun: torchrun --nproc-per-node=N -m olmolike train CONFIG.yaml",
-        "olmolike.experiment:add_train_command",
+        "olmolike.cli_args:add_train_command",
     ),
 }
 """Subcommand -> (its one-line help, ``module:function`` that adds its arguments to the
@@ -121,9 +122,12 @@ def _unshard(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_unshard_command(unshard: argparse.ArgumentParser) -> None:
-    from .distributed.unshard import UnshardStrategyType
+# UnshardStrategyType's values, written out: its module imports torch, which would make
+# `olmolike unshard --help` take seconds (test_cli_help.py checks they agree).
+UNSHARD_STRATEGIES = ("one_file", "one_file_per_tensor", "chunks")
 
+
+def _add_unshard_command(unshard: argparse.ArgumentParser) -> None:
     unshard.add_argument("checkpoint", help="a train checkpoint folder (stepN) or a DCP directory")
     unshard.add_argument("output", help="the directory to write the files into")
     unshard.add_argument(
@@ -135,8 +139,8 @@ def _add_unshard_command(unshard: argparse.ArgumentParser) -> None:
     unshard.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     unshard.add_argument(
         "--strategy",
-        choices=[s.value for s in UnshardStrategyType],
-        default=UnshardStrategyType.one_file.value,
+        choices=UNSHARD_STRATEGIES,
+        default=UNSHARD_STRATEGIES[0],
         help="one model file, one file per tensor, or chunks of whole tensors (default: %(default)s)",
     )
     unshard.add_argument(
@@ -151,6 +155,8 @@ def _add_unshard_command(unshard: argparse.ArgumentParser) -> None:
 def _generate(args: argparse.Namespace) -> int:
     if args.tp < 1:
         raise ConfigurationError(f"must be >= 1, got {args.tp}", path="tp")
+    if args.nproc_per_node is not None:
+        return _launch_generate(args)
     if args.tp == 1:
         return _sample_and_print(args, args.device)
     import torch
@@ -159,9 +165,9 @@ def _generate(args: argparse.Namespace) -> int:
     from .train import prepare_training_environment, teardown_training_environment
 
     if not (is_distributed() or launched_distributed()):
+        command = ["olmolike", "generate", f"--nproc-per-node={args.tp}", *_command_args(args)]
         raise ConfigurationError(
-            f"splits the model over {args.tp} ranks: launch with torchrun "
-            f"--nproc-per-node={args.tp} olmolike generate ... --tp {args.tp}",
+            f"splits the model over {args.tp} ranks: start them with {shlex.join(command)}",
             path="tp",
         )
     prepared = not is_distributed()
@@ -175,6 +181,36 @@ def _generate(args: argparse.Namespace) -> int:
     finally:
         if prepared:
             teardown_training_environment()
+
+
+def _command_args(args: argparse.Namespace) -> list[str]:
+    """The arguments the subcommand was given (after its name), as typed."""
+    argv: list[str] = args.argv
+    return argv[argv.index(args.command) + 1 :]
+
+
+def _launch_generate(args: argparse.Namespace) -> int:
+    """``generate --nproc-per-node N``: start N ranks here, each running ``generate --tp N``."""
+    from .distributed.utils import launched_distributed
+    from .launch import launch, without_option
+
+    nproc = args.nproc_per_node
+    if nproc < 1:
+        raise ConfigurationError(f"must be >= 1, got {nproc}", path="--nproc-per-node")
+    if launched_distributed():
+        raise ConfigurationError(
+            "starts the ranks itself: drop it under torchrun (or drop torchrun)",
+            path="--nproc-per-node",
+        )
+    if args.tp not in (1, nproc):
+        raise ConfigurationError(
+            f"is {args.tp} but --nproc-per-node starts {nproc} ranks, one per part of the "
+            f"model: give both the same number",
+            path="--tp",
+        )
+    rest = without_option(_command_args(args), "--nproc-per-node", len("--np"))
+    tp = [] if args.tp == nproc else ["--tp", str(nproc)]
+    return launch(nproc, ["generate", *rest, *tp])
 
 
 def _sample_and_print(args: argparse.Namespace, device: str | torch.device) -> int:
@@ -265,8 +301,15 @@ def _add_generate_command(generate: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="split the model over N ranks with tensor parallelism, for a model too large for "
-        "one device: run under torchrun --nproc-per-node=N; loads a checkpoint of any layout "
-        "and prints the text one process prints (default: %(default)s)",
+        "one device: start them with --nproc-per-node N (or run under torchrun "
+        "--nproc-per-node=N -m olmolike generate ...); loads a checkpoint of any layout and "
+        "prints the text one process prints (default: %(default)s)",
+    )
+    generate.add_argument(
+        "--nproc-per-node",
+        type=int,
+        metavar="N",
+        help="start N ranks on this machine that split the model (--tp N), without torchrun",
     )
     generate.set_defaults(run=_generate)
 
@@ -288,7 +331,7 @@ def _add_export_hf_command(export: argparse.ArgumentParser) -> None:
 
 def _plan(args: argparse.Namespace) -> int:
     from .experiment import load_experiment
-    from .train.memory_report import config_layout, plan_report
+    from .plan.report import config_layout, plan_report
 
     # Options may follow the config file too (`plan CONFIG --gpus 8`): the rest are overrides.
     parser = argparse.ArgumentParser(prog="olmolike plan", add_help=False)
@@ -300,10 +343,12 @@ def _plan(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"--gpus must be at least 1, got {args.gpus}")
     config = load_experiment(args.config, overrides)
     module = config.train_module
-    # The config's own tp_config/pp_config unless the flags say otherwise.
+    # The config's own tp_config/pp_config/cp_config unless the flags say otherwise.
     tp = args.tp if args.tp is not None else (module.tp_config.degree if module.tp_config else 1)
     pp = args.pp if args.pp is not None else (module.pp_config.degree if module.pp_config else 1)
-    layout = config_layout(module, args.gpus, args.gpus_per_node, tp, pp)
+    cp = args.cp if args.cp is not None else (module.cp_config.degree if module.cp_config else 1)
+    ep = args.ep if args.ep is not None else (module.ep_config.degree if module.ep_config else 1)
+    layout = config_layout(module, args.gpus, args.gpus_per_node, tp, pp, cp, ep)
     batch = config.data_loader.global_batch_size
     print(plan_report(config.model, module, layout, args.gpu_memory, args.reserve, batch), end="")
     return 0
@@ -346,20 +391,37 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
         help="pipeline ranks of the layout, with the config's pp_config schedule, else 1F1B "
         "(default: the config's train_module.pp_config.degree, else 1)",
     )
+    parser.add_argument(
+        "--cp",
+        type=int,
+        default=None,
+        help="context-parallel degree of the layout: each sequence split over that many ranks "
+        "(default: the config's train_module.cp_config.degree, else 1)",
+    )
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=None,
+        help="expert-parallel degree of the layout: each MoE layer's experts split over that "
+        "many of the ranks FSDP/HSDP shard over (default: the config's "
+        "train_module.ep_config.degree, else 1)",
+    )
 
 
 def _add_plan_command(plan: argparse.ArgumentParser) -> None:
     plan.description = (
         "Plan the memory of a training run without a GPU. For the config's layout "
         "on --gpus GPUs (dp_config: DDP replicates, FSDP shards over all, HSDP over groups; "
-        "with --tp and --pp), print the bytes of the busiest rank: parameters, gradients and "
+        "with --tp, --pp, --cp and --ep), print the bytes of the busiest rank: parameters, gradients and "
         "optimizer state (exactly what the ranks hold), buffers, communication buffers, and "
         "activations of one micro-batch (rank_microbatch_size tokens) with and without "
-        "activation checkpointing, by the formula printed below them. Then list every layout "
-        "pp x dp_replicate x dp_shard x tp of --gpus that fits in --gpu-memory, cheapest first: "
-        "fewer pipeline stages, then less tensor parallelism, then no activation "
-        "checkpointing, then less sharding. Example: olmolike plan run.yaml --gpus 8 --gpu-memory 80 "
-        "--train_module.rank_microbatch_size=8192. See docs/memory-planner.md."
+        "activation checkpointing, by the formula printed below them, and the longest sequence "
+        "that would fit. Then list every layout pp x dp_replicate x dp_shard x cp x tp of "
+        "--gpus that fits in --gpu-memory, cheapest first: fewer pipeline stages, then less "
+        "tensor parallelism, then less context parallelism, then no activation "
+        "checkpointing, then less sharding, each with its longest sequence. Example: olmolike "
+        "plan run.yaml --gpus 8 --gpu-memory 80 --train_module.rank_microbatch_size=8192. See "
+        "docs/memory-planner.md."
     )
     plan.add_argument("config", help="the experiment config file that olmolike train reads")
     _add_plan_options(plan)
@@ -368,11 +430,24 @@ def _add_plan_command(plan: argparse.ArgumentParser) -> None:
 
 
 def _add_info_command(info: argparse.ArgumentParser) -> None:
+    info.description = (
+        "Print the versions of olmolike, Python and torch, the CUDA devices torch sees and "
+        "whether the gloo backend (distributed training on CPUs) is available: what a bug "
+        "report needs."
+    )
     info.set_defaults(run=_info)
 
 
 def _add_check_config_command(check: argparse.ArgumentParser) -> None:
-    check.add_argument("path")
+    check.description = (
+        "Read a TrainerConfig file (YAML or JSON), apply dotted overrides, check every field "
+        "and print the result as YAML with every default filled in; a mistake is one line "
+        "naming the field. For a whole experiment file (model, data, trainer), use olmolike "
+        "train CONFIG --dry-run."
+    )
+    check.add_argument(
+        "path", help="the trainer config file (.yaml, .yml or .json; local or a URL)"
+    )
     check.add_argument("overrides", nargs=argparse.REMAINDER, help="--dotted.key=value ...")
     check.set_defaults(run=_check_config)
 
@@ -395,7 +470,9 @@ def build_parser(command: str | None = None, *, full: bool = False) -> argparse.
     commands = parser.add_subparsers(dest="command", required=True)
     for name, (help, _) in COMMANDS.items():
         if full or name == command:
-            _adder(name)(commands.add_parser(name, help=help))
+            # The one-line help is the description, unless the command writes a longer one.
+            description = f"{help[0].upper()}{help[1:]}."
+            _adder(name)(commands.add_parser(name, help=help, description=description))
         else:
             commands.add_parser(name, help=help, add_help=False)
     return parser
@@ -405,6 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(command if command in COMMANDS else None).parse_args(argv)
+    args.argv = argv  # as typed, for the commands an error suggests
     try:
         return int(args.run(args))
     except (OLMoLikeError, FileExistsError) as e:

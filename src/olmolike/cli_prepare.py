@@ -12,21 +12,29 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .data.numpy_dataset import METADATA_FILE
-from .data.preference_prepare import prepare_preference_data
-from .data.prepare import DEFAULT_SHARD_TOKENS, PreparedData, prepare_data
-from .data.prepared_io import SPLITS
-from .data.sft import OverlongPolicy, PackingMode, prepare_sft_data
-from .data.sources import stdlib_python_files
-from .data.tokenizer import TokenizerConfig
 from .exceptions import DataError
+
+if TYPE_CHECKING:
+    from .data.prepare import PreparedData
 
 __all__ = ["add_prepare_data_command"]
 
+# The library's defaults and choices, written out: olmolike.data imports torch, which would
+# make `olmolike prepare-data --help` take seconds (test_cli_help.py checks they agree).
+DEFAULT_SHARD_TOKENS = 1 << 28
+PACKING_MODES = ("packed", "padded")
+OVERLONG_POLICIES = ("error", "truncate", "drop")
+
 
 def _run(args: argparse.Namespace) -> int:
+    from .data.numpy_dataset import METADATA_FILE
+    from .data.prepare import prepare_data
+    from .data.prepared_io import SPLITS
+    from .data.sources import stdlib_python_files
+    from .data.tokenizer import TokenizerConfig
+
     inputs: list[str | Path] = list(args.inputs)
     if args.stdlib:
         inputs += stdlib_python_files()
@@ -47,12 +55,21 @@ def _run(args: argparse.Namespace) -> int:
         shard_tokens=args.shard_tokens,
         overwrite=args.overwrite,
         progress=True,
+        keep_binary=args.keep_binary,
     )
     for split in SPLITS:
         print(
             f"{split}: {prepared.num_tokens(split):,d} tokens in {len(prepared.paths(split))} shard(s)"
         )
     print(f"metadata: {prepared.output_dir / METADATA_FILE}")
+    skipped = prepared.metadata.get("skipped", [])
+    if skipped:
+        print(
+            f"warning: skipped {len(skipped)} of {len(skipped) + len(prepared.metadata['sources'])}"
+            " input file(s) that are not UTF-8 text (listed under 'skipped' in the metadata); "
+            "--keep-binary tokenizes them anyway",
+            file=sys.stderr,
+        )
     return _say_what_is_empty(prepared, args.val_fraction)
 
 
@@ -75,6 +92,11 @@ def _warn_empty_validation(val_fraction: float, of_what: str, more: str) -> None
 
 def _prepare_fine_tuning_data(args: argparse.Namespace, inputs: list[str | Path]) -> int:
     """``--sft`` (chat examples -> sequences) or ``--dpo`` (preference pairs -> pair rows)."""
+    from .data.numpy_dataset import METADATA_FILE
+    from .data.preference_prepare import prepare_preference_data
+    from .data.sft import prepare_sft_data
+    from .data.tokenizer import TokenizerConfig
+
     flag = "--sft" if args.sft else "--dpo"
     if args.sequence_length is None:
         what = "the training sequences" if args.sft else "each side of a pair"
@@ -132,6 +154,12 @@ def add_prepare_data_command(cmd: argparse.ArgumentParser) -> None:
     )
     cmd.add_argument("--overwrite", action="store_true", help="replace different earlier output")
     cmd.add_argument(
+        "--keep-binary",
+        action="store_true",
+        help="tokenize files that are not UTF-8 text (NUL bytes, mostly invalid UTF-8) instead "
+        "of skipping them with a warning; their invalid bytes become U+FFFD",
+    )
+    cmd.add_argument(
         "--stdlib",
         action="store_true",
         help="also use this Python's standard-library .py files (the embedded default corpus)",
@@ -153,13 +181,13 @@ def add_prepare_data_command(cmd: argparse.ArgumentParser) -> None:
     )
     fine_tuning.add_argument(
         "--packing",
-        choices=[m.value for m in PackingMode],
+        choices=PACKING_MODES,
         default="packed",
         help="several examples per sequence, or one padded (default: %(default)s)",
     )
     fine_tuning.add_argument(
         "--overlong",
-        choices=[p.value for p in OverlongPolicy],
+        choices=OVERLONG_POLICIES,
         default="error",
         help="what to do with an example longer than a sequence (default: %(default)s)",
     )

@@ -47,7 +47,7 @@ from .train.train_module import TransformerTrainModuleConfig
 from .train.train_module.grpo import RewardRegistry
 from .train.train_module.pipeline import check_pipeline
 
-__all__ = ["ExperimentConfig", "add_train_command", "check_layout", "load_experiment", "train"]
+__all__ = ["ExperimentConfig", "check_layout", "load_experiment", "train", "train_command"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ class ExperimentConfig(Config):
 
     def validate(self) -> None:
         check_data(self.train_module, self.dataset, self.data_loader)
+        self._check_expert_parallel()
         if not isinstance(self.dataset, NumpyDatasetConfig):
             return  # the others' lengths are in their files, checked when the data is built
         seq_len = self.dataset.sequence_length
@@ -88,6 +89,26 @@ class ExperimentConfig(Config):
                 "dataset.sequence_length",
                 f"{seq_len} is longer than the model's max_sequence_length "
                 f"({self.model.max_sequence_length}); raise --model.max_sequence_length",
+            )
+
+    def _check_expert_parallel(self) -> None:
+        """An expert-parallel degree the model's experts cannot be split by, refused before
+        any process group or model exists (training would refuse it when sharding)."""
+        degree = self.train_module.ep_config.degree if self.train_module.ep_config else 1
+        if degree == 1:
+            return
+        moe = self.model.moe
+        if moe is None:
+            raise self._invalid(
+                "train_module.ep_config",
+                "expert parallelism splits the experts of a mixture of experts and the model "
+                "has no MoE layer: set ep_config=null",
+            )
+        if moe.num_experts % degree:
+            raise self._invalid(
+                "train_module.ep_config.degree",
+                f"the expert-parallel degree ({degree}) must divide num_experts "
+                f"({moe.num_experts}): every rank holds the same number of experts",
             )
 
 
@@ -142,17 +163,20 @@ def train(config: ExperimentConfig, rewards: RewardRegistry | None = None) -> Tr
     registry = load_rewards(config.train_module, rewards)
     degrees = check_layout(config, get_world_size())
     data_loader = build_data_loader(config.dataset, config.data_loader, config.model, degrees)
+    _check_ids_within_tokenizer(data_loader, config.tokenizer)
     # Built on the meta device: the train module shards it (if asked), then materialises it.
     model = config.model.build(init_device="meta")
     train_module = build_train_module(config.train_module, model, config.tokenizer, registry)
     saver = ConfigSaverCallback(config=config.as_config_dict())  # for generate, evaluate
     trainer = config.trainer.with_callback("config_saver", saver).build(train_module, data_loader)
     kind = kind_of(config.train_module, config.dataset)
+    active = config.model.num_active_params()
     log.info(
-        "%s (%s): %s parameters, %s %s per step, %s steps",
+        "%s (%s): %s parameters%s, %s %s per step, %s steps",
         config.run_name,
         kind,
         f"{config.model.num_params():,d}",
+        f" ({active:,d} active per token)" if config.model.moe is not None else "",
         f"{trainer.global_batch_size:,d}",
         "prompts" if kind == "GRPO" else "tokens",
         trainer.max_steps,
@@ -161,11 +185,28 @@ def train(config: ExperimentConfig, rewards: RewardRegistry | None = None) -> Tr
     return trainer
 
 
-def _train_command(args: argparse.Namespace) -> int:
+def _check_ids_within_tokenizer(data_loader: object, tokenizer: TokenizerConfig) -> None:
+    """Token ids the experiment's tokenizer has no token for (data prepared with another
+    one) are refused like ids beyond the model's vocabulary: at build where the data's
+    metadata records its largest id, else as each instance is read, before any step."""
+    check = getattr(getattr(data_loader, "dataset", None), "check_token_ids_below", None)
+    if check is not None:
+        vocab_size = tokenizer.resolve().vocab_size
+        assert vocab_size is not None
+        check(
+            vocab_size,
+            "the tokenizer's vocabulary size",
+            f"the data was prepared with another tokenizer than this experiment's "
+            f"({tokenizer.identifier!r}): set --tokenizer.identifier to the one that prepared it",
+        )
+
+
+def train_command(args: argparse.Namespace) -> int:
+    """``olmolike train`` (its arguments: :mod:`olmolike.cli_args`)."""
     from .train import prepare_training_environment, teardown_training_environment
     from .utils import seed_all
 
-    if args.nproc_per_node is not None:
+    if args.nproc_per_node is not None or args.max_restarts is not None:
         return _launch(args)
     # First: a mistake in the file or the overrides is then one line, once per job.
     prepare_training_environment()
@@ -189,41 +230,23 @@ def _launch(args: argparse.Namespace) -> int:
     from .distributed.utils import launched_distributed
     from .launch import launch
 
-    if args.nproc_per_node < 1:
-        raise ConfigurationError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    nproc = 1 if args.nproc_per_node is None else args.nproc_per_node
+    if nproc < 1:
+        raise ConfigurationError(f"--nproc-per-node must be >= 1, got {nproc}")
+    restarts = args.max_restarts or 0
+    if restarts < 0:
+        raise ConfigurationError(f"--max-restarts must be >= 0, got {restarts}")
     if launched_distributed():
+        option = "--nproc-per-node" if args.nproc_per_node is not None else "--max-restarts"
         raise ConfigurationError(
-            "--nproc-per-node starts the ranks itself: drop it under torchrun (or drop torchrun)"
+            f"{option} is olmolike's launcher's: under torchrun drop it (torchrun has its own "
+            "--max-restarts), or drop torchrun"
         )
     # A mistake in the file, the overrides or the layout is one line here, before any rank
     # starts (each rank would say it, and tear the job's store down under the others).
     overrides = [o for o in args.overrides if o != "--dry-run"]
-    check_layout(load_experiment(args.config, overrides), args.nproc_per_node, args.nproc_per_node)
+    check_layout(load_experiment(args.config, overrides), nproc, nproc)
     frozen_rank_timeout()  # the ranks' environment, this one's
     dry_run = ["--dry-run"] if args.dry_run else []
-    return launch(args.nproc_per_node, ["train", args.config, *dry_run, *args.overrides])
-
-
-def add_train_command(cmd: argparse.ArgumentParser) -> None:
-    """The arguments of ``olmolike train`` (its parser and help come from :mod:`olmolike.cli`)."""
-    cmd.description = (
-        "Train from an experiment config file: model, train_module, dataset, "
-        "data_loader, trainer (the train_lm example's --dry-run prints one). The train "
-        "module's _CLASS_ picks pretraining or SFT (transformer), dpo or grpo, and the "
-        "dataset's _CLASS_ its data (numpy, sft, preference_pairs, prompts). GRPO's reward "
-        "functions come from installed packages' olmolike.rewards entry points. Any field can "
-        "be overridden: --trainer.max_duration.value=100."
-    )
-    cmd.add_argument(
-        "--nproc-per-node",
-        type=int,
-        metavar="N",
-        help="start N ranks on this machine (gloo on CPU, NCCL on GPUs) instead of one process, "
-        "without torchrun; give it before the config file",
-    )
-    cmd.add_argument("config", help="the experiment config file (.yaml, .yml or .json)")
-    cmd.add_argument(
-        "--dry-run", action="store_true", help="print the config with the overrides; train nothing"
-    )
-    cmd.add_argument("overrides", nargs=argparse.REMAINDER, help="--dotted.key=value ...")
-    cmd.set_defaults(run=_train_command)
+    argv = ["train", args.config, *dry_run, *args.overrides]
+    return launch(nproc, argv, max_restarts=0 if args.dry_run else restarts)

@@ -39,8 +39,8 @@ from .train.train_module import BasicTrainModule
 
 __all__ = [
     "LoadedCheckpoint",
-    "add_evaluate_command",
     "evaluate_checkpoint",
+    "evaluate_command",
     "export_checkpoint_to_hf",
     "generate_text",
     "load_checkpoint_model",
@@ -122,8 +122,10 @@ def _tensor_parallel_mesh(degree: int, device: torch.device) -> DeviceMesh:
     world = get_world_size() if is_distributed() else 1
     if world != degree:
         raise ConfigurationError(
-            f"splits the model over {degree} ranks, but this job has {world}: launch it with "
-            f"torchrun --nproc-per-node={degree} (or drop --tp)",
+            f"splits the model over {degree} ranks, but this job has {world}: start "
+            f"{degree} ranks (olmolike generate --nproc-per-node={degree} CHECKPOINT --tp "
+            f"{degree}, or torchrun --nproc-per-node={degree} -m olmolike generate CHECKPOINT "
+            f"--tp {degree}), or drop --tp",
             path="tp",
         )
     return init_device_mesh(device.type, (degree,), mesh_dim_names=("tp",))
@@ -257,7 +259,8 @@ def _config_sequence_length(config: dict[str, Any]) -> int:
     return value
 
 
-def _evaluate(args: argparse.Namespace) -> int:
+def evaluate_command(args: argparse.Namespace) -> int:
+    """``olmolike evaluate`` (its arguments: :mod:`olmolike.cli_args`)."""
     metrics = evaluate_checkpoint(
         args.checkpoint,
         args.data,
@@ -269,36 +272,3 @@ def _evaluate(args: argparse.Namespace) -> int:
     for name, value in metrics.items():
         print(f"{name}: {value:.6f}")
     return 0
-
-
-def add_evaluate_command(evaluate: argparse.ArgumentParser) -> None:
-    """The arguments of ``olmolike evaluate`` (held-out loss and perplexity of a checkpoint)."""
-    evaluate.add_argument(
-        "checkpoint", help="a checkpoint folder (runs/my-run/step600) or a save folder (its newest)"
-    )
-    evaluate.add_argument(
-        "--data",
-        nargs="+",
-        action="extend",
-        required=True,
-        metavar="PATH_OR_GLOB",
-        help="token files (.npy/.bin), folders of them, or globs, as prepare-data writes them "
-        "(repeatable; put the checkpoint first or it is taken for data)",
-    )
-    evaluate.add_argument(
-        "--sequence-length",
-        type=int,
-        metavar="N",
-        help="tokens per instance (default: the experiment config's dataset.sequence_length)",
-    )
-    evaluate.add_argument(
-        "--batch-size", type=int, default=8, metavar="N", help="instances per forward pass"
-    )
-    evaluate.add_argument(
-        "--max-batches",
-        type=int,
-        metavar="N",
-        help="evaluate at most this many batches (default: all data)",
-    )
-    evaluate.add_argument("--device", default="cpu")
-    evaluate.set_defaults(run=_evaluate)

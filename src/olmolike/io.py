@@ -14,7 +14,7 @@ import secrets
 import shutil
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -33,6 +33,7 @@ __all__ = [
     "persist",
     "read_bytes",
     "remove",
+    "removed_if_left_empty",
     "resolve_download_url",
     "retry_network",
     "url_to_fs",
@@ -160,6 +161,37 @@ def is_url(path: PathOrStr) -> bool:
 def local_path(path: PathOrStr) -> Path:
     text = str(path)
     return Path(text[len("file://") :] if text.startswith("file://") else text)
+
+
+@contextlib.contextmanager
+def removed_if_left_empty(*paths: PathOrStr | None) -> Iterator[None]:
+    """Around work that may create the local directories ``paths`` and then fail (a refused
+    run): on failure, each directory it created, and each parent it created with it, is
+    removed again if still empty, so that nothing is left behind. URLs and ``None`` are
+    skipped; a directory that existed before, or that holds anything, is kept."""
+    created = []
+    for path in paths:
+        if path is None or is_url(path):
+            continue
+        missing = None
+        for folder in (local_path(path).absolute(), *local_path(path).absolute().parents):
+            if folder.exists():
+                break
+            missing = folder
+        if missing is not None:
+            created.append((local_path(path).absolute(), missing))
+    try:
+        yield
+    except BaseException:
+        for leaf, top in created:
+            for folder in (leaf, *leaf.parents):
+                try:
+                    folder.rmdir()  # only if empty
+                except OSError:
+                    break
+                if folder == top:
+                    break
+        raise
 
 
 def join_path(dir: PathOrStr, name: PathOrStr) -> str:

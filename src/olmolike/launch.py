@@ -15,6 +15,14 @@ not freeze the store with it.
 Signals: the ranks run in their own sessions, so a Ctrl-C in the terminal reaches the
 launcher alone, which passes each SIGINT and SIGTERM on to every rank once: the first stops
 the run gracefully, a second SIGINT aborts it, as in a single process.
+
+Restarts (``--max-restarts K``, as torchrun's): when a rank fails, the launcher waits for every
+rank to end, then starts them all again, up to K times; each start resumes from the save
+folder's newest complete checkpoint, as running the same command again would. A run the user
+stopped (SIGINT, SIGTERM to the launcher) is not restarted. Every start of one launch shares
+one run id (``OLMOLIKE_RUN_ID``, unless the environment gives one: see
+:mod:`olmolike.train.checkpoint.lease`), so a restart takes its own save folder's lease back at
+once; ``OLMOLIKE_RESTART_COUNT`` tells the ranks how many restarts came before them.
 """
 
 from __future__ import annotations
@@ -23,62 +31,122 @@ import contextlib
 import ctypes
 import datetime
 import os
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
 
-__all__ = ["GRACE_SECONDS", "launch"]
+__all__ = ["GRACE_SECONDS", "launch", "shared_run_id", "without_option"]
 
 GRACE_SECONDS = 30.0
 """How long the ranks left get to end on their own after one failed (they see it at once
 and say why), before the launcher ends them with SIGTERM, then SIGKILL."""
 
 
-def launch(nproc: int, argv: Sequence[str]) -> int:
-    """Run ``python -m olmolike *argv`` as ``nproc`` ranks on this machine; the exit status
-    of the first rank that failed (128 + the signal for a signal), else 0."""
-    store = _job_store()  # held until every rank has ended
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
-    env.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
-    env.update(TORCHELASTIC_USE_AGENT_STORE="True")
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-m", "olmolike", *argv],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-        for rank in range(nproc)
-    ]
+def launch(nproc: int, argv: Sequence[str], *, max_restarts: int = 0) -> int:
+    """Run ``python -m olmolike *argv`` as ``nproc`` ranks on this machine, again after a
+    failure up to ``max_restarts`` times; the exit status of the first rank that failed in
+    the last start (128 + the signal for a signal), else 0."""
+    env = {**os.environ, **shared_run_id(os.environ)}
+    ranks: list[subprocess.Popen[bytes]] = []  # those of the current start
+    stopped: list[int] = []  # the signals the user sent the launcher
 
     def forward(signum: int, frame: FrameType | None) -> None:
         del frame
+        stopped.append(signum)
         for rank in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(rank.pid, signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        status = _wait(ranks)
+        for restart in range(max_restarts + 1):
+            if stopped:  # between two starts
+                return 128 + stopped[0]
+            start_env = {**env, "OLMOLIKE_RESTART_COUNT": str(restart)}
+            status, failed = _start(nproc, argv, start_env, ranks)
+            if status == 0 or stopped or restart == max_restarts:
+                return status
+            print(
+                f"olmolike: {failed}; restarting the {nproc} rank(s) from the latest "
+                f"checkpoint (restart {restart + 1} of {max_restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        for rank in ranks:
-            if rank.poll() is None:  # the launcher itself was interrupted
-                rank.kill()
-            rank.wait()
-    return status
+    raise AssertionError("unreachable: the last start returns")
 
 
-def _wait(ranks: list[subprocess.Popen[bytes]]) -> int:
-    """Wait until every rank ended, without reaping any; the first failure's status."""
+def without_option(argv: Sequence[str], option: str, shortest: int) -> list[str]:
+    """``argv`` without ``option`` and its value (``--opt V``, ``--opt=V``, or a prefix of
+    it at least ``shortest`` characters long, as argparse accepts): the command line a rank
+    runs once the launcher has used the option."""
+    out: list[str] = []
+    skip = False
+    for item in argv:
+        key, equals, _ = item.partition("=")
+        if skip:
+            skip = False
+        elif len(key) >= shortest and option.startswith(key):
+            skip = not equals
+        else:
+            out.append(item)
+    return out
+
+
+def shared_run_id(environ: Mapping[str, str]) -> dict[str, str]:
+    """``OLMOLIKE_RUN_ID`` for the ranks of every start of one launch, unless ``environ``
+    names the run already (``OLMOLIKE_RUN_ID``, or a SLURM job whose requeued attempts keep
+    its id): the lease then knows a restart for the same run."""
+    if environ.get("OLMOLIKE_RUN_ID") or environ.get("SLURM_JOB_ID"):
+        return {}
+    return {
+        "OLMOLIKE_RUN_ID": f"{socket.gethostname()}-launch-{os.getpid()}-{secrets.token_hex(4)}"
+    }
+
+
+def _start(
+    nproc: int, argv: Sequence[str], env: dict[str, str], ranks: list[subprocess.Popen[bytes]]
+) -> tuple[int, str]:
+    """One start of the ranks (kept in ``ranks`` while they run, for the signal handler): the
+    exit status (as :func:`launch`'s) and which rank failed first, and how."""
+    store = _job_store()  # held until every rank of this start has ended
+    env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
+    env.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    env.update(TORCHELASTIC_USE_AGENT_STORE="True")
+    ranks.clear()
+    try:
+        for rank in range(nproc):
+            ranks.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "olmolike", *argv],
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
+            )
+        return _wait(ranks)
+    finally:
+        for process in ranks:
+            if process.poll() is None:  # the launcher itself was interrupted
+                process.kill()
+            process.wait()
+        ranks.clear()
+
+
+def _wait(ranks: list[subprocess.Popen[bytes]]) -> tuple[int, str]:
+    """Wait until every rank ended, without reaping any; the first failure's status, and
+    which rank it was and how it ended."""
     ended: dict[int, int] = {}
     first_failure: int | None = None
     deadline = float("inf")
@@ -98,12 +166,14 @@ def _wait(ranks: list[subprocess.Popen[bytes]]) -> int:
             terminated, deadline = True, time.monotonic() + 10
         time.sleep(0.1)
     if first_failure is None:
-        return 0
+        return 0, ""
     status = ended[first_failure]
-    if all(code < 0 for code in ended.values()):  # no rank was left to say what happened
-        name = signal.Signals(-status).name
-        print(f"error: rank {first_failure} was killed by {name}", file=sys.stderr)
-    return status if status > 0 else 128 - status
+    how = f"exited with status {status}"
+    if status < 0:
+        how = f"was killed by {signal.Signals(-status).name}"
+        if all(code < 0 for code in ended.values()):  # no rank was left to say what happened
+            print(f"error: rank {first_failure} {how}", file=sys.stderr)
+    return (status if status > 0 else 128 - status), f"rank {first_failure} {how}"
 
 
 def _ended(pid: int) -> int | None:

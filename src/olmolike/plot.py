@@ -15,7 +15,6 @@ from typing import Any
 
 from . import io
 from .exceptions import DataError, OLMoLikeError
-from .train.callbacks.metric_saver import read_metrics_file
 
 __all__ = [
     "DEFAULT_PANELS",
@@ -79,6 +78,10 @@ def _run_name(path: str) -> str:
 
 def load_run(path: str | Path) -> RunMetrics:
     """Read the metrics file of a save folder (or the file itself, local or a URL)."""
+    # Here, not at the top: the trainer's modules import torch, and `olmolike plot --help`
+    # should answer at once.
+    from .train.callbacks.metric_saver import read_metrics_file
+
     path = str(path)
     source = _metrics_path(path)
     try:

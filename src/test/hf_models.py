@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face Llama / OLMo-2 models, built from a config (no download)."""
+"""Tiny random Hugging Face Llama / OLMo-2 / OLMoE models, built from a config (no download)."""
 
 from __future__ import annotations
 
@@ -20,14 +20,18 @@ def hf_config(arch: str, **overrides: Any) -> Any:
         rms_norm_eps=1e-5 if arch == "llama" else 1e-6, rope_theta=4321.0, pad_token_id=None,
         bos_token_id=None, eos_token_id=VOCAB - 1,
     )  # fmt: skip
+    if arch == "olmoe":  # 8 experts of width 16, top-2
+        fields |= dict(intermediate_size=16, num_experts=8, num_experts_per_tok=2)
     fields |= overrides
     if arch == "llama":
         return transformers.LlamaConfig(**fields)
+    if arch == "olmoe":
+        return transformers.OlmoeConfig(**fields)
     return transformers.Olmo2Config(**fields)
 
 
 def hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
-    """A random ``LlamaForCausalLM`` or ``Olmo2ForCausalLM`` in eval mode.
+    """A random ``LlamaForCausalLM``, ``Olmo2ForCausalLM`` or ``OlmoeForCausalLM`` in eval mode.
 
     Norm weights are randomised too (they start at 1), so a norm in the wrong place (pre-norm
     vs OLMo-2's reordered norm) cannot go unnoticed.
@@ -35,7 +39,12 @@ def hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
     config = hf_config(arch, **overrides)
-    cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Olmo2ForCausalLM
+    classes = {
+        "llama": "LlamaForCausalLM",
+        "olmo2": "Olmo2ForCausalLM",
+        "olmoe": "OlmoeForCausalLM",
+    }
+    cls = getattr(transformers, classes[arch])
     model = cls(config).eval()
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

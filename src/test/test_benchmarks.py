@@ -26,6 +26,8 @@ BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
         ("generation.py", "cached >= 5x recompute"),
         ("cli_startup.py", "ratio olmolike --help / python -c pass"),
         ("parallel_layouts.py", "ratios against FSDP"),
+        ("context_parallel.py", "measured / planned"),
+        ("moe.py", "MoE / dense tokens/s"),
     ],
 )
 def test_benchmark_smoke(script: str, expected: str, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
+from unittest.mock import Mock
 
 import pytest
 import torch
@@ -207,3 +208,21 @@ def test_bad_settings_are_rejected_at_construction(kwargs: dict[str, Any], path:
     with pytest.raises(ConfigurationError) as info:
         StabilityMonitorCallback(**kwargs)
     assert info.value.path == path
+
+
+def test_beside_a_stand_in_trainer_it_watches_the_ce_loss() -> None:
+    """OLMo-core's own tests build the monitor with a ``Mock`` for a trainer, whose train
+    module's ``loss_metric`` is another Mock, not a name: the monitor then watches
+    ``train/CE loss``, as it does before it is attached."""
+    monitor = StabilityMonitorCallback(window_size=4, rolling_window=4, threshold_std=3.0)
+    monitor._trainer = Mock()
+    assert monitor.train_loss_metric() == "train/CE loss"
+    for step in range(4):
+        monitor.pre_log_metrics(step, {"train/CE loss": 2.0 - 0.1 * step})
+    metrics = {"train/CE loss": 50.0}
+    monitor.pre_log_metrics(4, metrics)
+    assert metrics["spike/SpikeScore (total)"] == pytest.approx(1 / 5)
+    named = Mock()
+    named.train_module.loss_metric = "train/DPO loss"  # a train module that names its loss
+    monitor._trainer = named
+    assert monitor.train_loss_metric() == "train/DPO loss"

@@ -96,8 +96,8 @@ CHECKED_FIELDS = [
 ]
 
 INTERNAL = {
-    "olmolike.train.metrics.CollectedMetrics": "built by MetricBuffer from checked values",
-    "olmolike.train.memory_plan.Layout": "frozen (no CheckedChoices): __post_init__ checks it",
+    "olmolike.train.metric_buffer.CollectedMetrics": "built by MetricBuffer from checked values",
+    "olmolike.plan.memory.Layout": "frozen (no CheckedChoices): __post_init__ checks it",
 }
 """Dataclasses with an enum-typed field that users never build: their values were checked
 where they came in."""
@@ -256,13 +256,13 @@ def _checkpoints_to_remove() -> None:
 
 
 def _record_reduce_type() -> None:
-    from olmolike.train.metrics import MetricBuffer
+    from olmolike.train.metric_buffer import MetricBuffer
 
     MetricBuffer().record(1, "loss", 1.0, reduce_type=BAD)  # type: ignore[arg-type]
 
 
 def _record_merge_strategy() -> None:
-    from olmolike.train.metrics import MetricBuffer
+    from olmolike.train.metric_buffer import MetricBuffer
 
     # Checked on the first record of a step too, not only when a duplicate needs merging.
     MetricBuffer().record(1, "loss", 1.0, merge_strategy=BAD)  # type: ignore[arg-type]
@@ -295,17 +295,20 @@ FUNCTIONS: dict[str, tuple[Callable[..., None], str]] = {
         _checkpoints_to_remove,
         "strategy",
     ),
-    "olmolike.train.metrics.MetricBuffer.record": (_record_reduce_type, "reduce_type"),
-    "olmolike.train.metrics.MetricBuffer.record/merge": (_record_merge_strategy, "merge_strategy"),
+    "olmolike.train.metric_buffer.MetricBuffer.record": (_record_reduce_type, "reduce_type"),
+    "olmolike.train.metric_buffer.MetricBuffer.record/merge": (
+        _record_merge_strategy,
+        "merge_strategy",
+    ),
     "olmolike.train.utils.reduce_metrics": (_reduce_metrics, "reduce_type"),
     "olmolike.train.train_module.grpo.loss.group_advantages": (_group_advantages, "scale"),
 }
 DELEGATING = {
     "olmolike.train.trainer.Trainer.record_metric": "MetricBuffer.record",
     "olmolike.train.trainer.Trainer.record_ce_loss": "MetricBuffer.record",
-    "olmolike.train.train_module.train_module.TrainModule.record_metric": "Trainer.record_metric",
-    "olmolike.train.train_module.train_module.TrainModule.record_ce_loss": "Trainer.record_metric",
-    "olmolike.train.train_module.train_module.TrainModule.record_loss": "Trainer.record_metric",
+    "olmolike.train.train_module.train_module.TrainModule.record_metric": "MetricBuffer.record",
+    "olmolike.train.train_module.train_module.TrainModule.record_ce_loss": "MetricBuffer.record",
+    "olmolike.train.train_module.train_module.TrainModule.record_loss": "its record_metric",
     "olmolike.train.utils.check_metrics_consistent": "compares the names only",
     "olmolike.train.callbacks.notifications.NotificationSetting.reports": "compares members of "
     "checked config fields",

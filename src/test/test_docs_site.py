@@ -149,6 +149,8 @@ def test_the_strict_build_passes_with_every_guide_public_name_and_config_field(
     inventory = _read_inventory(site / "objects.inv")
     known_as = _check_public_names(inventory)
     assert _check_fields(inventory, known_as) > 100  # the walk found the configs
+    empty_bases = [p.name for p in site.glob("**/*.html") if "<p>Bases:</p>" in p.read_text()]
+    assert not empty_bases, f"pages with an empty 'Bases:' line: {empty_bases}"
 
 
 def test_every_public_class_and_function_has_a_docstring() -> None:
@@ -164,6 +166,27 @@ def test_every_public_class_and_function_has_a_docstring() -> None:
         if _is_code(obj) and not has_own_docstring(obj)
     )
     assert not undocumented, f"public names without a docstring: {undocumented}"
+
+
+def test_every_field_of_a_public_dataclass_has_a_docstring() -> None:
+    """Also a warning (an error) in the strict build; here without building: the attribute
+    docstrings as Sphinx's analyzer reads them from the source."""
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        from olmolike_api import attribute_docs
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    bare = set()
+    for obj in {id(o): o for o in _public_names().values() if _is_code(o)}.values():
+        if not (inspect.isclass(obj) and dataclasses.is_dataclass(obj)):
+            continue
+        for field in dataclasses.fields(obj):
+            if field.name.startswith("_"):
+                continue
+            owner = next(c for c in obj.__mro__ if field.name in vars(c).get("__annotations__", {}))
+            if not any(line.strip() for line in attribute_docs(owner).get(field.name, [])):
+                bare.add(f"{owner.__module__}.{owner.__qualname__}.{field.name}")
+    assert not bare, f"fields without a docstring: {sorted(bare)}"
 
 
 _FAKE_CONF = """
@@ -185,30 +208,36 @@ __all__ = ["Settings", "helper"]
 class Settings:
     """Settings; see :func:`helper` and :func:`fakepkg.mod.helper` (both the re-export)."""
     size: int = 1
+    {field_doc}
 
 def helper() -> None:
     {doc}
 '''
 
 
+_FINE = '"""Fine: uses :class:`Settings`."""'
+_FIELD_DOC = '"""How many, in items."""'
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("doc", "error"),
+    ("doc", "field_doc", "error"),
     [
-        ('"""Fine: uses :class:`Settings`."""', None),
-        ("pass", "fakepkg.helper has no docstring"),
-        ('"""Uses :class:`Setings`."""', "py:class reference target not found: Setings"),
+        (_FINE, _FIELD_DOC, None),
+        ("pass", _FIELD_DOC, "fakepkg.helper has no docstring"),
+        ('"""Uses :class:`Setings`."""', _FIELD_DOC, "reference target not found: Setings"),
+        (_FINE, "", "fakepkg.Settings.size has no docstring"),
     ],
-    ids=["clean", "missing-docstring", "broken-reference"],
+    ids=["clean", "missing-docstring", "broken-reference", "bare-field"],
 )
 def test_the_strict_build_fails_on_a_missing_docstring_or_a_broken_reference(
-    tmp_path: Path, doc: str, error: str | None
+    tmp_path: Path, doc: str, field_doc: str, error: str | None
 ) -> None:
     """The mechanism on a package of its own, so the check is seen failing (and fast)."""
     pkg = tmp_path / "src" / "fakepkg"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(_FAKE_INIT)
-    (pkg / "mod.py").write_text(_FAKE_MOD.format(doc=doc))
+    (pkg / "mod.py").write_text(_FAKE_MOD.format(doc=doc, field_doc=field_doc))
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "conf.py").write_text(_FAKE_CONF.format(ext=str(DOCS / "_ext"), pkg=str(pkg.parent)))
@@ -223,5 +252,7 @@ def test_the_strict_build_fails_on_a_missing_docstring_or_a_broken_reference(
     )
     if error is None:
         assert result.returncode == 0, result.stderr
+        # Settings is a plain dataclass: no "Bases: object", and no empty "Bases:" either.
+        assert "Bases:" not in (tmp_path / "html" / "index.html").read_text()
     else:
         assert result.returncode != 0 and error in result.stderr, result.stderr

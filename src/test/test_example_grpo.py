@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_docs_results import grpo_results
 from testutils import patient
 
 SCRIPT = Path(__file__).parents[1] / "examples" / "grpo" / "train.py"
@@ -34,6 +35,11 @@ def test_grpo_example_reports_accuracy_and_writes_metrics(tmp_path: Path) -> Non
     assert abs(figures["sft_tokens_per_step"] - figures["grpo_tokens_per_step"]) <= 10
     lines = (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()
     assert "train/reward/exact_answer/mean" in json.loads(lines[-1])["metrics"]
+    # It prints its results as docs/grpo.md shows them, and writes every figure the guide's
+    # stored ones have (test_docs_results.py).
+    results = grpo_results()
+    assert results.render(figures) in result.stdout
+    assert figures.keys() == json.loads(results.STORED.read_text()).keys()
 
 
 @pytest.mark.slow

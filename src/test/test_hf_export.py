@@ -112,8 +112,11 @@ def test_every_preset_exports_to_its_architecture(tmp_path: Path, preset: str) -
     export_hf(model.state_dict(), ours_config, tmp_path)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     olmo2 = ours_config.block_type == TransformerBlockType.reordered_norm
-    assert preset.startswith("olmo2") == olmo2 == ours_config.qk_norm
+    moe = ours_config.moe is not None
+    assert preset.startswith("olmo2") == olmo2 and (olmo2 or moe) == ours_config.qk_norm
     expected_class = "Olmo2ForCausalLM" if olmo2 else "LlamaForCausalLM"
+    if moe:
+        expected_class = "OlmoeForCausalLM"
     assert type(theirs).__name__ == expected_class
     ids = torch.randint(0, 61, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

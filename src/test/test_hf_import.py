@@ -127,7 +127,7 @@ def test_dtype_is_kept_unless_asked(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe"}, "OlmoeForCausalLM"),
+        ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}, "MixtralForCausal"),
         ({"architectures": ["Qwen2ForCausalLM"]}, "LlamaForCausalLM, Olmo2ForCausalLM"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic'"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "'yarn'"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -117,7 +118,9 @@ def write_record(folder: str, **fields: object) -> None:
         "released": False,
         **fields,
     }
-    io.write_file(io.join_path(folder, LEASE_DIR), "0000000007.json", json.dumps(record))
+    io.write_file(
+        io.join_path(folder, LEASE_DIR), "0000000007.json", json.dumps(record), overwrite=True
+    )
 
 
 def test_a_live_lease_on_another_host_is_respected(folder: str) -> None:
@@ -132,7 +135,8 @@ def test_a_stale_lease_is_taken_over_with_a_warning(
     write_record(folder, heartbeat_at=time.time() - 600)  # older than its 60 s timeout
     lease = SaveFolderLease(folder, run="new-run")
     lease.acquire()
-    assert "Taking over the stale lease" in caplog.text and "old-run" in caplog.text
+    assert "Taking over the lease" in caplog.text and "old-run" in caplog.text
+    assert "its last heartbeat is older than lease_timeout=60s" in caplog.text
     assert [r["run_id"] for r in records(folder)] == ["new-run"]  # the old record is gone
     lease.release()
 
@@ -321,14 +325,15 @@ def test_the_heartbeat_thread_runs_no_collective(tmp_path: Path) -> None:
         {"OLMOLIKE_RUN_ID": "job-42"},
         {"SLURM_JOB_ID": "42"},
         {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "3"},
+        {"TORCHELASTIC_RUN_ID": "7f3c-rdzv"},
     ],
-    ids=["run-id", "slurm-job", "slurm-step"],
+    ids=["run-id", "slurm-job", "slurm-step", "torchrun"],
 )
 def test_the_same_job_restarted_takes_its_own_lease_over_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str]
 ) -> None:
     folder = str(tmp_path / "run")
-    for name in ("OLMOLIKE_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID"):
+    for name in RUN_ID_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -344,6 +349,136 @@ def test_the_same_job_restarted_takes_its_own_lease_over_at_once(
     trainer = build_trainer(folder, max_duration=Duration.steps(1))  # not refused at build
     trainer.fit()
     assert [r["run_id"] for r in records(folder)] == [job]
+
+
+RUN_ID_VARIABLES = ("OLMOLIKE_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID")
+
+
+def test_torchruns_default_rendezvous_id_names_no_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A multi-node torchrun without --rdzv-id gives every job the id "none": two such jobs
+    are not one run restarted."""
+    for name in RUN_ID_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert run_id() != run_id() and "none" not in run_id()
+    monkeypatch.setenv("SLURM_JOB_ID", "42")  # a scheduler's id comes first
+    assert run_id() == "slurm-job-42"
+
+
+def own_start_time(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[19])
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux's /proc")
+def test_a_holder_whose_pid_now_belongs_to_another_process_is_gone(tmp_path: Path) -> None:
+    """A restarted container numbers its processes from 1 again, and pids are reused: a
+    live process with the holder's pid but another start time is not the holder."""
+    folder = str(tmp_path / "run")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    try:
+        started = own_start_time(holder.pid)
+        here = {"host": socket.gethostname(), "pid": holder.pid}
+        write_record(folder, run_id="other-run", process_started=started, **here)
+        with pytest.raises(SaveFolderInUseError, match="other-run"):
+            SaveFolderLease(folder, run="mine").acquire()
+        write_record(folder, run_id="other-run", process_started=started - 1, **here)
+        lease = SaveFolderLease(folder, run="mine")
+        lease.acquire()  # the process with that pid started later: not the holder
+        lease.release()
+    finally:
+        holder.communicate(b"")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux's /proc")
+def test_a_holder_that_died_unreaped_or_before_a_reboot_is_gone(tmp_path: Path) -> None:
+    """A zombie (``olmolike train`` keeps a dead rank unreaped until the others end) has
+    ended; so has every process of an earlier boot."""
+    folder = str(tmp_path / "run")
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + patient(60)
+    while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the child did not end"
+        time.sleep(0.02)
+    try:
+        write_record(folder, run_id="other-run", host=socket.gethostname(), pid=zombie.pid)
+        lease = SaveFolderLease(folder, run="mine")
+        lease.acquire()
+        lease.release()
+    finally:
+        zombie.wait()
+    live = {"host": socket.gethostname(), "pid": os.getppid()}  # pytest's parent: alive
+    shutil.rmtree(Path(folder, LEASE_DIR))
+    write_record(folder, run_id="other-run", boot_id="an-earlier-boot", **live)
+    lease = SaveFolderLease(folder, run="mine")
+    lease.acquire()
+    lease.release()
+    shutil.rmtree(Path(folder, LEASE_DIR))
+    write_record(folder, run_id="other-run", **live)  # this boot (a record without one)
+    with pytest.raises(SaveFolderInUseError, match="other-run"):
+        SaveFolderLease(folder, run="mine").acquire()
+
+
+@pytest.mark.skipif(not Path("/proc/self/ns/pid").exists(), reason="needs Linux's /proc")
+def test_a_holder_in_another_pid_namespace_is_judged_as_on_another_host(tmp_path: Path) -> None:
+    """Containers with the host's network share its host name but not its pids: a holder's pid
+    that is no process here says nothing about it. Its lease is live until it goes stale,
+    unless it has this run's id (the same run, restarted)."""
+    folder = str(tmp_path / "run")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True)  # fmt: skip
+    elsewhere = {"host": socket.gethostname(), "pid": int(dead.stdout), "pid_namespace": "pid:[1]"}
+    write_record(folder, run_id="other-run", **elsewhere)
+    with pytest.raises(SaveFolderInUseError, match="other-run"):
+        SaveFolderLease(folder, run="mine").acquire()
+    write_record(folder, run_id="mine", **elsewhere)
+    lease = SaveFolderLease(folder, run="mine")
+    lease.acquire()
+    lease.release()
+
+
+def test_a_record_with_fields_of_a_later_version_is_still_a_live_lease(folder: str) -> None:
+    write_record(folder, written_by="olmolike 9.0", priority=3)
+    with pytest.raises(SaveFolderInUseError, match="old-run"):
+        SaveFolderLease(folder, run="new-run").acquire()
+
+
+def test_a_new_holder_removes_what_killed_record_writes_left(tmp_path: Path) -> None:
+    """A process killed while it renewed its record leaves the record's temporary file; the
+    next holder removes those older than the timeout (a younger one may be a racing
+    taker's, about to become its record)."""
+    folder = tmp_path / "run"
+    lease_dir = folder / LEASE_DIR
+    lease_dir.mkdir(parents=True)
+    old, young = lease_dir / ".0000000003.json.1a2b.tmp", lease_dir / ".0000000004.json.3c4d.tmp"
+    old.write_text('{"run_id": "hal')
+    young.write_text("")
+    os.utime(old, (time.time() - 100, time.time() - 100))
+    lease = SaveFolderLease(str(folder), run="mine", timeout=60)
+    lease.acquire()
+    lease.release()
+    assert not old.exists() and young.exists()
+
+
+def test_a_run_given_another_runs_id_by_mistake_commits_nothing_after_a_takeover(
+    tmp_path: Path,
+) -> None:
+    """Two jobs on two hosts with one run id: the second takes the lease as a restart would;
+    the first finds out before its next marker, though no heartbeat ran in between."""
+    trainer = build_trainer(tmp_path, max_duration=Duration.steps(1))
+    trainer.checkpointer.acquire_lease(str(tmp_path))
+    lease = trainer.checkpointer.lease
+    assert lease is not None
+    write_record(str(tmp_path), run_id=lease.run_id, host="elsewhere")
+    os.replace(
+        Path(tmp_path, LEASE_DIR, "0000000007.json"), Path(tmp_path, LEASE_DIR, "0000000009.json")
+    )
+    with pytest.raises(CheckpointError, match="has this run's id"):
+        trainer.save_checkpoint()
+    assert not (tmp_path / "step0").exists()
+    trainer.checkpointer.release_lease()
 
 
 def test_the_same_job_step_restarted_on_this_host_takes_over_from_its_dead_process(

@@ -3,6 +3,7 @@ against torch's MemTracker, the command's output and its one-line errors."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from olmolike.cli import main
 from olmolike.data.numpy_data_loader import NumpyDataLoaderConfig
 from olmolike.data.numpy_dataset import NumpyDatasetConfig
+from olmolike.distributed.mesh import ParallelDegrees
 from olmolike.distributed.parallel import DataParallelConfig, DataParallelType
 from olmolike.distributed.pipeline import PipelineScheduleType, split_layers
 from olmolike.experiment import ExperimentConfig
@@ -19,16 +21,17 @@ from olmolike.nn import TransformerConfig
 from olmolike.nn.functional import cross_entropy_loss
 from olmolike.nn.transformer_stage import TransformerStage
 from olmolike.optim import AdamWConfig
+from olmolike.plan.activations import activation_bytes, pipeline_actions
+from olmolike.plan.memory import Layout, gathered_bytes, state_bytes
+from olmolike.plan.report import plan_report, rank_memory
 from olmolike.train import Duration, TrainerConfig
-from olmolike.train.activation_memory import activation_bytes, pipeline_actions
-from olmolike.train.memory_plan import Layout, gathered_bytes, state_bytes
-from olmolike.train.memory_report import plan_report, rank_memory
 from olmolike.train.train_module import (
     ActivationCheckpointingConfig,
     ActivationCheckpointingMode,
     TransformerTrainModuleConfig,
 )
 from olmolike.train.train_module.dpo import DPOTrainModuleConfig
+from olmolike.train.train_module.layout import check_data_parallel
 
 # 1,000 parameters: embedding 80, per block 2 norms 16 + q/k/v/out 4 x 64 + MLP 3 x 48 = 416,
 # final norm 8, head 80. Buffers: RoPE cos and sin, 16 positions x head_dim 4, float32.
@@ -251,13 +254,14 @@ def test_plan_prints_the_layout_and_what_fits(
 ) -> None:
     assert main(["plan", str(config_file), "--gpus", "8", "--gpu-memory", "80"]) == 0
     out = capsys.readouterr().out
-    assert "pp 1 x dp_replicate 1 x dp_shard 8 x tp 1 (fsdp on 8 GPUs)" in out
+    assert "pp 1 x dp_replicate 1 x dp_shard 8 x cp 1 x tp 1 (fsdp on 8 GPUs)" in out
     for line in ("parameters", "gradients", "optimizer state", "activations", "block 2(8+a)d"):
         assert line in out
-    table = out.split("GiB/GPU\n")[1]
+    table = out.split("longest seq\n")[1]
     rows = [line.split() for line in table.splitlines() if not line.lstrip().startswith("...")]
-    order = [(int(r[0]), int(r[3]), r[5] != "none", int(r[2])) for r in rows]  # pp tp ac shard
-    assert rows[0][:6] == ["1", "8", "1", "1", "ddp", "none"]  # cheapest: plain DDP
+    # pp, tp, cp, act-ckpt, dp_shard
+    order = [(int(r[0]), int(r[4]), int(r[3]), r[6] != "none", int(r[2])) for r in rows]
+    assert rows[0][:7] == ["1", "8", "1", "1", "1", "ddp", "none"]  # cheapest: plain DDP
     assert order == sorted(order)
 
 
@@ -291,8 +295,164 @@ def test_plan_takes_the_layout_from_the_config_unless_a_flag_says_otherwise(
 ) -> None:
     plan = ["plan", str(config_file), "--gpus", "8", "--gpu-memory", "80"]
     assert main([*plan, "--train_module.tp_config.degree=2"]) == 0
-    assert "pp 1 x dp_replicate 1 x dp_shard 4 x tp 2 (fsdp" in capsys.readouterr().out
+    assert "pp 1 x dp_replicate 1 x dp_shard 4 x cp 1 x tp 2 (fsdp" in capsys.readouterr().out
     assert main([*plan, "--train_module.pp_config.degree=2"]) == 0
-    assert "pp 2 x dp_replicate 1 x dp_shard 4 x tp 1 (fsdp" in capsys.readouterr().out
+    assert "pp 2 x dp_replicate 1 x dp_shard 4 x cp 1 x tp 1 (fsdp" in capsys.readouterr().out
     assert main([*plan, "--tp", "1", "--train_module.tp_config.degree=2"]) == 0
-    assert "pp 1 x dp_replicate 1 x dp_shard 8 x tp 1 (fsdp" in capsys.readouterr().out
+    assert "pp 1 x dp_replicate 1 x dp_shard 8 x cp 1 x tp 1 (fsdp" in capsys.readouterr().out
+    assert main([*plan, "--train_module.cp_config.degree=4"]) == 0
+    assert "pp 1 x dp_replicate 1 x dp_shard 2 x cp 4 x tp 1 (fsdp" in capsys.readouterr().out
+    assert main([*plan, "--cp", "2", "--train_module.cp_config.degree=4"]) == 0
+    assert "pp 1 x dp_replicate 1 x dp_shard 4 x cp 2 x tp 1 (fsdp" in capsys.readouterr().out
+
+
+def test_a_layout_training_refuses_is_refused_with_trainings_fix_which_plans(
+    config_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """TP over DDP: training refuses it, so the planner does too, with the same line; the
+    fix it names, given as an override, plans."""
+    plan = ["plan", str(config_file), "--gpus", "8", "--gpu-memory", "80", "--tp", "2"]
+    assert main([*plan, "--train_module.dp_config=null"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "tensor parallelism composes with FSDP or HSDP over the data (and context-parallel) "
+        "ranks, not with DDP" in err
+    )
+    fix = re.search(r"set (train_module\.dp_config\.name=\w+)", err)
+    assert fix is not None
+    assert main([*plan, "--train_module.dp_config=null", f"--{fix[1]}"]) == 0
+    assert "pp 1 x dp_replicate 1 x dp_shard 4 x cp 1 x tp 2 (fsdp" in capsys.readouterr().out
+
+
+def test_every_listed_layout_trains_as_labelled(
+    config_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each row's data-par is a dp_config that training accepts with the row's degrees, and
+    that gives exactly those degrees (HSDP's num_replicas being dp_replicate); replication
+    with TP or a pipeline is HSDP with one-rank shards, counted with FSDP's buffers."""
+    assert main(["plan", str(config_file), "--gpus", "8", "--gpu-memory", "80"]) == 0
+    table = capsys.readouterr().out.split("longest seq\n")[1]
+    rows = [line.split() for line in table.splitlines() if line.split()[:1] != ["..."]]
+    assert any(row[5] == "hsdp" and row[2] == "1" and row[4] != "1" for row in rows)
+    for pp, replicate, shard, cp, tp, name, *_ in rows:
+        degrees = ParallelDegrees(
+            pp=int(pp), dp_replicate=int(replicate), dp_shard=int(shard), cp=int(cp), tp=int(tp)
+        )
+        if name == "none":
+            assert degrees.dp * degrees.cp == 1
+            continue
+        num_replicas = int(replicate) if name == "hsdp" else None
+        dp = DataParallelConfig(name=DataParallelType(name), num_replicas=num_replicas)
+        check_data_parallel(degrees, dp)  # training's own check
+        assert dp.degrees(8, pp=int(pp), cp=int(cp), tp=int(tp)) == degrees, (name, degrees)
+    model = TransformerConfig.olmo2_1B(100_352)
+    module = TransformerTrainModuleConfig(rank_microbatch_size=4096)
+    replicated_tp = rank_memory(model, module, Layout(dp_replicate=4, tp=2), None)
+    assert replicated_tp.layout.data_parallel == "hsdp"
+    assert replicated_tp.gathered < replicated_tp.state.params  # no DDP bucket copy
+
+
+# -- mixtures of experts -------------------------------------------------------------------------
+
+
+def test_a_mixture_of_experts_is_counted_whole_and_its_summary_says_active() -> None:
+    olmoe = TransformerConfig.olmoe_1B_7B(50304)
+    held = state_bytes(olmoe, Layout(dp_shard=8), AdamWConfig())
+    unsharded = state_bytes(olmoe, Layout(), AdamWConfig())
+    assert unsharded.params == 4 * olmoe.num_params()
+    # FSDP chunks every tensor along dim 0, the 64 experts 8 per rank.
+    assert held.params == pytest.approx(unsharded.params / 8, rel=1e-4)
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_moe_activation_estimate_within_15_percent_of_mem_tracker(ac: str) -> None:
+    from olmolike.nn import MoEConfig
+
+    config = TransformerConfig(
+        vocab_size=256, d_model=64, n_layers=3, n_heads=4, mlp_hidden_size=192, qk_norm=True,
+        max_sequence_length=128, moe=MoEConfig(num_experts=8, top_k=2, hidden_size=96, layers=[1, 2]),
+    )  # fmt: skip
+    module = TransformerTrainModuleConfig(rank_microbatch_size=4 * 128, ac_config=AC_MODES[ac])
+    train_module = module.build(config.build(seed=0), device=torch.device("cpu"))
+    input_ids = torch.randint(0, 256, (4, 128), generator=torch.Generator().manual_seed(0))
+    tracker = _ActivationPeak()
+    tracker.track_external(train_module.model, input_ids)
+    with tracker:
+        logits = train_module.model(input_ids)
+        loss, _ = cross_entropy_loss(logits, input_ids, reduction="sum")
+        loss.backward()
+    estimate = activation_bytes(config, 4 * 128, 4, AC_MODES[ac])
+    assert abs(estimate - tracker.peak) <= 0.15 * tracker.peak, (estimate, tracker.peak)
+
+
+# -- expert parallelism ----------------------------------------------------------------------------
+
+
+def test_expert_parallelism_splits_the_experts_then_fsdp_shards_them() -> None:
+    olmoe = TransformerConfig.olmoe_1B_7B(50304)
+    meta = olmoe.build(init_device="meta")
+    experts = sum(p.numel() for n, p in meta.named_parameters() if ".experts." in n)
+    rest = olmoe.num_params() - experts
+    # 16 FSDP ranks, EP 8: 8 experts per EP rank, FSDP over the 2 ranks holding them; every
+    # other tensor over all 16 (OLMoE's dims divide evenly, so every rank holds the same).
+    for rank in (0, 7, 15):
+        held = state_bytes(olmoe, Layout(dp_shard=16, ep=8), AdamWConfig(), rank)
+        assert held.params == pytest.approx(4 * (experts / 16 + rest / 16), rel=1e-6)
+    # EP 16 over FSDP 16: each rank 4 whole experts, the same bytes as plain FSDP 16...
+    assert state_bytes(olmoe, Layout(dp_shard=16, ep=16), AdamWConfig()).params == (
+        state_bytes(olmoe, Layout(dp_shard=16), AdamWConfig()).params
+    )
+    # ... but FSDP gathers only the rank's own experts, not all 64.
+    fsdp = DataParallelConfig(name=DataParallelType.fsdp)
+    plain = gathered_bytes(olmoe, Layout(dp_shard=16), fsdp)
+    split = gathered_bytes(olmoe, Layout(dp_shard=16, ep=16), fsdp)
+    per_block_experts = experts // olmoe.n_layers
+    assert plain - split == 2 * 4 * (per_block_experts - per_block_experts // 16)
+
+
+def test_expert_parallelism_counts_the_all_to_all_and_is_refused_where_training_refuses_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from olmolike.plan.memory import all_to_all_bytes
+
+    olmoe = TransformerConfig.olmoe_1B_7B(50304)
+    # Sent and received copies, the results back and received: 4 x tokens x top_k x d.
+    assert all_to_all_bytes(olmoe, Layout(dp_shard=8, ep=8), 4096, 2) == 4 * 4096 * 8 * 2048 * 2
+    assert all_to_all_bytes(olmoe, Layout(dp_shard=8), 4096, 2) == 0
+    config = ExperimentConfig(
+        run_name="plan",
+        model=olmoe,
+        dataset=NumpyDatasetConfig(paths=[str(tmp_path / "tokens.npy")], sequence_length=4096),
+        data_loader=NumpyDataLoaderConfig(global_batch_size=64 * 4096, seed=0),
+        train_module=TransformerTrainModuleConfig(
+            rank_microbatch_size=4096,
+            dp_config=DataParallelConfig(name=DataParallelType.fsdp, param_dtype="bfloat16"),
+        ),
+        trainer=TrainerConfig(save_folder=str(tmp_path / "run"), max_duration=Duration.steps(1)),
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text(config.to_yaml())
+    plan = ["plan", str(path), "--gpus", "16", "--gpu-memory", "80"]
+    assert main([*plan, "--train_module.ep_config.degree=8"]) == 0
+    out = capsys.readouterr().out
+    assert "dp_shard 16 x cp 1 x tp 1 (ep 8) (fsdp on 16 GPUs)" in out
+    assert "all-to-all of one MoE layer" in out and "experts split over ep 8 ranks" in out
+    # With TP the experts are whole on every tensor-parallel rank of their EP rank.
+    assert main([*plan, "--ep", "4", "--tp", "2"]) == 0
+    assert "dp_shard 8 x cp 1 x tp 2 (ep 4) (fsdp on 16 GPUs)" in capsys.readouterr().out
+    for args, message in [
+        (["--ep", "3"], "expert-parallel degree (3) must be a multiple of cp (1)"),
+        (["--ep", "32"], "expert-parallel degree (32)"),
+        (
+            [
+                "--ep",
+                "2",
+                "--train_module.dp_config.name=ddp",
+                "--train_module.dp_config.param_dtype=null",
+            ],
+            "dp_config.name=fsdp",
+        ),
+    ]:
+        assert main([*plan, *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err

@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor
 
 from olmolike.distributed.pipeline import PipelineScheduleType
 from olmolike.distributed.utils import get_rank
-from olmolike.nn import TransformerConfig
-from olmolike.train.memory_plan import Layout, StateBytes, state_bytes
+from olmolike.nn import MoEConfig, TransformerConfig
+from olmolike.plan.memory import Layout, StateBytes, state_bytes
 from olmolike.train.train_module import TransformerTrainModuleConfig
 
 # Every dimension uneven over 2 and 4 ranks (67 vocabulary rows, 40 MLP rows, 24 kv rows in
@@ -27,6 +27,17 @@ MODEL = TransformerConfig(
 # Tensor parallelism splits the vocabulary evenly: 70 rows, 35 per TP rank, which FSDP then
 # shards unevenly (18 + 17).
 TP_MODEL = replace(MODEL, vocab_size=70)
+
+# A mixture of experts in the second layer only (pipeline ranks hold different bytes): 3
+# experts, which FSDP shards 2 + 1 along the expert dimension, a shared expert, and a router.
+MOE_MODEL = replace(
+    TP_MODEL, moe=MoEConfig(num_experts=3, top_k=2, hidden_size=20, shared_expert_hidden_size=8,
+                            layers=[1]),
+)  # fmt: skip
+
+# Six experts: expert parallelism gives each of 2 ranks 3, which FSDP over the 2 ranks that
+# hold the same experts shards 2 + 1.
+EP_MODEL = replace(MOE_MODEL, moe=replace(MOE_MODEL.moe, num_experts=6))  # type: ignore[type-var]
 
 HELD_LAYOUTS: dict[str, tuple[dict[str, Any], Layout, TransformerConfig]] = {
     "ddp": ({"dp_config": {"name": "ddp"}}, Layout(dp_replicate=2), MODEL),
@@ -59,12 +70,40 @@ HELD_LAYOUTS: dict[str, tuple[dict[str, Any], Layout, TransformerConfig]] = {
         Layout(pp=2, stages_per_rank=2, schedule=PipelineScheduleType.interleaved_1f1b),
         replace(MODEL, n_layers=4),
     ),
+    # Context parallelism: FSDP shards over the data and context ranks together (4 shards);
+    # DDP replicates over the context ranks.
+    "cp-2-fsdp-2": (
+        {"cp_config": {"degree": 2}, "dp_config": {"name": "fsdp"}},
+        Layout(dp_shard=2, cp=2),
+        MODEL,
+    ),
+    "cp-2-ddp": ({"cp_config": {"degree": 2}}, Layout(cp=2, cp_sharded=False), MODEL),
     # Needs TP x PP in the train module (TransformerTrainModuleConfig.validate refuses it
     # until then).
     "tp-2-pp-2": (
         {"tp_config": {"degree": 2}, "pp_config": {"degree": 2}},
         Layout(pp=2, tp=2),
         TP_MODEL,
+    ),
+    "moe-fsdp": ({"dp_config": {"name": "fsdp"}}, Layout(dp_shard=2), MOE_MODEL),
+    "moe-tp-2": ({"tp_config": {"degree": 2}}, Layout(tp=2), MOE_MODEL),
+    "moe-pp-2": ({"pp_config": {"degree": 2}}, Layout(pp=2), MOE_MODEL),
+    # Expert parallelism: the experts over the EP ranks, then FSDP over the ranks that hold
+    # the same experts; every other tensor over all of dp_shard (x cp).
+    "moe-ep-2-fsdp-2": (
+        {"dp_config": {"name": "fsdp"}, "ep_config": {"degree": 2}},
+        Layout(dp_shard=4, ep=2),
+        EP_MODEL,
+    ),
+    "moe-ep-2-tp-2": (
+        {"dp_config": {"name": "fsdp"}, "ep_config": {"degree": 2}, "tp_config": {"degree": 2}},
+        Layout(dp_shard=2, tp=2, ep=2),
+        EP_MODEL,
+    ),
+    "moe-cp-2-ep-2": (
+        {"dp_config": {"name": "fsdp"}, "ep_config": {"degree": 2}, "cp_config": {"degree": 2}},
+        Layout(cp=2, ep=2),
+        EP_MODEL,
     ),
 }
 """Train-module config fields -> the layout they make, and the model."""

@@ -13,9 +13,9 @@ from olmolike.distributed.pipeline import PipelineScheduleType
 from olmolike.exceptions import ConfigurationError
 from olmolike.nn import TransformerConfig
 from olmolike.optim import AdamWConfig
-from olmolike.train.activation_memory import activation_bytes, microbatches_in_flight
-from olmolike.train.memory_plan import Layout, state_bytes, tensor_parallel_dims
-from olmolike.train.memory_report import check_model_split, fitting, plan_report
+from olmolike.plan.activations import activation_bytes, microbatches_in_flight
+from olmolike.plan.memory import Layout, state_bytes, tensor_parallel_dims
+from olmolike.plan.report import check_model_split, fitting, plan_report
 from olmolike.train.train_module import (
     ActivationCheckpointingConfig,
     ActivationCheckpointingMode,

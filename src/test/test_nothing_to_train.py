@@ -32,8 +32,12 @@ def test_hard_stop_below_the_loaded_step_names_hard_stop(
     trainer = build_trainer(
         tmp_path / "run", max_duration=Duration.steps(10), hard_stop=Duration.steps(2)
     )
+    caplog.clear()
     trainer.fit()
-    assert any("hard_stop ends it at step 2" in r.getMessage() for r in caplog.records)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("hard_stop ends it at step 2" in m for m in messages)
+    # No "Training from step 3 to step 2" first: there is nothing to train.
+    assert not any(m.startswith("Training from step") for m in messages), messages
 
 
 def test_a_run_with_steps_left_does_not_warn(
@@ -42,3 +46,4 @@ def test_a_run_with_steps_left_does_not_warn(
     finished_run(tmp_path / "run")
     build_trainer(tmp_path / "run", max_duration=Duration.steps(4)).fit()
     assert not any("Nothing to train" in r.getMessage() for r in caplog.records)
+    assert any(r.getMessage().startswith("Training from step") for r in caplog.records)

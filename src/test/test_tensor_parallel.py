@@ -20,7 +20,7 @@ from testutils import run_distributed_test
 
 from olmolike.data import TokenTensorDataLoader
 from olmolike.distributed.parallel import DataParallelConfig, DataParallelType
-from olmolike.distributed.tensor_parallel import ContextParallelConfig, TensorParallelConfig
+from olmolike.distributed.tensor_parallel import TensorParallelConfig
 from olmolike.distributed.utils import broadcast_object, get_rank, group_timeout
 from olmolike.exceptions import ConfigurationError
 from olmolike.nn import TransformerConfig
@@ -192,12 +192,6 @@ def test_tensor_parallel_equals_one_process(tmp_path: Path) -> None:
             assert_same_run(got, expected)
         assert generated == tokens
         assert "build the loader with dp_" in refusal, refusal
-
-
-def test_context_parallelism_is_refused_with_the_reason() -> None:
-    with pytest.raises(ConfigurationError, match="no CPU path") as info:
-        ContextParallelConfig(degree=2)
-    assert "cp_config.degree=1" in str(info.value)
 
 
 def test_degrees_that_do_not_fit_the_model_are_refused() -> None:

@@ -95,8 +95,16 @@ def test_a_mistake_in_the_overrides_is_one_line(
         ["--train_module.dp_config.name=fsdp"],
         # Two pipeline stages: the loader and trainer must use the data-parallel group.
         ["--train_module.pp_config.degree=2", "--model.n_layers=2"],
+        # Expert parallelism, turned on from the command line for a model made MoE there.
+        [
+            "--train_module.dp_config.name=fsdp",
+            "--train_module.ep_config.degree=2",
+            "--model.moe.num_experts=4",
+            "--model.moe.top_k=2",
+            "--model.moe.hidden_size=16",
+        ],
     ],
-    ids=["fsdp", "pp"],
+    ids=["fsdp", "pp", "ep"],
 )
 def test_under_torchrun(config_file: Path, tmp_path: Path, layout: list[str]) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
@@ -111,3 +119,23 @@ def test_under_torchrun(config_file: Path, tmp_path: Path, layout: list[str]) ->
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0 of 2" in result.stderr
     assert (tmp_path / "run" / "step2").is_dir()
+    if any("ep_config" in arg for arg in layout):  # the EP checkpoint loads in one process
+        loaded = load_checkpoint_model(tmp_path / "run")
+        assert loaded.config["train_module"]["ep_config"]["degree"] == 2
+        assert loaded.model.config.moe is not None and loaded.model.config.moe.num_experts == 4
+
+
+def test_a_run_refused_when_it_is_built_leaves_no_empty_folder(
+    config_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A micro-batch that does not divide the rank's batch is refused before anything is
+    written: the run's folder (and its parent, both made for it) is gone again; a folder that
+    existed before stays."""
+    run = tmp_path / "new" / "run"
+    refused = ["--train_module.rank_microbatch_size=96", f"--trainer.save_folder={run}"]
+    assert main(["train", str(config_file), *refused]) == 2
+    assert "rank_microbatch_size" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    run.mkdir(parents=True)
+    assert main(["train", str(config_file), *refused]) == 2
+    assert run.is_dir()

@@ -728,3 +728,37 @@ def test_one_cpu_process_runs_bookkeeping_inline_unless_asked(tmp_path: Path) ->
     assert asked.async_bookkeeping is True
     assert op_threads[1] != threading.current_thread().name
     assert seen and all(name == threading.current_thread().name for name in seen)
+
+
+def test_every_trainer_config_field_of_the_trainers_reaches_it(tmp_path: Path) -> None:
+    from dataclasses import fields
+
+    from olmolike.train import LoadStrategy, Trainer, TrainerConfig
+
+    values: dict[str, Any] = {
+        "max_duration": Duration.steps(7),
+        "save_overwrite": True,
+        "load_path": str(tmp_path / "elsewhere"),
+        "load_strategy": LoadStrategy.never,
+        "load_trainer_state": False,
+        "load_optim_state": False,
+        "metrics_collect_interval": 3,
+        "cancel_check_interval": 4,
+        "hard_stop": Duration.steps(5),
+        "async_bookkeeping": False,
+        "bookkeeping_soft_timeout": 12,
+        "train_timeout_seconds": 99,
+        "no_checkpoints": True,
+        "no_evals": True,
+    }
+    trainer = build_trainer(tmp_path / "run", **values)
+    assert {name: getattr(trainer, name) for name in values} == values
+    assert trainer.save_folder == str(tmp_path / "run")
+    built = {"save_folder", "work_dir", "device", "checkpointer", "callbacks"}
+    copied = {"steps_to_skip", "checkpoints_to_eval"}
+    trainers = {f.name for f in fields(Trainer) if f.init}
+    assert {f.name for f in fields(TrainerConfig) if f.name in trainers} == {
+        *values,
+        *built,
+        *copied,
+    }

@@ -194,4 +194,8 @@ def test_trainers_built_fitted_and_dropped_leave_nothing_behind(
     for seen in run_distributed_test(
         build_fit_and_drop, world_size, args=(str(tmp_path), close_fails), timeout=300
     ):
-        assert all(after == seen[0] for after in seen[1:]), seen
+        # Open files may only fall (a descriptor the launch left open can close on its own,
+        # seen once in CI: 32 then 31); a leak is growth. Everything else is exactly as before.
+        without_fds = [{k: v for k, v in s.items() if k != "fds"} for s in seen]
+        assert all(after == without_fds[0] for after in without_fds[1:]), seen
+        assert all(after["fds"] <= seen[0]["fds"] for after in seen[1:]), seen

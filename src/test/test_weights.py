@@ -11,7 +11,7 @@ import pytest
 import torch
 from hf_models import VOCAB, hf_logits, hf_model, save_hf_model, token_ids
 from remote_servers import RemoteStore, gcs_bucket, gcs_server, s3_bucket, s3_server  # noqa: F401
-from testutils import patient, run_distributed_test
+from testutils import build_trainer, patient, run_distributed_test
 from torch.distributed.tensor import DTensor
 
 from olmolike import io
@@ -25,7 +25,7 @@ from olmolike.nn.rope import RopeScalingConfig
 from olmolike.optim import AdamWConfig
 from olmolike.testing import random_token_instances
 from olmolike.train import Callback, Duration, Trainer, TrainerConfig
-from olmolike.train.callbacks import CheckpointerCallback
+from olmolike.train.callbacks import CheckpointerCallback, InitWeightsCallback
 from olmolike.train.train_module import TransformerTrainModuleConfig
 from olmolike.train.weights import load_pretrained_weights
 
@@ -217,6 +217,44 @@ def test_run_from_another_runs_checkpoint_gets_weights_only(tmp_path: Path) -> N
         expected = base_model.eval()(probe.ids)
     assert probe.logits is not None and torch.equal(probe.logits, expected)
     assert tuned.global_step == 1
+
+
+@dataclass
+class HeldAtStart(Callback):
+    """The model's weights when the callbacks' ``pre_train`` runs, after InitWeightsCallback's."""
+
+    held: dict[str, torch.Tensor] = field(default_factory=dict)
+    priority: ClassVar[int] = -10
+
+    def pre_train(self) -> None:
+        self.held = state_of(model_of(self.trainer))
+
+
+def test_init_weights_callback_starts_a_users_own_train_module_unless_it_resumed(
+    tmp_path: Path,
+) -> None:
+    # A BasicTrainModule has no init_weights field: the public callback gives it the same
+    # start, loading in its pre_train, and a resumed run keeps its own weights.
+    base = build_trainer(tmp_path / "base", max_duration=Duration.steps(2))
+    base.fit()
+    probe = HeldAtStart()
+    callbacks = {"init": InitWeightsCallback(source=str(tmp_path / "base")), "probe": probe}
+    fresh = build_trainer(
+        tmp_path / "run", seed=1, max_duration=Duration.steps(2), callbacks=callbacks
+    )
+    fresh.fit()
+    assert_same_state(probe.held, state_of(model_of(base)))
+    probe = HeldAtStart()
+    gone = InitWeightsCallback(source=str(tmp_path / "gone"))  # a resume never reads it
+    resumed = build_trainer(
+        tmp_path / "run",
+        seed=1,
+        max_duration=Duration.steps(3),
+        callbacks={"init": gone, "probe": probe},
+    )
+    resumed.fit()
+    assert resumed.global_step == 3
+    assert_same_state(probe.held, state_of(model_of(fresh)))
 
 
 def test_a_checkpoint_of_another_shape_is_refused(tmp_path: Path) -> None:

@@ -18,8 +18,10 @@ trained on after the warm-up, and greedy exact-answer accuracy on them is the fi
    * **SFT**: language modelling on the prompts with their right answers and EOS
      (``"07+15=22<eos>"``), rows of the same width as GRPO's.
 
-Both accuracies go to ``OUT/accuracy.json``, GRPO's metrics to ``OUT/grpo/metrics.jsonl`` (for
-``olmolike plot``). Every setting is a dotted override, as for ``olmolike train``::
+Both accuracies go to ``OUT/accuracy.json`` (with the time of each phase and GRPO's first and
+last rewards), GRPO's metrics to ``OUT/grpo/metrics.jsonl`` (for ``olmolike plot``), and the
+run ends by printing the results as ``docs/grpo.md`` shows them (:mod:`grpo_results`). Every
+setting is a dotted override, as for ``olmolike train``::
 
     python src/examples/grpo/train.py [OUT] [--trainer.max_duration.value=50] [--warm_up.steps=300]
         [--compare_with_sft=false] [--dry-run]
@@ -28,15 +30,19 @@ Both accuracies go to ``OUT/accuracy.json``, GRPO's metrics to ``OUT/grpo/metric
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import random
 import sys
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from grpo_results import render  # this folder's: the block docs/grpo.md shows
 
 from olmolike.config import Config
 from olmolike.data import TokenTensorDataLoader
@@ -238,29 +244,50 @@ def run(config: GRPODemoConfig) -> None:
     barrier()
     train, held_out = (read_prompt_jsonl(folder / f"{n}.jsonl") for n in ("train", "heldout"))
     model = config.model.build(seed=0)
-    warm_up(model, [*train, *held_out], config)
+    seconds: dict[str, float] = {}
+    with timed(seconds, "warm-up"):
+        warm_up(model, [*train, *held_out], config)
     before = accuracy(model, held_out)
     sft_model = copy.deepcopy(model) if config.compare_with_sft else None
-    grpo(model, config)
+    with timed(seconds, "GRPO"):
+        grpo(model, config)
     result: dict[str, Any] = {
         "warm_up_steps": config.warm_up.steps,
         "steps": config.trainer.max_duration.value,
+        "held_out": HELD_OUT,
+        "threads": torch.get_num_threads(),
+        "ranks": get_world_size(),
         "before": before,
         "grpo": accuracy(model, held_out),
         "grpo_tokens_per_step": config.tokens_per_grpo_step(),
     }
     if sft_model is not None:
-        result["sft_tokens_per_step"] = supervised_arm(sft_model, train, config)
+        with timed(seconds, "SFT"):
+            result["sft_tokens_per_step"] = supervised_arm(sft_model, train, config)
         result["sft"] = accuracy(sft_model, held_out)
     if get_rank() == 0:
+        metrics = folder / config.trainer.save_folder / "metrics.jsonl"
+        result.update(seconds=seconds, **first_and_last(metrics))
         (folder / "accuracy.json").write_text(json.dumps(result) + "\n")
-        line = (
-            f"held-out greedy accuracy ({HELD_OUT} sums): after the warm-up {before:.3f}, "
-            f"after {result['steps']} GRPO steps {result['grpo']:.3f}"
-        )
-        if "sft" in result:
-            line += f", after {result['steps']} SFT steps of as many tokens {result['sft']:.3f}"
-        print(line)
+        print(render(result))
+
+
+@contextlib.contextmanager
+def timed(seconds: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    seconds[name] = time.perf_counter() - start
+
+
+def first_and_last(metrics: Path) -> dict[str, dict[str, float]]:
+    """GRPO's mean reward and completion length at its first step and over its last 10."""
+    records = [json.loads(line)["metrics"] for line in metrics.read_text().splitlines()]
+    figures = {}
+    for key, name in (("reward", "train/reward/mean"), ("completion_length",
+                      "train/completion length/mean")):  # fmt: skip
+        values = [r[name] for r in records if name in r]
+        figures[key] = {"first": values[0], "last_10": sum(values[-10:]) / len(values[-10:])}
+    return figures
 
 
 def main(argv: list[str]) -> None:

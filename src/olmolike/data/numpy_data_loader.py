@@ -226,10 +226,16 @@ class NumpyDataLoaderConfig(Config):
     """Builds a :class:`NumpyDataLoader`; ``global_batch_size`` is in tokens."""
 
     global_batch_size: int
+    """Tokens per optimizer step over all data-parallel ranks: a multiple of the sequence length
+    times the data-parallel ranks (each rank gets an equal share of instances)."""
     seed: int = 0
+    """Seeds the order of the instances: each epoch is shuffled from ``seed`` and the epoch number,
+    so the same seed gives the same batches (and a resumed run the same ones it would have had)."""
     shuffle: bool = True
     """Off for validation: every epoch in dataset order."""
     num_workers: int = 0
+    """Worker processes that read batches ahead of the training loop
+    (``torch.utils.data.DataLoader``'s); 0 reads them in the training process."""
     prefetch_factor: int = 2
     """Batches each worker reads ahead (with ``num_workers > 0``)."""
     ignore_fingerprint_mismatch: bool = False

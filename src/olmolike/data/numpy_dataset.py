@@ -58,8 +58,12 @@ class SourceMixtureConfig(Config):
     """One source of a mixture: its files and the share of each epoch's instances it supplies."""
 
     name: str
+    """The source's name, unique in the mixture (it names the source in errors and logs)."""
     paths: list[str]
+    """The source's token files, folders or globs, as ``NumpyDatasetConfig.paths``."""
     rate: float
+    """The share of each epoch's instances this source supplies, in (0, 1]; the rates of a mixture
+    sum to 1."""
     max_repetition: float = 1.0
     """How many times the source's instances may be used per epoch; beyond it is an error."""
 
@@ -81,6 +85,8 @@ class NumpyDatasetConfig(Config):
     paths: list[str] = field(default_factory=list)
     """Files, folders (their ``.npy``/``.bin`` files, recursively) and globs; local or URLs."""
     sequence_length: int = 1024
+    """Tokens per training instance (each instance is one window of a token file; the tail of a file
+    shorter than it is dropped)."""
     dtype: str | None = None
     """Token dtype; ``None`` reads it from ``.npy`` headers (required for raw files)."""
     vocab_size: int | None = None
@@ -203,7 +209,7 @@ class NumpyFSLDataset(torch.utils.data.Dataset):
         self.eos_token_id = eos_token_id
         self.max_token_id: int | None = None
         """The largest token id in the files, where prepare-data's metadata records it."""
-        self._id_limit: tuple[int, str] | None = None
+        self._id_limit: tuple[int, str, str | None] | None = None
         self.files = [f for group in files for f in group]
         counts = [f.num_tokens // sequence_length for f in self.files]
         self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
@@ -292,26 +298,27 @@ class NumpyFSLDataset(torch.utils.data.Dataset):
         top = int(tokens.max())
         if self._id_limit is not None and top >= self._id_limit[0]:
             start = local * self.sequence_length
-            limit, name = self._id_limit
+            limit, name, fix = self._id_limit
             raise DataError(
                 f"{self.files[file_index].path} holds token id {top} (in tokens "
-                f"[{start}, {start + self.sequence_length})), not below {name}={limit}; the "
-                f"file was made with another tokenizer or {name} is wrong"
+                f"[{start}, {start + self.sequence_length})), not below {name}={limit}; "
+                + (fix or f"the file was made with another tokenizer or {name} is wrong")
             )
         return tokens
 
-    def check_token_ids_below(self, limit: int, name: str) -> None:
+    def check_token_ids_below(self, limit: int, name: str, fix: str | None = None) -> None:
         """Refuse token ids >= ``limit`` (``name`` says whose limit, e.g. the model's
         vocabulary): now, where the metadata records the largest id, else as each instance is
-        read, before any forward pass sees it."""
+        read, before any forward pass sees it. ``fix``: what the error tells to do instead
+        of the default (use the model's tokenizer, or raise ``name``)."""
         if self.max_token_id is not None and self.max_token_id >= limit:
             raise DataError(
                 f"the data holds token id {self.max_token_id} (max_token_id in its "
                 f"metadata.json, files like {self.files[0].path}), not below {name}={limit}; "
-                f"prepare the data with the model's tokenizer or raise {name}"
+                + (fix or f"prepare the data with the model's tokenizer or raise {name}")
             )
         if self._id_limit is None or limit < self._id_limit[0]:
-            self._id_limit = (limit, name)
+            self._id_limit = (limit, name, fix)
 
     def _read(self, file_index: int, local: int) -> np.ndarray:
         f = self.files[file_index]

@@ -57,8 +57,11 @@ class PreferencePair:
     """One preference record, read and checked: a prompt, the chosen and the rejected reply."""
 
     prompt: Text
+    """The prompt: plain text, or the messages of a conversation."""
     chosen: Text
+    """The preferred reply: text, or messages."""
     rejected: Text
+    """The reply preferred less: text, or messages."""
     where: str
     """``file:line`` of the record, for error messages."""
 

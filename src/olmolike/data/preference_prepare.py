@@ -18,11 +18,13 @@ import numpy as np
 import torch
 
 from ..exceptions import DataError
+from ..io import removed_if_left_empty
 from .chat_template import chat_template_for
 from .numpy_dataset import METADATA_FILE
 from .preference import PreferencePair, encode_preference_pairs, parse_preference_record
 from .prepared_io import (
     SPLITS,
+    abandon_output,
     begin_output,
     check_settings,
     finish_output,
@@ -73,32 +75,35 @@ def prepare_preference_data(
         val_fraction=val_fraction,
         seed=seed,
     )
-    finished = begin_output(out, arguments, overwrite)
-    if finished is not None:
-        return finished
-    splits: dict[str, list[PreferencePair]] = {name: [] for name in SPLITS}
-    for source in sources:
-        for number, record in read_jsonl(source.path, name=source.name):
-            pair = parse_preference_record(record, f"{source.name}, line {number}")
-            splits[SPLITS[in_validation(seed, source.name, number, val_fraction)]].append(pair)
-    if not splits["train"]:
-        raise DataError(f"no preference pair in {', '.join(map(str, inputs))}")
-    stats = {}
-    width = 4 * sequence_length
-    for name, pairs in splits.items():
-        rows = (
-            encode_preference_pairs(pairs, built, sequence_length, template=template)
-            if pairs
-            else torch.empty(0, width, dtype=torch.int64)
-        )
-        array = rows.numpy().astype(np.int32)
-        (out / name).mkdir(parents=True, exist_ok=True)
-        write_atomically(out / name / "pairs.npy", lambda f, a=array: np.save(f, a))
-        labels = np.concatenate(
-            [array[:, sequence_length : width // 2], array[:, 3 * sequence_length :]], 1
-        )
-        stats[name] = {"pairs": len(pairs), "scored_tokens": int((labels != -100).sum())}
-    return finish_output(out, resolved, arguments, **layout, splits=stats)
+    # A refused preparation leaves nothing behind: no work folder, no empty folder.
+    with removed_if_left_empty(out):
+        finished = begin_output(out, arguments, overwrite)
+        if finished is not None:
+            return finished
+        splits: dict[str, list[PreferencePair]] = {name: [] for name in SPLITS}
+        for source in sources:
+            for number, record in read_jsonl(source.path, name=source.name):
+                pair = parse_preference_record(record, f"{source.name}, line {number}")
+                splits[SPLITS[in_validation(seed, source.name, number, val_fraction)]].append(pair)
+        if not splits["train"]:
+            abandon_output(out)
+            raise DataError(f"no preference pair in {', '.join(map(str, inputs))}")
+        stats = {}
+        width = 4 * sequence_length
+        for name, pairs in splits.items():
+            rows = (
+                encode_preference_pairs(pairs, built, sequence_length, template=template)
+                if pairs
+                else torch.empty(0, width, dtype=torch.int64)
+            )
+            array = rows.numpy().astype(np.int32)
+            (out / name).mkdir(parents=True, exist_ok=True)
+            write_atomically(out / name / "pairs.npy", lambda f, a=array: np.save(f, a))
+            labels = np.concatenate(
+                [array[:, sequence_length : width // 2], array[:, 3 * sequence_length :]], 1
+            )
+            stats[name] = {"pairs": len(pairs), "scored_tokens": int((labels != -100).sum())}
+        return finish_output(out, resolved, arguments, **layout, splits=stats)
 
 
 def load_preference_rows(folder: str | Path, split: str = "train") -> torch.Tensor:

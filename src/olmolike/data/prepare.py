@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
-import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,10 +30,12 @@ import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..exceptions import DataError
+from ..io import removed_if_left_empty
 from .numpy_dataset import METADATA_FILE, NumpyDatasetConfig
 from .prepared_io import (
     SPLITS,
     WORK_DIR,
+    abandon_output,
     begin_output,
     check_settings,
     finish_output,
@@ -43,7 +44,7 @@ from .prepared_io import (
     token_dtype,
     write_atomically,
 )
-from .sources import Source, read_documents, resolve_inputs, stdlib_python_files
+from .sources import Source, not_text, read_documents, resolve_inputs, stdlib_python_files
 from .tokenizer import Tokenizer, TokenizerConfig
 
 __all__ = [
@@ -237,7 +238,11 @@ class PreparedData:
     """The result of :func:`prepare_data`: where the shards are and what ``metadata.json`` says."""
 
     output_dir: Path
+    """The folder ``prepare_data`` wrote: the shards under ``train/`` and ``val/``, and
+    ``metadata.json``."""
     metadata: dict[str, Any]
+    """The contents of ``metadata.json``: the tokenizer and its ids, the shards of each split with
+    their token counts, the sources, and the arguments of the run."""
 
     @classmethod
     def load(cls, output_dir: str | Path) -> PreparedData:
@@ -299,11 +304,15 @@ def prepare_data(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     overwrite: bool = False,
     progress: bool = False,
+    keep_binary: bool = False,
 ) -> PreparedData:
     """Tokenize ``inputs`` into ``.npy`` shards under ``output_dir`` (see the module docstring).
 
     Documents go to the validation split with probability ``val_fraction``, decided by a hash
-    of ``(seed, source name, document index)``.
+    of ``(seed, source name, document index)``. A file that is not UTF-8 text (a binary: see
+    :func:`~olmolike.data.sources.not_text`) is skipped with a warning naming it, and listed
+    under ``skipped`` in the metadata, unless ``keep_binary`` (its invalid bytes then become
+    U+FFFD).
     """
     check_settings(val_fraction)
     if shard_tokens < 1 or workers < 1:
@@ -312,39 +321,78 @@ def prepare_data(
     resolved = (tokenizer or TokenizerConfig()).resolve()
     assert resolved.vocab_size is not None and resolved.eos_token_id is not None
     dtype = token_dtype(resolved.vocab_size)
-    sources = resolve_inputs(inputs, exclude=out)
-    # Everything the output depends on; not ``workers``, which never changes it.
-    arguments = run_arguments(
-        resolved,
-        sources,
-        dtype=dtype.name,
-        text_field=text_field,
-        val_fraction=val_fraction,
-        seed=seed,
-        shard_tokens=shard_tokens,
-    )
-    finished = begin_output(out, arguments, overwrite)
-    if finished is not None:
-        return PreparedData(out, finished)
-    parts_dir = out / WORK_DIR / "parts"
-    parts_dir.mkdir(parents=True, exist_ok=True)
-    _clean_temporaries(out)
-    groups = _group_sources(sources)
-    parts = [parts_dir / f"{i:06d}.npz" for i in range(len(groups))]
-    jobs = [
-        _PartJob(tuple(group), part, text_field, seed, val_fraction, dtype.name)
-        for group, part in zip(groups, parts)
-        if not part.exists()
-    ]
-    if len(jobs) < len(parts):
-        log.info("Resuming: %d of %d parts already tokenized", len(parts) - len(jobs), len(parts))
-    columns = (TextColumn("{task.description}"), BarColumn(), TimeRemainingColumn())
-    with Progress(*columns, disable=not progress) as bar:
-        _run_jobs(jobs, resolved, workers, bar)
-        splits = {s: _write_split(out, s, parts, dtype, shard_tokens, bar) for s in SPLITS}
-    _refuse_an_empty_training_split(out, splits, len(sources), val_fraction)
-    metadata = finish_output(out, resolved, arguments, **_shard_fields(arguments, splits))
-    return PreparedData(out, metadata)
+    # A refused preparation leaves no empty output folder behind.
+    with removed_if_left_empty(out):
+        sources, skipped = _text_sources(resolve_inputs(inputs, exclude=out), keep_binary)
+        # Everything the output depends on; not ``workers``, which never changes it.
+        arguments = run_arguments(
+            resolved,
+            sources,
+            dtype=dtype.name,
+            text_field=text_field,
+            val_fraction=val_fraction,
+            seed=seed,
+            shard_tokens=shard_tokens,
+        )
+        finished = begin_output(out, arguments, overwrite)
+        if finished is not None:
+            return PreparedData(out, finished)
+        parts_dir = out / WORK_DIR / "parts"
+        parts_dir.mkdir(parents=True, exist_ok=True)
+        _clean_temporaries(out)
+        groups = _group_sources(sources)
+        parts = [parts_dir / f"{i:06d}.npz" for i in range(len(groups))]
+        jobs = [
+            _PartJob(tuple(group), part, text_field, seed, val_fraction, dtype.name)
+            for group, part in zip(groups, parts)
+            if not part.exists()
+        ]
+        if len(jobs) < len(parts):
+            log.info(
+                "Resuming: %d of %d parts already tokenized", len(parts) - len(jobs), len(parts)
+            )
+        columns = (TextColumn("{task.description}"), BarColumn(), TimeRemainingColumn())
+        with Progress(*columns, disable=not progress) as bar:
+            _run_jobs(jobs, resolved, workers, bar)
+            splits = {s: _write_split(out, s, parts, dtype, shard_tokens, bar) for s in SPLITS}
+        _refuse_an_empty_training_split(out, splits, len(sources), val_fraction)
+        fields = _shard_fields(arguments, splits)
+        metadata = finish_output(out, resolved, arguments, **fields, skipped=skipped)
+        return PreparedData(out, metadata)
+
+
+def _text_sources(sources: list[Source], keep_binary: bool) -> tuple[list[Source], list[str]]:
+    """The sources to tokenize and the names of those skipped as not text (with a warning
+    each); all of them with ``keep_binary``. Only binaries is an error.
+
+    The standard library's ``.py`` files (``--stdlib``, the embedded default corpus) are kept
+    whatever they hold: one is a test module in KOI8-R, and the corpus must be the same on
+    every run for the documented numbers to hold.
+    """
+    if keep_binary:
+        return sources, []
+    kept, skipped = [], []
+    stdlib: set[Path] | None = None
+    for source in sources:
+        reason = not_text(source)
+        if reason is not None and stdlib is None:
+            stdlib = {path.resolve() for path in stdlib_python_files()}
+        if reason is None or (stdlib is not None and source.path.resolve() in stdlib):
+            kept.append(source)
+            continue
+        log.warning(
+            "skipping %s: not UTF-8 text (%s); keep_binary (--keep-binary) tokenizes it anyway",
+            source.name,
+            reason,
+        )
+        skipped.append(source.name)
+    if not kept:
+        raise DataError(
+            f"none of the {len(sources)} input file(s) is UTF-8 text (e.g. {skipped[0]}: "
+            f"{not_text(sources[0])}); give text or JSONL files, or set keep_binary "
+            "(--keep-binary) to tokenize them anyway"
+        )
+    return kept, skipped
 
 
 def _refuse_an_empty_training_split(
@@ -356,8 +404,7 @@ def _refuse_an_empty_training_split(
     if sum(s["tokens"] for s in splits["train"]):
         return
     held_out = sum(s["documents"] for s in splits["val"])
-    for name in (*SPLITS, WORK_DIR):
-        shutil.rmtree(out / name, ignore_errors=True)
+    abandon_output(out)
     if held_out:
         raise DataError(
             f"the training split is empty: val_fraction {val_fraction:g} (--val-fraction) held "

@@ -39,6 +39,7 @@ __all__ = [
     "SPLITS",
     "WORK_DIR",
     "PreparedSplitConfig",
+    "abandon_output",
     "begin_output",
     "check_settings",
     "claim_output",
@@ -206,6 +207,15 @@ def begin_output(out: Path, arguments: dict[str, Any], overwrite: bool) -> dict[
         lambda f: f.write(json.dumps({"arguments": arguments}).encode()),
     )
     return None
+
+
+def abandon_output(out: Path) -> None:
+    """What a refused preparation leaves of ``out``: nothing of its own (the splits written,
+    the work folder and the arguments it recorded), so that a corrected rerun starts afresh
+    instead of being refused as another preparation's. A folder holding finished data never
+    gets here (there is nothing to do for it)."""
+    for name in (*SPLITS, WORK_DIR):
+        shutil.rmtree(out / name, ignore_errors=True)
 
 
 def finish_output(

@@ -35,6 +35,7 @@ class PromptRecord:
     """One line of a GRPO prompt file: the prompt, and the rest of the record for the rewards."""
 
     prompt: str
+    """The text the policy continues (the record's ``prompt_key`` field)."""
     fields: dict[str, Any] = field(default_factory=dict)
     """Every other key of the record, for the reward functions (e.g. ``answer``)."""
 

@@ -31,9 +31,11 @@ import numpy as np
 
 from ..config import StrEnum, check_choice
 from ..exceptions import DataError
+from ..io import removed_if_left_empty
 from .chat_template import ChatTemplate, Message, chat_template_for, check_messages
 from .prepared_io import (
     SPLITS,
+    abandon_output,
     begin_output,
     check_settings,
     finish_output,
@@ -77,7 +79,10 @@ class SFTExample:
     """One tokenized example: its ids and which of them are trained on."""
 
     ids: np.ndarray
+    """The example's token ids, prompt and completion, in order."""
     trained: np.ndarray
+    """One boolean per id: whether the loss is taken on it (the completion's tokens, not the
+    prompt's)."""
 
 
 # -- reading -----------------------------------------------------------------------------------
@@ -267,22 +272,27 @@ def prepare_sft_data(
         val_fraction=val_fraction,
         seed=seed,
     )
-    finished = begin_output(out, arguments, overwrite)
-    if finished is not None:
-        return finished
-    splits = {name: _Split() for name in SPLITS}
-    for source in sources:
-        for line_number, messages in read_examples(source):
-            where = f"{source.name}, line {line_number}"
-            example = tokenize_example(built, template, messages, where)
-            split = splits[SPLITS[in_validation(seed, source.name, line_number, val_fraction)]]
-            _fit(example, sequence_length, overlong, split, where)
-    if not splits["train"].examples:
-        raise DataError(f"no training example in {', '.join(map(str, inputs))}")
-    stats = {}
-    for name, split in splits.items():
-        arrays, stats[name] = _layout(split, sequence_length, packing, built.pad_token_id, dtype)
-        (out / name).mkdir(parents=True, exist_ok=True)
-        for key, array in arrays.items():
-            write_atomically(out / name / f"{key}.npy", lambda f, a=array: np.save(f, a))
-    return finish_output(out, resolved, arguments, **layout, dtype=dtype.name, splits=stats)
+    # A refused preparation leaves nothing behind: no work folder, no empty folder.
+    with removed_if_left_empty(out):
+        finished = begin_output(out, arguments, overwrite)
+        if finished is not None:
+            return finished
+        splits = {name: _Split() for name in SPLITS}
+        for source in sources:
+            for line_number, messages in read_examples(source):
+                where = f"{source.name}, line {line_number}"
+                example = tokenize_example(built, template, messages, where)
+                split = splits[SPLITS[in_validation(seed, source.name, line_number, val_fraction)]]
+                _fit(example, sequence_length, overlong, split, where)
+        if not splits["train"].examples:
+            abandon_output(out)
+            raise DataError(f"no training example in {', '.join(map(str, inputs))}")
+        stats = {}
+        for name, split in splits.items():
+            arrays, stats[name] = _layout(
+                split, sequence_length, packing, built.pad_token_id, dtype
+            )
+            (out / name).mkdir(parents=True, exist_ok=True)
+            for key, array in arrays.items():
+                write_atomically(out / name / f"{key}.npy", lambda f, a=array: np.save(f, a))
+        return finish_output(out, resolved, arguments, **layout, dtype=dtype.name, splits=stats)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import glob
 import os
 import sysconfig
@@ -13,7 +14,7 @@ from typing import Any
 from ..exceptions import DataError
 from .prepared_io import read_jsonl
 
-__all__ = ["Source", "read_documents", "resolve_inputs", "stdlib_python_files"]
+__all__ = ["Source", "not_text", "read_documents", "resolve_inputs", "stdlib_python_files"]
 
 _GLOB_CHARS = frozenset("*?[")
 _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -25,8 +26,12 @@ class Source:
     so the validation split, which hashes it, does not depend on the current directory."""
 
     path: Path
+    """The file, as found on disk."""
     name: str
+    """The path as the user's input expanded to it (not resolved): it names the file in messages and
+    the metadata, and seeds the validation split."""
     size: int
+    """The file's size in bytes (recorded, so that a rerun on changed inputs is refused)."""
 
 
 def stdlib_python_files() -> list[Path]:
@@ -90,6 +95,34 @@ def resolve_inputs(inputs: Sequence[str | Path], *, exclude: Path | None = None)
     if not sources:
         raise DataError(f"the inputs {list(map(str, inputs))} hold no files outside the output")
     return sources
+
+
+SNIFF_BYTES = 8192
+"""How much of a plain-text input :func:`not_text` reads: enough to tell, little to read."""
+
+MAX_INVALID_SHARE = 0.1
+"""The share of bytes that are not UTF-8 above which an input is not text (text in Latin-1
+with a few accented letters stays well below it; random bytes are at about 70%)."""
+
+
+def not_text(source: Source) -> str | None:
+    """Why ``source`` is not UTF-8 text, judged from its first :data:`SNIFF_BYTES` (a NUL
+    byte, or more than :data:`MAX_INVALID_SHARE` of bytes that are no UTF-8); ``None`` if it
+    is text. Binaries (executables, archives, checkpoints, images) and UTF-16 text fail;
+    JSONL files are not judged here (a line that is no JSON is an error when read)."""
+    if source.name.endswith((".jsonl", ".jsonl.gz")):
+        return None
+    with open(source.path, "rb") as f:
+        head = f.read(SNIFF_BYTES)
+    if b"\0" in head:
+        return "it holds NUL bytes"
+    # A character cut at the end of the sample is not counted: it is pending, not invalid.
+    decoder = codecs.getincrementaldecoder("utf-8")("ignore")
+    decoded = decoder.decode(head, final=False)
+    invalid = len(head) - len(decoded.encode("utf-8")) - len(decoder.getstate()[0])
+    if head and invalid > MAX_INVALID_SHARE * len(head):
+        return f"{invalid / len(head):.0%} of its first {len(head):,d} bytes are not UTF-8"
+    return None
 
 
 def read_documents(source: Source, text_field: str) -> Iterator[tuple[int, str]]:

@@ -45,10 +45,15 @@ class TokenFile:
     """One token file: where its tokens start, their dtype and count."""
 
     path: str
+    """The file, local or a URL."""
     size: int
+    """The file's size in bytes."""
     dtype: np.dtype
+    """The unsigned integer dtype of its token ids."""
     offset: int
+    """Where the tokens start, in bytes (after a ``.npy`` header; 0 for a raw file)."""
     num_tokens: int
+    """How many token ids the file holds."""
 
 
 # -- finding files ---------------------------------------------------------------------------

@@ -295,11 +295,15 @@ class TokenizerConfig(Config):
     """
 
     identifier: str = BYTE_IDENTIFIER
+    """``byte`` (the embedded byte tokenizer: 256 byte ids, EOS and padding) or the path or URL of a
+    Hugging Face ``tokenizers`` JSON file."""
     eos_token_id: int | None = None
     """Appended after every document; required if the tokenizer file has no known EOS token."""
     pad_token_id: int | None = None
     """Defaults to the tokenizer's pad token, else to the EOS token."""
     bos_token_id: int | None = None
+    """The id that begins a sequence, where the tokenizer or its chat template uses one; ``None``:
+    the tokenizer file's own, if it names one (the byte tokenizer has none)."""
     vocab_size: int | None = None
     """Rows of the model's vocabulary; at least the tokenizer's (default: exactly that)."""
 

@@ -312,7 +312,9 @@ class CheckedCheckpoint:
     """What :func:`verify_checkpoint` read of a checkpoint, for the load to use."""
 
     marker: dict[str, Any]
+    """The completion marker's contents (the step, the world size that saved it, ...)."""
     metadata: Metadata
+    """DCP's ``.metadata``: every saved tensor's shape, dtype and where its shards are."""
 
 
 def verify_checkpoint(dir: str) -> CheckedCheckpoint:

@@ -42,9 +42,13 @@ class SavedTensor:
     """One saved tensor: its DCP key, its place in the nested state, its shape and dtype."""
 
     key: str
+    """The tensor's key in DCP's metadata (``model.blocks.0.attention.wq.weight``, say)."""
     path: StatePath
+    """The tensor's place in the nested state dict, one key per level."""
     shape: tuple[int, ...]
+    """The full (unsharded) shape."""
     dtype: torch.dtype
+    """The dtype it was saved in."""
 
     @property
     def name(self) -> str:

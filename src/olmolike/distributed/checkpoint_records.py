@@ -46,11 +46,17 @@ class Record:
     the CRC-32 of the bytes read so far from its start (``checked`` of them)."""
 
     name: str
+    """The record's name in the archive (``data/0``, say)."""
     start: int
+    """Where the record's bytes start in the file (bytes)."""
     size: int
+    """The record's length in bytes."""
     crc: int
+    """The CRC-32 the archive stores for the record."""
     running: int = 0
+    """The CRC-32 of the bytes checked so far, continued as more are read."""
     checked: int = 0
+    """How many of the record's bytes, from its start, have been read and added to ``running``."""
 
     def take(self, position: int, data: memoryview) -> None:
         """Add ``data``, read at ``position``, if it continues the bytes checked so far."""

@@ -159,11 +159,17 @@ class StoredTensor:
     ``size`` and ``stride``."""
 
     key: str
+    """The archive record holding the tensor's storage (``data/{key}``)."""
     dtype: torch.dtype
+    """The element dtype of the storage."""
     numel: int
+    """Elements in the storage."""
     offset: int
+    """Where the tensor starts in its storage, in elements."""
     size: tuple[int, ...]
+    """The tensor's shape."""
     stride: tuple[int, ...]
+    """The tensor's strides, in elements."""
 
     @property
     def contiguous_whole(self) -> bool:

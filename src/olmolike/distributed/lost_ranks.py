@@ -60,7 +60,9 @@ class RankProcess:
     """A rank's process: enough to tell, from the same host, whether it still runs."""
 
     host: str
+    """The host name the rank runs on."""
     pid: int
+    """The rank's process id on that host."""
     started: str
     """The process's start time in clock ticks since boot (``/proc/PID/stat``): a pid reused
     by another process after this one ended has another."""

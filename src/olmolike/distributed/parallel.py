@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import Config, DType, StrEnum
 from ..exceptions import ConfigurationError
-from .mesh import ParallelDegrees, build_device_mesh, data_parallel_mesh
+from .mesh import ParallelDegrees, build_device_mesh, data_parallel_mesh, sharding_mesh
 from .utils import (
     get_local_world_size,
     get_world_size,
@@ -43,6 +43,8 @@ class DataParallelConfig(Config):
     """Data parallelism: DDP, FSDP2 or HSDP, and the dtypes FSDP gathers and reduces in."""
 
     name: DataParallelType = DataParallelType.fsdp
+    """How the data-parallel ranks hold the model: ``ddp`` (each a whole copy), ``fsdp`` (sharded
+    over all) or ``hsdp`` (sharded within groups, replicated across them)."""
     param_dtype: DType | None = None
     """FSDP/HSDP: the dtype parameters are gathered in for forward and backward (e.g. bfloat16);
     the sharded master copy stays in its own dtype. ``None`` keeps the parameters' dtype."""
@@ -76,6 +78,7 @@ class DataParallelConfig(Config):
         pp: int = 1,
         cp: int = 1,
         tp: int = 1,
+        ep: int = 1,
         local_world_size: int | None = None,
     ) -> ParallelDegrees:
         """The run's degrees: the data dimensions take the ranks the other degrees leave.
@@ -84,9 +87,16 @@ class DataParallelConfig(Config):
         (``dp_shard``); HSDP shards within ``num_replicas`` groups, by default one group per
         node's worth of data-parallel ranks, so the shard traffic stays on a node's links
         (``local_world_size`` ranks per node; default: this node's, from the launcher).
+        Expert parallelism (``ep``) is carved from the ranks FSDP/HSDP shard over.
         """
+        if ep > 1 and self.name == DataParallelType.ddp:
+            raise ConfigurationError(
+                "expert parallelism shards the experts over data-parallel ranks that FSDP or "
+                "HSDP shard over, not DDP's replicas: set it to fsdp (or hsdp)",
+                path="train_module.dp_config.name",
+            )
         if self.name == DataParallelType.fsdp:
-            return ParallelDegrees.resolve(world_size, pp=pp, cp=cp, tp=tp)
+            return ParallelDegrees.resolve(world_size, pp=pp, cp=cp, tp=tp, ep=ep)
         inner = pp * cp * tp
         data = ParallelDegrees.resolve(world_size, pp=pp, cp=cp, tp=tp).dp
         if self.name == DataParallelType.ddp:
@@ -100,15 +110,17 @@ class DataParallelConfig(Config):
                 f"other degrees) must be a multiple of num_replicas ({replicas})",
                 path="num_replicas",
             )
-        return ParallelDegrees.resolve(world_size, pp=pp, dp_replicate=replicas, cp=cp, tp=tp)
+        return ParallelDegrees.resolve(
+            world_size, pp=pp, dp_replicate=replicas, cp=cp, tp=tp, ep=ep
+        )
 
     def data_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The sub-mesh of the run's mesh that FSDP (``dp_shard``) or HSDP (``dp_replicate``
-        x ``dp_shard``) shards over."""
+        x ``dp_shard``) shards over; the context-parallel ranks shard with ``dp_shard``."""
         if self.name == DataParallelType.ddp:
             raise ConfigurationError("DDP needs no device mesh", path="name")
         if self.name == DataParallelType.fsdp:
-            return mesh["dp_shard"]
+            return sharding_mesh(mesh)
         return data_parallel_mesh(mesh)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:

@@ -13,10 +13,12 @@ gradients unscaled: the loss function is already normalised by the whole batch's
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,10 +32,10 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.pipelining.stage import _PipelineStageBase
-from torch.distributed.tensor import DTensor
 
 from ..config import Config, StrEnum
 from ..exceptions import ConfigurationError
+from .expert_parallel import clip_grads_with_norm, grad_norm
 
 __all__ = [
     "PipelineParallelConfig",
@@ -70,6 +72,8 @@ class PipelineParallelConfig(Config):
     degree: int = 1
     """Pipeline ranks (the mesh's ``pp`` dimension)."""
     schedule: PipelineScheduleType = PipelineScheduleType.one_f_one_b
+    """The order of the micro-batches' forwards and backwards (:class:`PipelineScheduleType`):
+    ``gpipe``, ``1f1b`` or ``interleaved_1f1b``."""
     stages_per_rank: int | None = None
     """Stages on each rank; ``None`` means 2 for ``interleaved_1f1b`` and 1 otherwise. Only
     the interleaved schedule runs more than one."""
@@ -154,7 +158,7 @@ def build_schedule(
     """The schedule over this rank's stages; gradients are left unscaled (see the module doc).
     Without ``loss_fn`` it runs forwards only (evaluation)."""
     stages: list[_PipelineStageBase] = [
-        PipelineStage(module, index, config.num_stages, device, group=group)
+        _Stage(module, index, config.num_stages, device, group=group)
         for module, index in zip(stage_modules, stage_indices)
     ]
     if loss_fn is None:  # forwards only: the order of the backwards does not matter
@@ -165,6 +169,20 @@ def build_schedule(
         return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn, scale_grads=False)
     single = ScheduleGPipe if config.schedule == PipelineScheduleType.gpipe else Schedule1F1B
     return single(stages[0], n_microbatches, loss_fn, scale_grads=False)
+
+
+class _Stage(PipelineStage):
+    """A stage that tells its module when a forward only infers shapes.
+
+    A schedule's first step runs each stage once on placeholder inputs (the first stage on
+    the first micro-batch) to learn its output shapes, before the real micro-batches. A
+    module with a ``shape_inference()`` context manager runs that forward inside it: a
+    mixture of experts then adds no auxiliary loss and counts no routing for it."""
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        probe = getattr(self.submod, "shape_inference", None)
+        with probe() if callable(probe) else contextlib.nullcontext():
+            return super()._prepare_forward_infra(*args, **kwargs)
 
 
 @torch.no_grad()
@@ -178,13 +196,11 @@ def clip_grad_norm_across_stages(
     are summed over the pipeline ``group``: one all-reduce, on every rank, every step.
     """
     with_grads = [p for p in params if p.grad is not None]
-    local = torch.nn.utils.get_total_norm([p.grad for p in with_grads if p.grad is not None])
-    if isinstance(local, DTensor):
-        local = local.full_tensor()
+    local = grad_norm([p.grad for p in with_grads if p.grad is not None])
     square = local.float().pow(2)
     if group is not None:
         dist.all_reduce(square, group=group)
     total = square.sqrt()
     if max_norm is not None and math.isfinite(max_norm):
-        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total)
+        clip_grads_with_norm(with_grads, max_norm, total)
     return total

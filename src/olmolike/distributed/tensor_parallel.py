@@ -1,7 +1,8 @@
 """The configs of tensor and context parallelism, the mesh dimensions inside a data-parallel rank.
 
-The model-specific split (which projections are column- or row-wise) lives with the model, in
-:mod:`olmolike.nn.parallel_plan`; these configs only say how many ranks each spans.
+The model-specific split (which projections are column- or row-wise, how attention sees a
+split sequence) lives with the model, in :mod:`olmolike.nn.parallel_plan` and
+:mod:`olmolike.nn.context_parallel`; these configs only say how many ranks each spans.
 """
 
 from __future__ import annotations
@@ -36,26 +37,24 @@ class TensorParallelConfig(Config):
 
 @dataclass
 class ContextParallelConfig(Config):
-    """Context parallelism (the sequence split across ranks for attention): not available yet.
+    """Context parallelism: every sequence split over ``degree`` ranks, which compute
+    attention over all of it together (:mod:`olmolike.nn.context_parallel`).
 
-    The mesh keeps a ``cp`` dimension of size 1 so it can slot in. It is refused rather than
-    shipped untested: torch 2.13's ``context_parallel`` has no CPU path (no sharding strategy
-    for the CPU flash-attention op, and the math backend fails on mixed Tensor/DTensor
-    inputs), so no test on this project's machines could check it.
+    Each rank keeps the activations of ``1 / degree`` of the tokens (plus every layer's keys
+    and values of the whole sequence), so a sequence too long for one device's activation
+    memory trains on several. Each rank holds two chunks of ``seq_len / (2 degree)`` tokens,
+    an early one and a late one, so causal attention costs every rank the same. Per layer it
+    costs an all-gather of the sequence's keys and values (and a reduce-scatter of their
+    gradients); parameters are not split: FSDP shards them over the data and context ranks
+    together, and checkpoints do not depend on the degree. A sequence length that is not a
+    multiple of ``2 x degree`` (``x tp`` under tensor parallelism) is padded with ignored
+    tokens.
     """
 
     degree: int = 1
-    """Ranks per context-parallel group; only 1 is accepted."""
+    """Ranks per context-parallel group (the mesh's ``cp`` dimension); they read the same
+    batch."""
 
     def validate(self) -> None:
         if self.degree < 1:
             raise self._invalid("degree", f"must be >= 1, got {self.degree}")
-        if self.degree > 1:
-            raise self._invalid(
-                "degree",
-                f"is {self.degree}, but olmolike has no context parallelism: torch 2.13's "
-                "context_parallel has no CPU path (no sharding strategy for the CPU "
-                "flash-attention op; the math backend fails on mixed Tensor/DTensor), so it "
-                "could not be tested; set cp_config.degree=1 and use tp_config for long "
-                "sequences' activation memory",
-            )

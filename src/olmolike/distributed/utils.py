@@ -108,9 +108,53 @@ def init_distributed(backend: str, timeout: datetime.timedelta) -> None:
     resolved = _resolve_backend(backend)
     if torch.cuda.is_available() and "nccl" in resolved:
         torch.cuda.set_device(get_local_rank())
-    dist.init_process_group(backend=resolved, timeout=timeout)
+    store = _store_of_this_start(timeout)
+    if store is None:
+        dist.init_process_group(backend=resolved, timeout=timeout)
+    else:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(
+            backend=resolved, timeout=timeout, store=store, rank=rank, world_size=world_size
+        )
     _run_timeout = timeout
     _made.clear()  # those of an earlier process group, destroyed with it
+
+
+def _store_of_this_start(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun on one node, the job's store with keys of this start of the job alone;
+    ``None``: torch's own rendezvous.
+
+    torch 2.13's torchrun lends its agent's store to the ranks and keeps it across restarts
+    (``--max-restarts``): a restarted rank may read the keys of the start before (the gloo or
+    NCCL address of a rank that is gone) before the new rank overwrites them, and fail to
+    connect, "Connection refused" (pytorch#135712; seen here whenever rank 0 starts more slowly
+    than the others). One agent counts the restarts of all its ranks
+    (``TORCHELASTIC_RESTART_COUNT``), so on one node the count names the start; across nodes
+    each agent counts only its own failures, so torchrun needs the c10d rendezvous with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` there (docs/failures.md, "Unattended runs").
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+        if restarts > 0 and os.environ.get("RANK") == "0":
+            log.warning(
+                "torchrun --max-restarts=%d over several nodes shares one store across restarts, "
+                "and a restarted rank may read the addresses of ranks that are gone and fail "
+                "to connect (pytorch#135712): use --rdzv-backend=c10d with "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment",
+                restarts,
+            )
+        return None
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"olmolike/start-{start}", agent)
 
 
 def init_single_process_group(
@@ -312,7 +356,9 @@ class AgreedCounts:
     """What :func:`agree_counts` returns: each value's maximum and sum over the ranks."""
 
     max: list[int]
+    """Each value's maximum over the ranks."""
     sum: list[int]
+    """Each value's sum over the ranks."""
 
 
 def agree_counts(values: Sequence[int], group: dist.ProcessGroup | None = None) -> AgreedCounts:

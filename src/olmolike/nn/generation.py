@@ -113,6 +113,12 @@ def sample(
     """
     _check_sampling_args(max_new_tokens, temperature, top_k, top_p)
     core = model.module if isinstance(model, DistributedDataParallel) else model
+    if getattr(core, "context_parallel", None) is not None:
+        raise ValueError(
+            "the model runs under context parallelism, which splits the sequences of training "
+            "steps over ranks, not decoding's one new token per step: sample with a model "
+            "built without it (a train module without cp_config)"
+        )
     ids, valid = _left_pad(prompts, pad_token_id, _device_of(core))
     stops = _stop_table(stop_token_ids, ids.shape[0], ids.device)
     lockstep = dist.is_initialized() and (

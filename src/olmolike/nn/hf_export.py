@@ -2,10 +2,12 @@
 
 A model with Llama blocks (pre-norm, no QK-norm) becomes a ``LlamaForCausalLM``; one with
 OLMo-2 blocks (``block_type="reordered_norm"`` and ``qk_norm=True``, as every ``olmo2_*``
-preset) becomes an ``Olmo2ForCausalLM``. Both share our RoPE convention, SwiGLU and the
-absence of biases, so the export is a rename of tensors plus a ``config.json``: no weight is
-permuted or changed, and ``transformers``' ``AutoModelForCausalLM.from_pretrained`` computes
-the same logits. :mod:`olmolike.nn.hf_import` is the inverse.
+preset) becomes an ``Olmo2ForCausalLM``; a mixture of experts in every layer with pre-norm
+blocks and QK-norm (the ``olmoe_1B_7B`` preset) an ``OlmoeForCausalLM``. They share our RoPE
+convention, SwiGLU and the absence of biases, so the export is a rename of tensors (OLMoE's
+experts also split into one matrix each, transposed: :mod:`olmolike.nn.hf_moe`) plus a
+``config.json``: no value changes, and ``transformers``' ``AutoModelForCausalLM.from_pretrained``
+computes the same logits. :mod:`olmolike.nn.hf_import` is the inverse.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from .. import io
 from ..config import StrEnum
 from ..exceptions import ConfigurationError
+from .hf_moe import expert_tensors_to_hf
 from .transformer import Transformer, TransformerBlockType
 from .transformer_config import TransformerConfig
 
@@ -44,34 +47,52 @@ class HFArchitecture(StrEnum):
 
     llama = "LlamaForCausalLM"
     olmo2 = "Olmo2ForCausalLM"
+    olmoe = "OlmoeForCausalLM"
 
 
-MODEL_TYPES = {HFArchitecture.llama: "llama", HFArchitecture.olmo2: "olmo2"}
+MODEL_TYPES = {
+    HFArchitecture.llama: "llama",
+    HFArchitecture.olmo2: "olmo2",
+    HFArchitecture.olmoe: "olmoe",
+}
 
 # Per-block tensor names, ours (under ``blocks.{i}.``) -> Hugging Face's (under
 # ``model.layers.{i}.``). Llama normalises the inputs of attention and MLP, OLMo-2 their outputs:
 # the same two norms of ours, under the names of where they sit.
-_SHARED_BLOCK_NAMES = {
+_ATTENTION_NAMES = {
     "attention.w_q.weight": "self_attn.q_proj.weight",
     "attention.w_k.weight": "self_attn.k_proj.weight",
     "attention.w_v.weight": "self_attn.v_proj.weight",
     "attention.w_out.weight": "self_attn.o_proj.weight",
+}
+_QK_NORM_NAMES = {
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+}
+_PRE_NORM_NAMES = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "feed_forward_norm.weight": "post_attention_layernorm.weight",
+}
+_SHARED_BLOCK_NAMES = {
+    **_ATTENTION_NAMES,
     "feed_forward.w_gate.weight": "mlp.gate_proj.weight",
     "feed_forward.w_up.weight": "mlp.up_proj.weight",
     "feed_forward.w_down.weight": "mlp.down_proj.weight",
 }
 _BLOCK_NAMES = {
-    HFArchitecture.llama: {
-        **_SHARED_BLOCK_NAMES,
-        "attention_norm.weight": "input_layernorm.weight",
-        "feed_forward_norm.weight": "post_attention_layernorm.weight",
-    },
+    HFArchitecture.llama: {**_SHARED_BLOCK_NAMES, **_PRE_NORM_NAMES},
     HFArchitecture.olmo2: {
         **_SHARED_BLOCK_NAMES,
-        "attention.q_norm.weight": "self_attn.q_norm.weight",
-        "attention.k_norm.weight": "self_attn.k_norm.weight",
+        **_QK_NORM_NAMES,
         "attention_norm.weight": "post_attention_layernorm.weight",
         "feed_forward_norm.weight": "post_feedforward_layernorm.weight",
+    },
+    # The experts are not renamed but split (hf_moe.py); the router is.
+    HFArchitecture.olmoe: {
+        **_ATTENTION_NAMES,
+        **_QK_NORM_NAMES,
+        **_PRE_NORM_NAMES,
+        "feed_forward.router.weight": "mlp.gate.weight",
     },
 }
 _TOP_NAMES = {
@@ -89,6 +110,8 @@ CONFIG_NAME = "config.json"
 
 def hf_architecture(config: TransformerConfig) -> HFArchitecture:
     """The Hugging Face class with the blocks of ``config``, or a ConfigurationError."""
+    if config.moe is not None:
+        return _moe_architecture(config)
     reordered = config.block_type == TransformerBlockType.reordered_norm
     if not reordered and not config.qk_norm:
         return HFArchitecture.llama
@@ -107,6 +130,29 @@ def hf_architecture(config: TransformerConfig) -> HFArchitecture:
         "Llama, or block_type='reordered_norm' with qk_norm=True for OLMo-2",
         path="qk_norm",
     )
+
+
+def _moe_architecture(config: TransformerConfig) -> HFArchitecture:
+    """OLMoE, the one mixture of experts exported: every layer MoE, no shared expert,
+    pre-norm blocks with QK-norm (over all heads, as ours)."""
+    assert config.moe is not None
+    problems = []
+    if (
+        config.moe.layers is not None
+        and config.moe.num_moe_layers(config.n_layers) < config.n_layers
+    ):
+        problems.append("dense layers among the MoE ones (moe.layers); OLMoE's are all MoE")
+    if config.has_shared_expert:
+        problems.append("a shared expert (moe.shared_expert_hidden_size); OLMoE has none")
+    if config.block_type != TransformerBlockType.default or not config.qk_norm:
+        problems.append("blocks other than OLMoE's (block_type='default' with qk_norm=True)")
+    if problems:
+        raise ConfigurationError(
+            f"this mixture of experts has no Hugging Face class: it has {'; '.join(problems)}. "
+            "olmolike exports MoE models as OlmoeForCausalLM only",
+            path="moe",
+        )
+    return HFArchitecture.olmoe
 
 
 def hf_tensor_names(config: TransformerConfig) -> dict[str, str]:
@@ -159,7 +205,20 @@ def convert_to_hf(
                 "(StateDictOptions(full_state_dict=True)) to export an FSDP model"
             )
         tensors[theirs] = tensor.detach().contiguous()
+    if config.moe is not None:
+        _check_full(state_dict, "feed_forward.experts.")
+        moe_layers = [i for i in range(config.n_layers) if config.is_moe_layer(i)]
+        tensors |= expert_tensors_to_hf(state_dict, moe_layers, config.moe.num_experts)
     return tensors, hf_config(config, dtype=state_dict["embeddings.weight"].dtype)
+
+
+def _check_full(state_dict: Mapping[str, Tensor], infix: str) -> None:
+    for name, tensor in state_dict.items():
+        if infix in name and isinstance(tensor, DTensor):
+            raise ConfigurationError(
+                f"{name} is a sharded DTensor; gather a full state dict first "
+                "(StateDictOptions(full_state_dict=True)) to export a sharded model"
+            )
 
 
 def check_state_dict_matches(state_dict: Mapping[str, Tensor], config: TransformerConfig) -> None:
@@ -223,6 +282,17 @@ def hf_config(
     }
     if architecture == HFArchitecture.llama:
         hf |= {"head_dim": config.head_dim, "mlp_bias": False}
+    if architecture == HFArchitecture.olmoe:
+        assert config.moe is not None
+        hf |= {
+            "intermediate_size": config.expert_hidden_size,
+            "num_experts": config.moe.num_experts,
+            "num_experts_per_tok": config.moe.top_k,
+            "norm_topk_prob": config.moe.normalize_top_k,
+            "router_aux_loss_coef": config.moe.load_balancing_loss_coefficient,
+            "output_router_logits": False,
+            "clip_qkv": None,
+        }
     return hf
 
 

@@ -1,4 +1,5 @@
-"""Import a Hugging Face checkpoint (``LlamaForCausalLM`` or ``Olmo2ForCausalLM``).
+"""Import a Hugging Face checkpoint (``LlamaForCausalLM``, ``Olmo2ForCausalLM`` or
+``OlmoeForCausalLM``).
 
 A Hugging Face model folder holds ``config.json`` and its weights as ``model.safetensors``, or
 as several ``model-0000i-of-0000n.safetensors`` listed in ``model.safetensors.index.json``.
@@ -24,7 +25,16 @@ from torch import Tensor
 
 from .. import io
 from ..exceptions import ConfigurationError
-from .hf_export import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, HFArchitecture, hf_tensor_names
+from .hf_export import (
+    CONFIG_NAME,
+    INDEX_NAME,
+    WEIGHTS_NAME,
+    HFArchitecture,
+    hf_architecture,
+    hf_tensor_names,
+)
+from .hf_moe import expert_tensors_from_hf
+from .moe import MoEConfig
 from .rope import RopeScalingConfig
 from .transformer import Transformer, TransformerBlockType
 from .transformer_config import TransformerConfig
@@ -40,11 +50,16 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# What transformers assumes for keys a config.json leaves out (LlamaConfig / Olmo2Config).
+# What transformers assumes for keys a config.json leaves out (LlamaConfig / Olmo2Config /
+# OlmoeConfig).
 _DEFAULTS: dict[HFArchitecture, dict[str, Any]] = {
     HFArchitecture.llama: {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
     HFArchitecture.olmo2: {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048},
-}
+    HFArchitecture.olmoe: {
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "num_experts": 64,
+        "num_experts_per_tok": 8, "norm_topk_prob": False, "router_aux_loss_coef": 0.01,
+    },
+}  # fmt: skip
 _DEFAULT_ROPE_THETA = 10_000.0
 
 # Options that change the computation; our model has only their default (off) value.
@@ -74,6 +89,15 @@ def transformer_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> Trans
     _check_supported(hf, architecture, d_model, n_heads)
     n_kv_heads = get("num_key_value_heads")
     olmo2 = architecture == HFArchitecture.olmo2
+    moe = None
+    if architecture == HFArchitecture.olmoe:
+        moe = MoEConfig(
+            num_experts=int(get("num_local_experts") or need("num_experts")),
+            top_k=int(need("num_experts_per_tok")),
+            hidden_size=int(need("intermediate_size")),
+            normalize_top_k=bool(get("norm_topk_prob")),
+            load_balancing_loss_coefficient=float(need("router_aux_loss_coef")),
+        )
     config = TransformerConfig(
         vocab_size=int(need("vocab_size")),
         d_model=d_model,
@@ -85,10 +109,11 @@ def transformer_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> Trans
         rope_theta=float(_rope(hf)["rope_theta"]),
         rope_scaling=_rope_scaling(hf),
         norm_eps=float(need("rms_norm_eps")),
-        qk_norm=olmo2,
+        qk_norm=architecture in (HFArchitecture.olmo2, HFArchitecture.olmoe),
         tie_weights=bool(get("tie_word_embeddings", False)),
         block_type=TransformerBlockType.reordered_norm if olmo2 else TransformerBlockType.default,
         init_std=float(get("initializer_range", 0.02)),
+        moe=moe,
     )
     return config.replace(**overrides) if overrides else config
 
@@ -98,7 +123,11 @@ def _architecture(hf: Mapping[str, Any]) -> HFArchitecture:
     for name in names:
         if name in {a.value for a in HFArchitecture}:
             return HFArchitecture(name)
-    by_type = {"llama": HFArchitecture.llama, "olmo2": HFArchitecture.olmo2}
+    by_type = {
+        "llama": HFArchitecture.llama,
+        "olmo2": HFArchitecture.olmo2,
+        "olmoe": HFArchitecture.olmoe,
+    }
     if not names and hf.get("model_type") in by_type:
         return by_type[hf["model_type"]]
     found = ", ".join(names) or f"model_type {hf.get('model_type')!r}"
@@ -157,6 +186,8 @@ def _check_supported(
     for flag in _UNSUPPORTED_FLAGS:
         if hf.get(flag):
             raise refuse(f"{flag}=true")
+    if hf.get("clip_qkv") is not None:
+        raise refuse(f"clip_qkv={hf['clip_qkv']} (q, k and v clamped)")
     if hf.get("hidden_act", "silu") != "silu":
         raise refuse(f"hidden_act={hf['hidden_act']!r} (only 'silu')")
     head_dim = hf.get("head_dim")
@@ -235,8 +266,17 @@ def convert_from_hf(
     if config.tie_weights:
         ignorable.add("lm_head.weight")
     missing = sorted(theirs for theirs in names.values() if theirs not in hf_tensors)
-    unexpected = sorted(set(hf_tensors) - set(names.values()) - ignorable)
     state = {ours: hf_tensors[theirs] for ours, theirs in names.items() if theirs in hf_tensors}
+    expected = set(names.values())
+    if config.moe is not None:
+        moe_layers = [i for i in range(config.n_layers) if config.is_moe_layer(i)]
+        experts, used, absent = expert_tensors_from_hf(
+            hf_tensors, moe_layers, config.moe.num_experts
+        )
+        state |= experts
+        expected |= used
+        missing += absent
+    unexpected = sorted(set(hf_tensors) - expected - ignorable)
     wrong = [
         f"{names[ours]} {tuple(t.shape)} != {tuple(shapes[ours])}"
         for ours, t in state.items()
@@ -255,8 +295,7 @@ def convert_from_hf(
 
 
 def hf_architecture_name(config: TransformerConfig) -> str:
-    olmo2 = config.block_type == TransformerBlockType.reordered_norm
-    return (HFArchitecture.olmo2 if olmo2 else HFArchitecture.llama).value
+    return hf_architecture(config).value
 
 
 def load_hf_model(

@@ -14,15 +14,28 @@ contribute zeros) and the head column-wise, so the logits stay sharded on the vo
 QK-norm (OLMo-2) normalises over all heads at once, so it cannot act on one rank's heads
 alone: there the q/k projections hand on feature-sharded DTensors and the norm's mean of
 squares is all-reduced, which keeps the result equal to the unsplit model's.
+
+A mixture-of-experts feed-forward is not split (:class:`ReplicatedMoE`): its parameters are
+replicated over the tensor-parallel ranks, which gather the sequence, each route and compute
+every token, and keep their sequence shard of the result (the experts are split by expert
+parallelism, not tensor parallelism). Attention is split as in a dense block.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -33,11 +46,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..exceptions import ConfigurationError
+from .moe import MoEFeedForward
 from .transformer import Transformer, TransformerBlock
 from .transformer_config import TransformerConfig
 
 __all__ = [
     "FeatureShardedNorm",
+    "ReplicatedMoE",
     "apply_tensor_parallel",
     "block_plan",
     "check_tensor_parallel_degree",
@@ -53,9 +68,10 @@ def check_tensor_parallel_degree(config: TransformerConfig, degree: int) -> None
     sizes = {
         "n_heads": (config.n_heads, "model.n_heads"),
         "n_kv_heads": (config.kv_heads, "model.n_kv_heads"),
-        "MLP hidden size": (config.hidden_size, f"model.{hidden}"),
-        "vocab_size": (config.vocab_size, "model.vocab_size"),
     }
+    if not all(config.is_moe_layer(i) for i in range(config.n_layers)):  # experts: not split
+        sizes["MLP hidden size"] = (config.hidden_size, f"model.{hidden}")
+    sizes["vocab_size"] = (config.vocab_size, "model.vocab_size")
     for name, (size, field) in sizes.items():
         if size % degree == 0:
             continue
@@ -86,7 +102,8 @@ def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh) -> None:
         model.lm_head.weight = model.embeddings.weight
     for block in model.blocks:
         assert isinstance(block, TransformerBlock)
-        parallelize_module(block, mesh, block_plan(block.attention.q_norm is not None))
+        moe = isinstance(block.feed_forward, MoEFeedForward)
+        parallelize_module(block, mesh, block_plan(block.attention.q_norm is not None, moe=moe))
 
 
 def root_plan() -> dict[str, ParallelStyle]:
@@ -103,9 +120,10 @@ def root_plan() -> dict[str, ParallelStyle]:
     }
 
 
-def block_plan(qk_norm: bool) -> dict[str, ParallelStyle]:
+def block_plan(qk_norm: bool, *, moe: bool = False) -> dict[str, ParallelStyle]:
     """The styles of one block's modules, by their names in the block (the memory planner
-    reads the split of every parameter from this plan and :func:`root_plan`)."""
+    reads the split of every parameter from this plan and :func:`root_plan`); ``moe``: the
+    block's feed-forward is a mixture of experts (:class:`ReplicatedMoE`)."""
     sequence = Shard(1)
     # The attention's arguments after x (cos, sin, mask, cache) are plain, replicated values.
     gather = PrepareModuleInput(
@@ -133,6 +151,10 @@ def block_plan(qk_norm: bool) -> dict[str, ParallelStyle]:
     if qk_norm:
         plan["attention.q_norm"] = FeatureShardedNorm()
         plan["attention.k_norm"] = FeatureShardedNorm()
+    if moe:
+        for name in [n for n in plan if n.startswith("feed_forward.")]:
+            del plan[name]
+        plan["feed_forward"] = ReplicatedMoE()
     return plan
 
 
@@ -159,18 +181,59 @@ class FeatureShardedNorm(ParallelStyle):
         return distribute_module(
             module,
             device_mesh,
-            partition_fn=_shard_parameters,
+            partition_fn=partial(_place_parameters, Shard(0)),
             output_fn=_local_output,
         )
 
 
-def _shard_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+def _place_parameters(placement: Placement, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    """``distribute_module``'s ``partition_fn``: each of ``module``'s own parameters becomes a
+    DTensor placed as ``placement`` says (bound with :func:`functools.partial`); one that
+    is a DTensor already (experts split by expert parallelism) stays as it is."""
     del name
     for param_name, param in list(module.named_parameters(recurse=False)):
-        sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]))
-        module.register_parameter(param_name, sharded)
+        if isinstance(param, DTensor):
+            continue
+        placed = nn.Parameter(distribute_tensor(param, mesh, [placement]))
+        module.register_parameter(param_name, placed)
 
 
 def _local_output(module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
     del module, mesh
     return output.to_local() if isinstance(output, DTensor) else output
+
+
+class ReplicatedMoE(ParallelStyle):
+    """A mixture-of-experts feed-forward on every tensor-parallel rank: its parameters become
+    replicated DTensors (``Replicate()``), its input the gathered sequence as a plain tensor,
+    and its output, the same on every rank, is cut back to the rank's sequence shard.
+
+    Every rank computes the same values (the layer runs on the plain local weights), so each
+    parameter's gradient is the same on every rank, as ``Replicate()`` says; the sequence
+    gather's backward keeps each rank's shard of the input gradient. Under expert
+    parallelism the experts are already split (DTensors on the expert-parallel ranks) and
+    stay so: every tensor-parallel rank holds its expert-parallel rank's experts and
+    exchanges the whole sequence's tokens with the ranks of the same ``tp`` index."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            partition_fn=partial(_place_parameters, Replicate()),
+            input_fn=_gather_sequence,
+            output_fn=_scatter_sequence,
+        )
+
+
+def _gather_sequence(module: nn.Module, inputs: Any, mesh: DeviceMesh) -> Any:
+    del module
+    x = inputs[0]
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+    return (x.redistribute(placements=[Replicate()]).to_local(), *inputs[1:])
+
+
+def _scatter_sequence(module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+    del module
+    whole = DTensor.from_local(output, mesh, [Replicate()], run_check=False)
+    return whole.redistribute(placements=[Shard(1)])

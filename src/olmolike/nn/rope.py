@@ -14,7 +14,13 @@ from torch import Tensor
 
 from ..config import Config
 
-__all__ = ["RopeScalingConfig", "RotaryEmbedding", "apply_rotary", "document_attention"]
+__all__ = [
+    "RopeScalingConfig",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "document_attention",
+    "document_starts",
+]
 
 
 @dataclass
@@ -29,8 +35,14 @@ class RopeScalingConfig(Config):
     """
 
     factor: float = 8.0
+    """How much longer the new context is: the long-wavelength frequencies are divided by it (Llama
+    3.1: 8)."""
     low_freq_factor: float = 1.0
+    """Frequencies whose wavelength exceeds ``original_max_sequence_length / low_freq_factor`` are
+    divided by ``factor`` in full."""
     high_freq_factor: float = 4.0
+    """Frequencies whose wavelength is below ``original_max_sequence_length / high_freq_factor`` are
+    kept as pretrained; those between the two bounds are blended."""
     original_max_sequence_length: int = 8192
     """The context length the model was pretrained with before the stretch."""
 
@@ -131,7 +143,14 @@ def document_attention(doc_ids: Tensor) -> tuple[Tensor, Tensor]:
     then computed exactly as if it were alone in the sequence.
     """
     index = torch.arange(doc_ids.shape[1], device=doc_ids.device)
-    starts = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=True)
-    doc_start = torch.where(starts, index, 0).cummax(dim=1).values
+    doc_start = document_starts(doc_ids)
     same_doc = doc_start[:, :, None] == doc_start[:, None, :]
     return index - doc_start, (same_doc & (index[:, None] >= index[None, :])).unsqueeze(1)
+
+
+def document_starts(doc_ids: Tensor) -> Tensor:
+    """The index of the first token of each token's document (B, T): two tokens are in the
+    same document exactly when these are equal, and ``index - start`` is a token's position."""
+    index = torch.arange(doc_ids.shape[1], device=doc_ids.device)
+    starts = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=True)
+    return torch.where(starts, index, 0).cummax(dim=1).values

@@ -27,7 +27,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..config import StrEnum
+from .context_parallel import ContextParallel, ShardAttention
 from .kv_cache import KVCache, LayerKVCache
+from .moe import MoEFeedForward
 from .rope import RotaryEmbedding, apply_rotary, document_attention
 
 if TYPE_CHECKING:
@@ -92,11 +94,13 @@ class Attention(nn.Module):
         x: Tensor,
         cos: Tensor,
         sin: Tensor,
-        mask: Tensor | None = None,
+        mask: Tensor | ShardAttention | None = None,
         cache: LayerKVCache | None = None,
     ) -> Tensor:
         """``mask`` (B, 1, T, keys), True where attention is allowed, replaces the causal mask;
-        with a ``cache``, the keys are every cached one followed by this call's."""
+        with a ``cache``, the keys are every cached one followed by this call's. Under context
+        parallelism ``mask`` is the attention of this rank's shard of the sequence, which
+        brings in the other ranks' keys (:mod:`olmolike.nn.context_parallel`)."""
         batch, seq_len, _ = x.shape
         q, k, v = self.w_q(x), self.w_k(x), self.w_v(x)
         if self.q_norm is not None and self.k_norm is not None:
@@ -112,10 +116,13 @@ class Attention(nn.Module):
         # same grouping as Hugging Face's repeat_kv, without materialising repeated k and v.
         if cache is not None:
             k, v = cache.update(k, v)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )  # fmt: skip
+        if isinstance(mask, ShardAttention):
+            y = mask(q, k, v, enable_gqa=self.n_kv_heads != self.n_heads)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None,
+                enable_gqa=self.n_kv_heads != self.n_heads,
+            )  # fmt: skip
         return self.w_out(y.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -133,22 +140,29 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """A residual block: attention, then the MLP, each with its RMSNorm (see ``block_type``)."""
+    """A residual block: attention, then the MLP, each with its RMSNorm (see ``block_type``).
+    The MLP of layer ``index`` is a mixture of experts if ``config.moe`` says so."""
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, index: int = 0) -> None:
         super().__init__()
         self.reordered_norm = config.block_type == TransformerBlockType.reordered_norm
         self.attention_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attention = Attention(config)
         self.feed_forward_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.feed_forward = FeedForward(config.d_model, config.hidden_size)
+        self.feed_forward: FeedForward | MoEFeedForward
+        if config.is_moe_layer(index):
+            shared = config.moe.shared_expert_hidden_size if config.moe else None
+            shared_expert = FeedForward(config.d_model, shared) if shared else None
+            self.feed_forward = MoEFeedForward(config, index, shared_expert)
+        else:
+            self.feed_forward = FeedForward(config.d_model, config.hidden_size)
 
     def forward(
         self,
         x: Tensor,
         cos: Tensor,
         sin: Tensor,
-        mask: Tensor | None = None,
+        mask: Tensor | ShardAttention | None = None,
         cache: LayerKVCache | None = None,
     ) -> Tensor:
         if self.reordered_norm:
@@ -185,11 +199,14 @@ class Transformer(nn.Module):
         self.rope = RotaryEmbedding(
             config.head_dim, config.max_sequence_length, config.rope_theta, config.rope_scaling
         )
-        self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.embeddings.weight
+        self.context_parallel: ContextParallel | None = None
+        """Set by :func:`~olmolike.nn.context_parallel.apply_context_parallel`: each rank then
+        computes its shard of every sequence, and returns the logits of its tokens only."""
 
     def forward(
         self, input_ids: Tensor, doc_ids: Tensor | None = None, *, cache: KVCache | None = None
@@ -198,7 +215,8 @@ class Transformer(nn.Module):
 
         With ``doc_ids`` (B, T), each packed document is computed alone (no attention across
         documents, positions restarting per document). With a ``cache``, the logits extend the
-        sequences cached so far (see :mod:`olmolike.nn.kv_cache`).
+        sequences cached so far (see :mod:`olmolike.nn.kv_cache`). Under context parallelism
+        the logits are those of this rank's tokens (:meth:`ContextParallel.shard`).
         """
         if input_ids.dim() != 2:
             raise ValueError(
@@ -219,11 +237,19 @@ class Transformer(nn.Module):
                 f"the KV cache has {cache.capacity} slots but the model has rotary positions "
                 f"for {self.config.max_sequence_length} only; build a smaller cache"
             )
-        h = self.embeddings(input_ids)
-        mask = None
+        cp = self.context_parallel
+        if cp is not None and cache is not None:
+            raise ValueError(
+                "a KV cache decodes on one rank: generate with a model without context "
+                "parallelism (it splits the sequences of training steps over ranks)"
+            )
+        h = self.embeddings(input_ids if cp is None else cp.shard(input_ids))
+        mask: Tensor | ShardAttention | None = None
         if cache is not None:
             cos, sin = self.rope.at(cache.begin(input_ids))
             mask = cache.mask
+        elif cp is not None:
+            cos, sin, mask = cp.attention_inputs(self.rope, h.shape[1], doc_ids)
         elif doc_ids is not None:
             positions, mask = document_attention(doc_ids)
             cos, sin = self.rope.at(positions)
@@ -281,9 +307,17 @@ def init_draws(config: TransformerConfig) -> Iterator[tuple[str, float]]:
         for name in ("w_q", "w_k", "w_v"):
             yield f"{prefix}.attention.{name}.weight", std
         yield f"{prefix}.attention.w_out.weight", out_std
-        yield f"{prefix}.feed_forward.w_gate.weight", std
-        yield f"{prefix}.feed_forward.w_up.weight", std
-        yield f"{prefix}.feed_forward.w_down.weight", out_std
+        mlps = [f"{prefix}.feed_forward"]
+        if config.is_moe_layer(i):  # the router, every expert at once, the shared expert
+            yield f"{prefix}.feed_forward.router.weight", std
+            yield f"{prefix}.feed_forward.experts.w_gate", std
+            yield f"{prefix}.feed_forward.experts.w_up", std
+            yield f"{prefix}.feed_forward.experts.w_down", out_std
+            mlps = [f"{prefix}.feed_forward.shared_expert"] if config.has_shared_expert else []
+        for mlp in mlps:
+            yield f"{mlp}.w_gate.weight", std
+            yield f"{mlp}.w_up.weight", std
+            yield f"{mlp}.w_down.weight", out_std
     if not config.tie_weights:
         yield "lm_head.weight", std
 

@@ -20,6 +20,7 @@ sharded on the vocabulary for the vocabulary-parallel loss.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +29,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from .context_parallel import ShardAttention
+from .moe import aux_loss_weight
 from .rope import RotaryEmbedding, document_attention
 from .transformer import Transformer, init_parameters
 from .transformer_config import TransformerConfig
@@ -74,7 +77,9 @@ class TransformerStage(_Parts):
     pipeline: each stage builds its own attention mask and positions from them.
 
     ``tp_mesh``: the tensor-parallel mesh ``model`` was split over, if any; hidden states then
-    leave and enter the stage as the rank's plain sequence shard (see the module doc).
+    leave and enter the stage as the rank's plain sequence shard (see the module doc). Under
+    context parallelism (``model.context_parallel``) the first stage takes whole sequences
+    and keeps its rank's tokens; the hidden states passed on are those tokens'.
     """
 
     def __init__(
@@ -99,19 +104,28 @@ class TransformerStage(_Parts):
         )
         self.rope.to(model.rope.cos.device)
         self.tp_mesh = tp_mesh
+        self.context_parallel = model.context_parallel
+
+    def shape_inference(self) -> contextlib.AbstractContextManager[None]:
+        """Where the pipeline runs a forward only to learn the output shapes (on placeholder
+        inputs): MoE blocks then attach no auxiliary loss and count no routing."""
+        return aux_loss_weight(0.0)
 
     def forward(self, x: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        cp = self.context_parallel
+        mask: Tensor | ShardAttention | None = None
         if self.embeddings is not None:
-            h = self.embeddings(x)
+            h = self.embeddings(x if cp is None else cp.shard(x))
         elif self.tp_mesh is not None:  # this rank's sequence shard, as the blocks expect it
             h = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False)
         else:
             h = x
-        if doc_ids is not None:
+        if cp is not None:  # the hidden states are this rank's tokens already
+            cos, sin, mask = cp.attention_inputs(self.rope, h.shape[1], doc_ids)
+        elif doc_ids is not None:
             positions, mask = document_attention(doc_ids)
             cos, sin = self.rope.at(positions)
         else:
-            mask = None
             cos, sin = self.rope(h.shape[1])
         for block in self.blocks.values():
             h = block(h, cos, sin, mask)

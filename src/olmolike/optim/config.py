@@ -278,9 +278,15 @@ class AdamWConfig(OptimConfig):
     """:class:`torch.optim.AdamW` with decoupled weight decay on weight matrices only."""
 
     lr: float = 1e-3
+    """The peak learning rate (a scheduler scales it per step)."""
     weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW's: each step shrinks the weights by ``lr * weight_decay`` of
+    themselves) on the parameters that decay: weight matrices, and embeddings, norms and biases only
+    as ``decay_embeddings`` and ``decay_norms_and_biases`` say."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """The decay rates of the running means of the gradient and of its square."""
     eps: float = 1e-8
+    """Added to the square root of the second moment, for numerical safety."""
 
     group_options: ClassVar[tuple[str, ...]] = ("lr", "betas", "eps", "weight_decay")
 
@@ -309,9 +315,13 @@ class SGDConfig(OptimConfig):
     """:class:`torch.optim.SGD` with the same grouping rules as :class:`AdamWConfig`."""
 
     lr: float = 1e-2
+    """The peak learning rate (a scheduler scales it per step)."""
     momentum: float = 0.9
+    """The momentum factor (0: plain SGD)."""
     dampening: float = 0.0
+    """How much of each new gradient is left out of the momentum (0: none)."""
     nesterov: bool = False
+    """Use Nesterov momentum (needs momentum > 0 and dampening 0)."""
 
     group_options: ClassVar[tuple[str, ...]] = (
         "lr",

@@ -250,6 +250,8 @@ class WSD(WarmupScheduler):
     """Length of the decay as a fraction of ``t_max``."""
 
     decay_shape: DecayShape = DecayShape.linear
+    """How the decay falls from ``initial_lr`` to its final value: ``linear``, ``cosine`` or
+    ``sqrt`` (``1 - sqrt(progress)``)."""
     alpha_f: float = 0.0
     """The final learning rate as a fraction of ``initial_lr``."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,9 +21,9 @@ from ..distributed.utils import (
     is_shared_filesystem,
     new_group,
 )
-from ..io import is_url, local_path, url_to_fs
+from ..io import is_url, local_path, removed_if_left_empty, url_to_fs
 from ..utils import get_default_device
-from .callbacks.callback import Callback
+from .callbacks.callback import Callback, callback_registry
 from .callbacks.checkpointer import CheckpointerCallback
 from .callbacks.console_logger import ConsoleLoggerCallback
 from .checkpoint import Checkpointer, CheckpointerConfig
@@ -36,22 +37,59 @@ if TYPE_CHECKING:
 
 __all__ = ["TrainerConfig"]
 
+_AS_THEY_ARE = (
+    "save_folder",
+    "max_duration",
+    "save_overwrite",
+    "load_path",
+    "load_strategy",
+    "load_trainer_state",
+    "load_optim_state",
+    "metrics_collect_interval",
+    "cancel_check_interval",
+    "hard_stop",
+    "async_bookkeeping",
+    "bookkeeping_soft_timeout",
+    "train_timeout_seconds",
+    "no_checkpoints",
+    "no_evals",
+)
+"""The fields :meth:`TrainerConfig.build` passes to the ``Trainer`` as they are (the trainer's
+fields of the same names); the others it builds or copies first."""
+
 
 @dataclass
 class TrainerConfig(Config):
     """A configuration class for building :class:`~olmolike.train.Trainer` instances.
 
-    See the :class:`~olmolike.train.Trainer` for what each field means.
+    Each field below says what it sets; the :class:`~olmolike.train.Trainer` it builds holds
+    the same settings.
     """
 
     save_folder: str
+    """Where checkpoints and the run's files (config, metrics) go: a local directory, shared by
+    every rank (several nodes need a shared filesystem), or a URL (``gs://``, ``s3://``). A folder
+    that holds checkpoints is resumed from (see ``load_strategy``); one run writes to it at a time.
+    """
     work_dir: str | None = None
     """Defaults to ``save_folder`` when that is local, else a directory under the system temp dir."""
     load_path: str | None = None
+    """Another place to start from when the save folder holds no checkpoint: a checkpoint
+    (``step{N}``) or a folder of them (its newest), e.g. another run's save folder. ``None``: none.
+    """
     load_strategy: LoadStrategy = LoadStrategy.if_available
+    """Whether to load a checkpoint when ``fit()`` starts: ``if_available`` (the save folder's
+    newest, else ``load_path``'s, else start from scratch), ``always`` (no checkpoint is an error)
+    or ``never``."""
     load_optim_state: bool | None = None
+    """Whether a load restores the optimizer state: ``None`` if the checkpoint holds it, ``True``
+    requires it, ``False`` starts the optimizer afresh."""
     load_trainer_state: bool | None = None
+    """Whether a load restores the trainer's state (step, tokens seen, data loader position, RNG
+    states): ``None`` if the checkpoint holds it, ``True`` requires it, ``False`` keeps only the
+    weights (and optimizer state) and starts counting at step 0."""
     checkpointer: CheckpointerConfig = field(default_factory=CheckpointerConfig)
+    """How checkpoints are written and read: threads, staging, uploads, the save folder's lease."""
     device: str | None = None
     """Where batches go. Defaults to where the train module's model lives (its ``device``, or
     its parameters'), so a model kept on the CPU trains on the CPU on a GPU machine too; a
@@ -59,13 +97,33 @@ class TrainerConfig(Config):
     CPU. Set explicitly, it must match the model's device: the build refuses a mismatch
     rather than failing at the first forward pass."""
     save_overwrite: bool = False
+    """Allow replacing checkpoints and files that already exist in the save folder; off, an existing
+    checkpoint of the same step is an error, never overwritten."""
     max_duration: Duration = field(default_factory=lambda: Duration.epochs(1))
+    """How long the run trains, in steps, tokens or epochs (:class:`~olmolike.train.Duration`). It
+    sets the length of the LR schedule, so the step count must be known before the first step: with
+    a data loader of unknown length, give steps or tokens."""
     cancel_check_interval: int = 25
+    """Steps between the checks that every rank makes together of whether any rank was asked to stop
+    (a signal, a callback's cancel): all stop at the same step. Each check is one small collective
+    on the bookkeeping process group."""
     hard_stop: Duration | None = None
+    """Stop at this point (steps, tokens or epochs) without changing ``max_duration``, so the LR
+    schedule is the full run's: for a shortened ablation. ``None``: train to ``max_duration``."""
     metrics_collect_interval: int = 5
+    """Steps between metric collections: the metrics of those steps are moved to the host in one
+    transfer, reduced over ranks and handed to the callbacks' ``log_metrics`` then. A larger
+    interval costs fewer device-to-host syncs; every step is still logged, later."""
     callbacks: dict[str, Callback] = field(default_factory=dict)
+    """The callbacks, by name (a name is also how an override reaches one:
+    ``--trainer.callbacks.checkpointer.save_interval=500``)."""
     async_bookkeeping: bool | None = None
+    """Run the metric reductions and other bookkeeping collectives on a background thread with a
+    process group of its own, off the training loop. ``None`` chooses: yes unless one process trains
+    on the CPU (nothing to overlap there). Needs a backend that runs on the CPU (gloo)."""
     bookkeeping_soft_timeout: int = 30
+    """Seconds a bookkeeping operation may run before a warning names it (a rank may be stalled);
+    the operation goes on."""
     train_timeout_seconds: int | None = 300
     """After the first step, the timeout of the process groups (all but the checkpointer's,
     whose ranks wait at barriers while others upload) drops from the run's (the ``timeout``
@@ -73,8 +131,14 @@ class TrainerConfig(Config):
     collective some rank never joins fails with an error naming it within minutes. ``None``
     keeps the run's timeout."""
     no_checkpoints: bool = False
+    """Save no checkpoint at all (and so nothing to resume from), whatever the checkpointer callback
+    says: for benchmarks and throwaway runs."""
     no_evals: bool = False
+    """Run no evaluator callback: for benchmarks."""
     steps_to_skip: list[StepSkipRange] | None = None
+    """Ranges of steps whose batches are read but not trained on
+    (:class:`~olmolike.train.StepSkipRange`): to step over data that made a run diverge without
+    changing what comes after. ``None``: none."""
     checkpoints_to_eval: list[str] | None = None
     """Checkpoints (or folders of them: their latest) that ``Trainer.eval_checkpoints()``
     evaluates; see ``build(eval_only=True)``."""
@@ -207,24 +271,26 @@ class TrainerConfig(Config):
         self.validate()
         if dp_process_group is None:
             dp_process_group = train_module.dp_process_group
-        self._check_save_folder()
-        self._check_same_on_every_rank()
-        work_dir = Path(self.work_dir) if self.work_dir else self._default_work_dir()
-        owned: list[dist.ProcessGroup] = []
-        if checkpointer_pg is None and is_distributed():
-            # Checkpoint collectives may run in a background thread: give them their own group.
-            # It keeps the run's timeout: ranks take turns uploading a checkpoint, and the
-            # others wait at a barrier meanwhile, for as long as the upload takes.
-            checkpointer_pg = new_group("checkpointer", shorten_timeout=False)
-            owned += [checkpointer_pg] if checkpointer_pg is not None else []
-        try:
-            return self._build_trainer(
-                train_module, data_loader, work_dir, dp_process_group, checkpointer_pg, owned
-            )
-        except BaseException:
-            for group in owned:  # the trainer that would have destroyed it does not exist
-                destroy_group(group, barrier=False)
-            raise
+        # A run refused here leaves no empty save folder (or work_dir) behind.
+        with removed_if_left_empty(self.save_folder, self.work_dir):
+            self._check_save_folder()
+            self._check_same_on_every_rank()
+            work_dir = Path(self.work_dir) if self.work_dir else self._default_work_dir()
+            owned: list[dist.ProcessGroup] = []
+            if checkpointer_pg is None and is_distributed():
+                # Checkpoint collectives may run in a background thread: their own group.
+                # It keeps the run's timeout: ranks take turns uploading a checkpoint, and
+                # the others wait at a barrier meanwhile, for as long as the upload takes.
+                checkpointer_pg = new_group("checkpointer", shorten_timeout=False)
+                owned += [checkpointer_pg] if checkpointer_pg is not None else []
+            try:
+                return self._build_trainer(
+                    train_module, data_loader, work_dir, dp_process_group, checkpointer_pg, owned
+                )
+            except BaseException:
+                for group in owned:  # the trainer that would have destroyed it does not exist
+                    destroy_group(group, barrier=False)
+                raise
 
     def _build_trainer(
         self,
@@ -238,42 +304,42 @@ class TrainerConfig(Config):
         from .trainer import Trainer
 
         callbacks = dict(self.callbacks)
-        # Defaults, unless the user has one of the kind (a user callback keeps its name).
-        if not any(isinstance(cb, CheckpointerCallback) for cb in callbacks.values()):
-            callbacks.setdefault("checkpointer", CheckpointerCallback())
-        if not any(isinstance(cb, ConsoleLoggerCallback) for cb in callbacks.values()):
-            # Metrics arrive once per collect interval: logging them as they come costs least.
-            logger = ConsoleLoggerCallback(log_interval=self.metrics_collect_interval)
-            callbacks.setdefault("console_logger", logger)
+        # Defaults, unless the user has one of the kind (a user callback keeps its name): the
+        # checkpointer, the console logger (metrics arrive once per collect interval: logging
+        # them as they come costs least) and those the train module's metrics are meant for.
+        defaults: dict[str, Callable[[], Callback]] = {
+            "checkpointer": CheckpointerCallback,
+            "console_logger": lambda: ConsoleLoggerCallback(
+                log_interval=self.metrics_collect_interval
+            ),
+        }
+        for name in train_module.default_callbacks():
+            if name not in callback_registry:
+                raise self._invalid(
+                    "callbacks",
+                    f"{type(train_module).__name__}.default_callbacks() names {name!r}, which "
+                    "is no registered callback; import the module that defines it first",
+                )
+            defaults.setdefault(name, callback_registry[name])
+        for name, default in defaults.items():
+            kind = callback_registry[name]
+            if not any(isinstance(cb, kind) for cb in callbacks.values()):
+                callbacks.setdefault(name, default())
         _check_token_ids(train_module, data_loader)
         return Trainer(
             work_dir=work_dir,
             train_module=train_module,
             data_loader=data_loader,
             device=self._device_for(train_module),
-            save_folder=self.save_folder,
             checkpointer=self.checkpointer.build(
                 work_dir, save_overwrite=self.save_overwrite, process_group=checkpointer_pg
             ),
             callbacks=callbacks,
-            max_duration=self.max_duration,
-            save_overwrite=self.save_overwrite,
-            load_path=self.load_path,
-            load_strategy=self.load_strategy,
-            load_trainer_state=self.load_trainer_state,
-            load_optim_state=self.load_optim_state,
-            metrics_collect_interval=self.metrics_collect_interval,
             dp_process_group=dp_process_group,
-            cancel_check_interval=self.cancel_check_interval,
-            hard_stop=self.hard_stop,
-            async_bookkeeping=self.async_bookkeeping,
-            bookkeeping_soft_timeout=self.bookkeeping_soft_timeout,
-            train_timeout_seconds=self.train_timeout_seconds,
-            no_checkpoints=self.no_checkpoints,
-            no_evals=self.no_evals,
             steps_to_skip=list(self.steps_to_skip) if self.steps_to_skip else None,
             checkpoints_to_eval=list(self.checkpoints_to_eval or ()) or None,
             owned_process_groups=owned,
+            **{name: getattr(self, name) for name in _AS_THEY_ARE},
         )
 
     def _check_same_on_every_rank(self) -> None:

@@ -1,20 +1,23 @@
-"""Converting durations (steps, tokens, epochs) into step counts.
+"""Converting durations (steps, tokens, epochs) into step counts, and counting FLOPs.
 
 Pure functions of values: a :class:`Progress` (where training stands and the batch geometry),
-the durations, and a :class:`Speed`. The trainer builds those from its own state.
+the durations, and a :class:`Speed`. The trainer builds those from its own state. A
+:class:`FlopCounter` turns trained tokens into the trainer's ``global_train_petaflops``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from ..exceptions import ConfigurationError
 from .common import Duration, DurationUnit, TrainingProgress
 
 __all__ = [
+    "FlopCounter",
     "Progress",
     "Speed",
     "duration_to_steps",
@@ -32,10 +35,13 @@ class Progress:
     """Where training stands, and the batch geometry that turns tokens into steps."""
 
     step: int
+    """The last step trained (0 before the first)."""
     tokens_seen: int
+    """Training tokens consumed so far, over all ranks."""
     global_batch_size: int
     """Tokens per step."""
     steps_per_epoch: int | None
+    """Batches in one epoch, ``None`` if the data loader cannot tell."""
 
 
 def duration_to_steps(duration: Duration, progress: Progress, *, what: str = "duration") -> int:
@@ -141,3 +147,21 @@ def training_progress(
         tps=speed.tps,
         mfu=speed.mfu,
     )
+
+
+@dataclass
+class FlopCounter:
+    """The petaflops of trained tokens (the trainer's ``global_train_petaflops``), from the
+    train module's FLOPs per token, asked once per sequence length."""
+
+    flops_per_token: Callable[[int], int | None]
+    """FLOPs per trained token at a sequence length; ``None`` if unknown."""
+    known: dict[int, int | None] = field(default_factory=dict)
+    """FLOPs per token already asked for, by sequence length (``None``: the train module cannot
+    tell)."""
+
+    def petaflops(self, seq_len: int, tokens: int) -> float:
+        if seq_len not in self.known:
+            self.known[seq_len] = self.flops_per_token(seq_len)
+        per_token = self.known[seq_len]
+        return 0.0 if per_token is None else per_token * tokens / 1e15

@@ -1,220 +1,31 @@
-"""Per-step metrics: recorded as device tensors, moved to the host once per collect interval.
+"""Collected metrics reduced across ranks, on the bookkeeping thread.
 
-Recording a metric never synchronizes with the device. At each collect interval the trainer
-calls :meth:`MetricBuffer.collect`, which stacks every pending tensor (one stack per device)
-and starts one non-blocking copy to host memory. The copy is awaited and the values reduced
-across ranks by :func:`reduce_collected`, which runs on the bookkeeping thread.
+Metrics are recorded into a :class:`~olmolike.train.metric_buffer.MetricBuffer` as device
+tensors, with no sync; at each collect interval it stacks them and starts one host copy. The
+copy is awaited and the values reduced across ranks by :class:`MetricReducer` (or
+:func:`reduce_collected`), which runs on the bookkeeping thread.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from ..config import check_choice
 from ..exceptions import MetricError
-from .common import MetricMergeStrategy, ReduceType
+from .common import ReduceType
+from .metric_buffer import CollectedMetrics, MetricBuffer
 
-__all__ = ["CollectedMetrics", "FlopCounter", "MetricBuffer", "MetricReducer", "reduce_collected"]
+__all__ = [
+    "CollectedMetrics",  # from metric_buffer: their names before it had a module of its own
+    "MetricBuffer",
+    "MetricReducer",
+    "reduce_collected",
+]
 
-log = logging.getLogger(__name__)
-
-MetricValue = torch.Tensor | float
 StepMetrics = dict[int, dict[str, float]]
-
-
-def metric_name(name: str, namespace: str | None) -> str:
-    return f"{namespace.strip()}/{name.strip()}" if namespace else name.strip()
-
-
-@dataclass
-class FlopCounter:
-    """The petaflops of trained tokens (the trainer's ``global_train_petaflops``), from the
-    train module's FLOPs per token, asked once per sequence length."""
-
-    flops_per_token: Callable[[int], int | None]
-    """FLOPs per trained token at a sequence length; ``None`` if unknown."""
-    known: dict[int, int | None] = field(default_factory=dict)
-
-    def petaflops(self, seq_len: int, tokens: int) -> float:
-        if seq_len not in self.known:
-            self.known[seq_len] = self.flops_per_token(seq_len)
-        per_token = self.known[seq_len]
-        return 0.0 if per_token is None else per_token * tokens / 1e15
-
-
-@dataclass
-class _DeviceBlock:
-    """Tensor metrics from one device, stacked, with their host copy in flight."""
-
-    keys: list[tuple[int, str]]
-    host: torch.Tensor
-    ready: torch.cuda.Event | None
-
-    def values(self) -> list[float]:
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host.tolist()
-
-
-@dataclass
-class CollectedMetrics:
-    """The metrics of a run of steps, on their way to the host."""
-
-    steps: list[int]
-    reduce_types: dict[str, ReduceType | None]
-    blocks: list[_DeviceBlock] = field(default_factory=list)
-    numbers: dict[tuple[int, str], float] = field(default_factory=dict)
-
-    def host_values(self) -> dict[tuple[int, str], float]:
-        """Wait for the device-to-host copies (off the training thread) and return all values."""
-        values = dict(self.numbers)
-        for block in self.blocks:
-            values.update(zip(block.keys, block.values()))
-        return values
-
-
-class MetricBuffer:
-    """Holds the metrics of steps that have not been collected yet."""
-
-    def __init__(self) -> None:
-        self._steps: dict[int, dict[str, MetricValue]] = {}
-        self._reduce_types: dict[str, ReduceType | None] = {}
-        self._warned_duplicates: set[str] = set()
-
-    def __len__(self) -> int:
-        return len(self._steps)
-
-    def begin_step(self, step: int) -> None:
-        self._steps.setdefault(step, {})
-
-    def record(
-        self,
-        step: int,
-        name: str,
-        value: MetricValue,
-        reduce_type: ReduceType | None = None,
-        merge_strategy: MetricMergeStrategy = MetricMergeStrategy.warn,
-    ) -> None:
-        value = _as_metric_value(name, value)
-        if reduce_type is not None:
-            reduce_type = check_choice(reduce_type, ReduceType, "reduce_type")
-        merge_strategy = check_choice(merge_strategy, MetricMergeStrategy, "merge_strategy")
-        previous_type = self._reduce_types.setdefault(name, reduce_type)
-        if previous_type != reduce_type:
-            raise MetricError(
-                f"metric {name!r} was recorded with reduce_type={previous_type} and now with "
-                f"{reduce_type}; a metric must keep one reduce type for the whole run"
-            )
-        metrics = self._steps.setdefault(step, {})
-        if name in metrics:
-            value = self._merge(name, step, metrics[name], value, merge_strategy)
-        metrics[name] = value
-
-    def get(self, step: int, name: str) -> torch.Tensor | None:
-        value = self._steps.get(step, {}).get(name)
-        if value is None or isinstance(value, torch.Tensor):
-            return value
-        return torch.tensor(value)
-
-    def collect(self) -> CollectedMetrics:
-        """Take every pending step's metrics and start moving them to the host."""
-        collected = CollectedMetrics(
-            steps=sorted(self._steps), reduce_types=dict(self._reduce_types)
-        )
-        by_device: dict[torch.device, list[tuple[tuple[int, str], torch.Tensor]]] = defaultdict(
-            list
-        )
-        for step, metrics in self._steps.items():
-            for name, value in metrics.items():
-                if isinstance(value, torch.Tensor):
-                    by_device[value.device].append(((step, name), value))
-                else:
-                    collected.numbers[(step, name)] = value
-        for device, items in by_device.items():
-            stacked = torch.stack([t.float() for _, t in items])
-            collected.blocks.append(_start_host_copy([k for k, _ in items], stacked, device))
-        self._steps = {}
-        return collected
-
-    def _merge(
-        self,
-        name: str,
-        step: int,
-        old: MetricValue,
-        new: MetricValue,
-        strategy: MetricMergeStrategy,
-    ) -> MetricValue:
-        if strategy == MetricMergeStrategy.warn:
-            if name not in self._warned_duplicates:
-                self._warned_duplicates.add(name)
-                log.warning(
-                    "Metric %r was recorded twice in step %d; keeping the first value. Pass a "
-                    "merge_strategy to record_metric() to merge duplicates instead.",
-                    name,
-                    step,
-                )
-            return old
-        if strategy == MetricMergeStrategy.oldest:
-            return old
-        if strategy == MetricMergeStrategy.latest:
-            return new
-        if strategy in (MetricMergeStrategy.sum, MetricMergeStrategy.mean):
-            total = _add(old, new)
-            return total / 2 if strategy == MetricMergeStrategy.mean else total
-        return _extreme(old, new, largest=strategy == MetricMergeStrategy.max)
-
-
-def _as_metric_value(name: str, value: MetricValue) -> MetricValue:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise MetricError(
-                f"metric {name!r} must be a scalar, got a tensor of shape {tuple(value.shape)}"
-            )
-        # Skip the ops when they would change nothing: this runs for every metric of every step.
-        if value.requires_grad:
-            value = value.detach()
-        return value if value.dim() == 0 else value.reshape(())
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    raise MetricError(f"metric {name!r} must be a number or a scalar tensor, got {value!r}")
-
-
-def _add(a: MetricValue, b: MetricValue) -> MetricValue:
-    # A Python number combined with a tensor goes into the kernel as a scalar argument: no
-    # host-to-device copy, hence no sync.
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device != b.device:
-        b = b.to(a.device)
-    return a + b
-
-
-def _extreme(a: MetricValue, b: MetricValue, *, largest: bool) -> MetricValue:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        b = b.to(a.device)
-        return torch.maximum(a, b) if largest else torch.minimum(a, b)
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        tensor, number = (a, b) if isinstance(a, torch.Tensor) else (b, a)
-        assert isinstance(tensor, torch.Tensor) and not isinstance(number, torch.Tensor)
-        return tensor.clamp(min=number) if largest else tensor.clamp(max=number)
-    return max(a, b) if largest else min(a, b)
-
-
-def _start_host_copy(
-    keys: list[tuple[int, str]], stacked: torch.Tensor, device: torch.device
-) -> _DeviceBlock:
-    if device.type != "cuda":
-        return _DeviceBlock(keys, stacked.cpu(), None)
-    host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-    host.copy_(stacked, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return _DeviceBlock(keys, host, ready)
 
 
 # -- cross-rank reduction (runs on the bookkeeping thread) -------------------------------------
@@ -253,7 +64,7 @@ class MetricReducer:
             if reduce_type is None:
                 result[step][name] = value
             else:
-                reduced[(step, name, str(reduce_type))] = value
+                reduced[(step, name, reduce_type.value)] = value
         distributed = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
         if not distributed:  # one rank: its values are the reduced values
             keys = sorted(reduced)  # the order of several ranks

@@ -35,8 +35,12 @@ class RunScope:
     """Error reporting, closing and releasing around a run (see the module docstring)."""
 
     checkpoints: RunCheckpoints
+    """The run's checkpoint loading, whose save folder lease is given up when the run is released.
+    """
     step_results: StepResults
+    """The run's metric collection and pending saves, finished when the run ends."""
     bookkeeping: BookkeepingRunner
+    """The runner of bookkeeping operations, closed when the run is released."""
     call_each: Callable[..., None]
     """Calls a hook on every callback even if one fails: ``call_each(name, *args,
     raise_errors=...)``."""
@@ -45,12 +49,15 @@ class RunScope:
     step: Callable[[], int]
     """The trainer's current step, named in the failure's log line."""
     save_folder: str
+    """The run's save folder, named in the failure's log line."""
     cancel: CancelCoordinator
     """The run's cancellation: told the error the run ends on, and asked whether a second
     SIGINT aborted it."""
     error: BaseException | None = field(default=None, init=False)
     """The error the last run raised on this rank, if any."""
     released: bool = field(default=False, init=False)
+    """Whether the trainer's resources have been released (a finished distributed trainer cannot run
+    again)."""
 
     @contextmanager
     def running(self) -> Iterator[None]:

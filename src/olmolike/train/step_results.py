@@ -3,7 +3,7 @@
 :class:`StepResults` keeps the metrics recorded during the steps, hands their reduction to the
 :class:`~olmolike.train.background_ops.BookkeepingRunner` every ``metrics_collect_interval``
 steps, runs the periodic cancel check, and at the end of every step delivers the results due
-then: reduced metrics to the ``log_metrics`` hooks and finished saves to
+then: reduced metrics to the logging hooks (``deliver_metrics``) and finished saves to
 ``post_checkpoint_saved`` (:meth:`StepResults.deliver_saves`, the one path by which a save's
 completion reaches the callbacks), both at steps every rank agrees on (see
 ``docs/callbacks.md``). It keeps the future of every save the trainer starts
@@ -15,11 +15,10 @@ passes in the step, and the functions it calls.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -27,9 +26,21 @@ from ..distributed.utils import is_distributed, set_group_timeouts
 from ..exceptions import ConfigurationError
 from .background_ops import BookkeepingRunner
 from .cancellation import CancelCoordinator
-from .metrics import MetricBuffer, MetricReducer, StepMetrics
+from .metric_buffer import MetricBuffer
+from .metrics import MetricReducer, StepMetrics
 
-__all__ = ["StepResults"]
+__all__ = ["Hooks", "StepResults"]
+
+
+class Hooks(Protocol):
+    """What this component calls the callbacks with."""
+
+    def __call__(self, hook: str, *args: Any) -> None:
+        """Call ``hook`` on every callback that has it, with ``args``."""
+
+    def deliver_metrics(self, metrics: StepMetrics) -> None:
+        """Hand one collection's reduced metrics, ``{step: {name: value}}``, to the hooks
+        that log them."""
 
 
 @dataclass
@@ -37,19 +48,27 @@ class StepResults:
     """Per-step metric collection, cancel checks and result delivery (see the module doc)."""
 
     runner: BookkeepingRunner
+    """Runs the collectives of bookkeeping (metric reductions, cancel checks), in the background or
+    inline."""
     cancel: CancelCoordinator
-    hooks: Callable[..., Any]
-    """Calls a hook on every callback: ``hooks(name, *args)``."""
+    """The run's cancellation, checked every ``cancel_check_interval`` steps."""
+    hooks: Hooks
+    """The callbacks' hooks (the trainer's ``HookCaller``)."""
     device: torch.device
     """Where bookkeeping collectives run: the CPU with gloo, else the training device."""
     metrics_collect_interval: int
+    """Steps between metric collections (the trainer's ``metrics_collect_interval``)."""
     cancel_check_interval: int
+    """Steps between the agreed cancel checks (the trainer's ``cancel_check_interval``)."""
     train_timeout_seconds: int | None
     """After the first step, every process group's timeout drops to this (``None``: keep)."""
     metrics: MetricBuffer = field(default_factory=MetricBuffer)
     """The metrics recorded since the last collection."""
     reducer: MetricReducer = field(default_factory=MetricReducer)
+    """Reduces the collected metrics over ranks."""
     timeouts_shortened: bool = False
+    """Whether the process groups' timeouts have dropped to ``train_timeout_seconds`` (after the
+    first step)."""
     pending_saves: list[tuple[str, Future[None]]] = field(default_factory=list)
     """Saves whose completion has not been delivered, in order (path, future)."""
     saves_taken: int = 0
@@ -71,7 +90,7 @@ class StepResults:
         if step % self.cancel_check_interval == 0:
             self.check_if_canceled(step)
         self.runner.poll(step)
-        if saves_done_everywhere is not None or not is_distributed():
+        if self.pending_saves and (saves_done_everywhere is not None or not is_distributed()):
             self.deliver_saves(saves_done_everywhere)
         if not self.timeouts_shortened and self.train_timeout_seconds is not None:
             # The first step (compiling, allocating, loading) may legitimately take long.
@@ -138,15 +157,9 @@ class StepResults:
             self.metrics.collect(),
             self.runner.group,
             self.device,
-            cb=self._log_metrics,
+            cb=self.hooks.deliver_metrics,
             op_name="reduce_metrics",
         )
-
-    def _log_metrics(self, metrics: StepMetrics) -> None:
-        for step in sorted(metrics):
-            self.hooks("pre_log_metrics", step, metrics[step])
-            self.hooks("log_metrics", step, metrics[step])
-        self.hooks("post_log_metrics")
 
     def flush(self) -> None:
         """Reduce the metrics recorded since the last collection and deliver every result."""

@@ -32,12 +32,10 @@ from .common import (
     Duration,
     DurationUnit,
     LoadStrategy,
-    MetricMergeStrategy,
-    ReduceType,
     StepSkipRange,
     TrainingProgress,
 )
-from .metrics import FlopCounter, metric_name
+from .metric_buffer import MetricBuffer, _record_ce_loss, _record_metric, metric_name
 from .run_scope import RunScope
 from .step_results import StepResults
 from .train_module import TrainModule
@@ -59,39 +57,69 @@ class Trainer:
     work_dir: Path
     """A local directory for temporary files; :meth:`persist_working_file` uploads from it."""
     train_module: TrainModule
+    """What one step does: the model, its optimizer and loss
+    (:class:`~olmolike.train.train_module.TrainModule`)."""
     data_loader: DataLoaderBase
+    """Which batches come next, and where a resumed run continues
+    (:class:`~olmolike.data.DataLoaderBase`)."""
     device: torch.device
+    """Where batches go: the device of the train module's model."""
     save_folder: str
     """Where checkpoints and run files go: a local directory (shared by all ranks) or a URL."""
     checkpointer: Checkpointer
+    """Writes and reads the checkpoints (:class:`~olmolike.train.checkpoint.Checkpointer`)."""
     callbacks: dict[str, Callback]
+    """The callbacks by name, called in priority order at each hook."""
     max_duration: Duration
     """How long to train. The step count must be known ahead of time (the LR schedule needs it)."""
     save_overwrite: bool = False
+    """Whether existing checkpoints in the save folder may be replaced
+    (:attr:`TrainerConfig.save_overwrite`)."""
     load_path: str | None = None
+    """Where to load from when the save folder holds no checkpoint
+    (:attr:`TrainerConfig.load_path`)."""
     load_strategy: LoadStrategy = LoadStrategy.if_available
+    """Whether ``fit()`` loads a checkpoint first (:attr:`TrainerConfig.load_strategy`)."""
     load_trainer_state: bool | None = None
+    """Whether a load restores the trainer state; ``None``: if the checkpoint has it
+    (:attr:`TrainerConfig.load_trainer_state`)."""
     load_optim_state: bool | None = None
+    """Whether a load restores the optimizer state; ``None``: if the checkpoint has it
+    (:attr:`TrainerConfig.load_optim_state`)."""
     metrics_collect_interval: int = 5
     """Steps between metric collections; each costs one device-to-host transfer."""
     dp_process_group: dist.ProcessGroup | None = None
+    """The process group of the data-parallel ranks (``None``: the default group), over which the
+    loader splits batches and metrics are reduced."""
     global_step: int = 0
     """The current step, 1-based once training starts; never reset by an epoch."""
     global_train_tokens_seen: int = 0
+    """Training tokens consumed so far over all ranks (saved with each checkpoint)."""
     global_train_petaflops: float = 0.0
+    """Training compute so far over all ranks, in petaFLOPs, from the train module's FLOPs per token
+    (saved with each checkpoint)."""
     epoch: int = 1
     """The current epoch (1-based)."""
     cancel_check_interval: int = 25
+    """Steps between the agreed checks for a stop request
+    (:attr:`TrainerConfig.cancel_check_interval`)."""
     hard_stop: Duration | None = None
     """Stop here without changing ``max_duration`` (and so without changing the LR schedule)."""
     async_bookkeeping: bool | None = None
+    """Whether bookkeeping collectives run on a background thread; resolved when the trainer is
+    built (:attr:`TrainerConfig.async_bookkeeping`)."""
     bookkeeping_soft_timeout: int = 30
+    """Seconds before a slow bookkeeping operation is warned about
+    (:attr:`TrainerConfig.bookkeeping_soft_timeout`)."""
     train_timeout_seconds: int | None = 300
     """After the first step, every process group's timeout drops to this (``None``: keep the
     run's timeout): a collective some rank never joins then fails with an error naming it."""
     no_checkpoints: bool = False
+    """Save no checkpoint at all (:attr:`TrainerConfig.no_checkpoints`)."""
     no_evals: bool = False
+    """Run no evaluator callback (:attr:`TrainerConfig.no_evals`)."""
     steps_to_skip: list[StepSkipRange] | None = None
+    """Ranges of steps whose batches are not trained on (:attr:`TrainerConfig.steps_to_skip`)."""
     checkpoints_to_eval: list[str] | None = None
     """Checkpoints :meth:`eval_checkpoints` evaluates (OLMo-core 3.0)."""
     owned_process_groups: list[dist.ProcessGroup] = field(default_factory=list, repr=False)
@@ -103,7 +131,7 @@ class Trainer:
     _step_results: StepResults = field(init=False, repr=False)
     _cancel: CancelCoordinator = field(init=False, repr=False)
     _hooks: HookCaller = field(init=False, repr=False)
-    _flops: FlopCounter = field(init=False, repr=False)
+    _flops: durations.FlopCounter = field(init=False, repr=False)
     _blocking_ephemeral_checkpoints: set[str] = field(default_factory=set, init=False, repr=False)
     _checkpoints: RunCheckpoints = field(init=False, repr=False)
     _scope: RunScope = field(init=False, repr=False)
@@ -126,7 +154,7 @@ class Trainer:
     def _wire(self) -> None:
         """Build the components and attach the train module and the callbacks."""
         # Asked when a step needs it: a callback may replace the train module's method.
-        self._flops = FlopCounter(lambda n: self.train_module.num_flops_per_token(n))
+        self._flops = durations.FlopCounter(lambda n: self.train_module.num_flops_per_token(n))
         self._cancel = CancelCoordinator(rank=get_rank(), world_size=get_world_size())
         self._hooks = HookCaller(self.callbacks.values(), ALL_HOOKS, Callback)
         self._checkpoints = RunCheckpoints(
@@ -158,7 +186,7 @@ class Trainer:
             save_folder=self.save_folder,
             cancel=self._cancel,
         )
-        self.train_module._attach_trainer(self)
+        self.train_module._attach_trainer(self, self._step_results.metrics)
         self._hooks.attach(self, self.callbacks.values(), self.callbacks.values())
 
     # -- construction ------------------------------------------------------------------------
@@ -223,6 +251,8 @@ class Trainer:
 
     def convert_duration_to_steps(self, duration: Duration) -> int:
         """The global step at which ``duration`` is reached."""
+        if duration.unit == DurationUnit.steps:
+            return duration.value  # asked every step (progress, ETAs): no progress to read
         return durations.duration_to_steps(duration, self._progress())
 
     def _progress(self) -> durations.Progress:
@@ -331,23 +361,12 @@ class Trainer:
 
     # -- metrics -----------------------------------------------------------------------------
 
-    def record_metric(
-        self,
-        name: str,
-        value: float | torch.Tensor,
-        reduce_type: ReduceType | None = None,
-        namespace: str | None = None,
-        merge_strategy: MetricMergeStrategy = MetricMergeStrategy.warn,
-    ) -> None:
-        """Record a metric for the current step. Tensors stay on the device (no sync)."""
-        self._step_results.metrics.record(
-            self.global_step, metric_name(name, namespace), value, reduce_type, merge_strategy
-        )
+    # One implementation, the train module's too: into the metric buffer, at the current step.
+    record_metric = _record_metric
+    record_ce_loss = _record_ce_loss
 
-    def record_ce_loss(
-        self, value: float | torch.Tensor, reduce_type: ReduceType | None = None
-    ) -> None:
-        self.record_metric("CE loss", value, reduce_type, namespace="train")
+    def _metric_buffer(self) -> tuple[MetricBuffer, int]:
+        return self._step_results.metrics, self.global_step
 
     def get_metric(self, name: str, namespace: str | None = None) -> torch.Tensor | None:
         """A metric recorded in the current step. Reading its value syncs with the device."""
@@ -531,17 +550,18 @@ class Trainer:
             self._hooks.call_except("post_train", evaluators)
 
     def _fit(self) -> None:
-        log.info(
-            "Training from step %d to step %d (%s tokens per step, %d rank(s))",
-            self.global_step,
-            self._stop_step(),
-            f"{self.global_batch_size:,d}",
-            get_world_size(),
-        )
-        # Warns, naming the field to change.
-        durations.nothing_to_train(
+        # Warns, naming the field to change; else says what it trains.
+        if not durations.nothing_to_train(
             self.max_duration, self.hard_stop, self._progress(), self.save_folder
-        )
+        ):
+            log.info(
+                "Training from step %d to step %d (%s tokens per step, %d rank(s))",
+                self.global_step,
+                self._stop_step(),
+                f"{self.global_batch_size:,d}",
+                get_world_size(),
+            )
+        self.train_module.on_fit_start(resumed=self.checkpoint_loaded)
         self._hooks("pre_train")
         while not self.training_complete:
             self._fit_epoch()
@@ -578,15 +598,17 @@ class Trainer:
             self.data_loader.reset()
 
     def _train_step(self, batch: dict[str, Any]) -> None:
-        self.global_step += 1
-        self.global_train_tokens_seen += self.global_batch_size
-        self._step_results.begin_step(self.global_step)
+        # The step's flow leaves this file for the train module, the hooks and the step
+        # component, and does not come back to it in between (test_step_path.py counts it).
+        step = self.global_step = self.global_step + 1
+        tokens = self.global_batch_size  # a callback changes it between steps, never within
+        self.global_train_tokens_seen += tokens
+        self._step_results.begin_step(step)
         batch = move_to_device(batch, self.device)
         self._hooks("pre_step", batch)
-        if any(self.global_step in skip for skip in self.steps_to_skip or ()):
+        if self.steps_to_skip and any(step in skip for skip in self.steps_to_skip):
             log.info(
-                "Skipping step %d (steps_to_skip): its batch is consumed, not trained on",
-                self.global_step,
+                "Skipping step %d (steps_to_skip): its batch is consumed, not trained on", step
             )
         else:
             self.train_module.train_batch(batch)
@@ -594,7 +616,7 @@ class Trainer:
             self.train_module.optim_step()
             self.train_module.zero_grads()
             seq_len = int(batch["input_ids"].shape[-1])
-            self.global_train_petaflops += self._flops.petaflops(seq_len, self.global_batch_size)
+            self.global_train_petaflops += self._flops.petaflops(seq_len, tokens)
         self._hooks("post_train_batch")
         self._hooks("post_step")
-        self._step_results.end_step(self.global_step)
+        self._step_results.end_step(step)

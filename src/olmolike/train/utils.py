@@ -133,7 +133,10 @@ class LibRngState:
     """One library's RNG state and the (major, minor) version of the library that made it."""
 
     version: tuple[int, int]
+    """The (major, minor) version of the library that made the state; it is restored only under the
+    same."""
     state: Any
+    """The state as the library gives it (``random.getstate()``, a tensor, ...)."""
 
 
 @dataclass
@@ -145,9 +148,13 @@ class EnvRngStates(Config):
     """
 
     python: LibRngState
+    """The state of Python's ``random``."""
     numpy: LibRngState
+    """The state of NumPy's global generator (``np.random``)."""
     torch: LibRngState
+    """The state of torch's CPU generator."""
     cuda: LibRngState | None = None
+    """The state of the current CUDA device's generator; ``None`` if CUDA was not initialized."""
 
     @classmethod
     def current_state(cls) -> EnvRngStates:

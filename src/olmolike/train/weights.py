@@ -2,17 +2,20 @@
 
 :func:`load_pretrained_weights` loads *weights only* (no optimizer, scheduler, data position
 or step count) into a model that may be plain, wrapped in DDP or sharded with FSDP2, on one
-rank or many. :class:`~olmolike.train.callbacks.InitWeightsCallback` does it at the start of a run that does not
-resume from a checkpoint; ``TransformerTrainModuleConfig.init_weights`` adds it.
+rank or many. :func:`load_init_weights` is the start of a run: it loads them unless the run
+resumed from a checkpoint. ``TransformerTrainModuleConfig.init_weights`` has the train module
+call it when ``fit()`` starts; :class:`~olmolike.train.callbacks.InitWeightsCallback` does the
+same for any train module with a ``model``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,29 +39,24 @@ from ..nn.hf_import import (
     read_hf_tensors,
     transformer_config_from_hf,
 )
-from ..nn.rope import RopeScalingConfig
-from ..nn.transformer_config import TransformerConfig
+from ..nn.moe import MoEConfig
+from ..nn.transformer_config import TransformerConfig, computation_changes, model_override
 from ..nn.transformer_stage import TransformerParts
 from .checkpoint import Checkpointer
 
-__all__ = ["load_pretrained_weights"]
+__all__ = ["check_allowed_changes", "load_init_weights", "load_pretrained_weights"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Fields that change what the weights compute without changing their shapes: a model that
-# differs from its weights in one of these would load fine and be silently wrong.
-_ARCHITECTURE_FIELDS = (
-    "block_type", "qk_norm", "tie_weights", "rope_theta", "rope_scaling", "norm_eps",
-)  # fmt: skip
-_SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "kv_heads", "hidden_size")
-# The config field that sets each derived size.
-_FIELD_TO_SET = {"kv_heads": "n_kv_heads", "hidden_size": "mlp_hidden_size"}
-
 
 def load_pretrained_weights(
-    model: nn.Module, source: str, *, work_dir: str | Path | None = None
+    model: nn.Module,
+    source: str,
+    *,
+    work_dir: str | Path | None = None,
+    allowed_changes: Collection[str] = (),
 ) -> None:
     """Load the weights of ``source`` into ``model`` in place; nothing else is touched.
 
@@ -71,7 +69,8 @@ def load_pretrained_weights(
     collectives when distributed). Rank 0 reads a Hugging Face folder and broadcasts it one
     tensor at a time, each rank keeping its part of each; a checkpoint is read by every rank,
     each its own shards. ``work_dir`` is where remote Hugging Face weights are downloaded to
-    before reading (default: into memory).
+    before reading (default: into memory). ``allowed_changes``: model config fields that may
+    differ from the weights' config on purpose (the tensor shapes must still fit).
 
     :raises ConfigurationError: if ``source`` is neither, or its weights do not fit ``model``
         (the message names the fields or tensors that differ).
@@ -85,11 +84,30 @@ def load_pretrained_weights(
     resolved = _on_rank0(lambda: _resolve(source))
     assert resolved is not None
     kind, path = resolved
+    allowed = check_allowed_changes(allowed_changes)
     if kind == "hf":
-        _load_hf(model, path, work_dir)
+        _load_hf(model, path, work_dir, allowed)
     else:
-        _load_checkpoint(model, path)
+        _load_checkpoint(model, path, allowed)
     log.info("loaded pretrained weights from %s", path)
+
+
+def load_init_weights(
+    model: nn.Module,
+    source: str,
+    *,
+    resumed: bool,
+    work_dir: str | Path | None = None,
+    allowed_changes: Collection[str] = (),
+) -> bool:
+    """A run's starting weights: :func:`load_pretrained_weights` of ``source``, unless the run
+    ``resumed`` from a checkpoint, whose weights are the ones the run had reached (``source``
+    is then not read at all, so it may be gone). Returns whether it loaded them."""
+    if resumed:
+        log.info("resumed from a checkpoint: not loading the init weights %s", source)
+        return False
+    load_pretrained_weights(model, source, work_dir=work_dir, allowed_changes=allowed_changes)
+    return True
 
 
 def _resolve(source: str) -> tuple[str, str]:
@@ -138,32 +156,52 @@ def _model_config(model: nn.Module) -> TransformerConfig | None:
     return config if isinstance(config, TransformerConfig) else None
 
 
-def _check_config(model: nn.Module, weights: Mapping[str, Any], source: str) -> None:
-    """Compare the model's TransformerConfig with the one the weights were trained with."""
-    ours = _model_config(model)
-    if ours is None:
-        return
-    differ = [
-        name
-        for name in (*_SHAPE_FIELDS, *_ARCHITECTURE_FIELDS)
-        if name in weights and getattr(ours, name) != weights[name]
-    ]
-    if differ:
-        found = "; ".join(f"{n}: {getattr(ours, n)} vs {weights[n]}" for n in differ)
-        fix = " ".join(_override(n, weights[n]) for n in differ)
+def check_allowed_changes(names: Collection[str], path: str = "allowed_changes") -> set[str]:
+    """``names`` as a set, each checked to be a :class:`TransformerConfig` field (or
+    ``moe.<field>``, a field of its :class:`~olmolike.nn.moe.MoEConfig`)."""
+    known = {f.name for f in fields(TransformerConfig)} | {
+        f"moe.{f.name}" for f in fields(MoEConfig)
+    }
+    unknown = sorted(set(names) - known)
+    if unknown:
         raise ConfigurationError(
-            f"the model is not built like the weights in {source} (model vs weights: {found}); "
-            f"build it with the weights' config, e.g. with the overrides {fix}"
+            f"{', '.join(unknown)} is no model config field; name fields of TransformerConfig "
+            f"({', '.join(sorted(known))})",
+            path=path,
         )
+    return set(names)
 
 
-def _override(name: str, value: Any) -> str:
-    """The command-line override that sets the model config's ``name`` to ``value``."""
-    if value is None:
-        return f"--model.{name}=null"
-    if isinstance(value, RopeScalingConfig):
-        return " ".join(f"--model.{name}.{k}={v}" for k, v in vars(value).items())
-    return f"--model.{_FIELD_TO_SET.get(name, name)}={value}"
+def _check_config(
+    model: nn.Module, weights: TransformerConfig | None, source: str, allowed: Collection[str]
+) -> None:
+    """Compare the model's TransformerConfig with the one the weights were trained with
+    (:func:`~olmolike.nn.transformer_config.computation_changes`); fields in ``allowed`` may
+    differ."""
+    ours = _model_config(model)
+    if ours is None or weights is None:
+        return
+    changed = computation_changes(weights, ours)
+    differ = [name for name in changed if name not in allowed]
+
+    def listed(names: Collection[str]) -> str:
+        return "; ".join(f"{n}: {changed[n][1]!r} vs {changed[n][0]!r}" for n in names)
+
+    if differ:
+        fix = " ".join(model_override(n, changed[n][0]) for n in differ)
+        raise ConfigurationError(
+            f"the model is not built like the weights in {source} (model vs weights: "
+            f"{listed(differ)}); build it with the weights' config, e.g. with the overrides "
+            f"{fix}, or, to start from them under this config on purpose, allow the "
+            f"difference: --train_module.init_weights_allowed_changes=[{','.join(differ)}]"
+        )
+    if changed:
+        log.warning(
+            "starting from the weights in %s under other model settings, as allowed "
+            "(model vs weights): %s",
+            source,
+            listed(changed),
+        )
 
 
 def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -195,11 +233,13 @@ def _shape_mismatches(model: nn.Module, shapes: Mapping[str, tuple[int, ...]]) -
 # -- Hugging Face folders -----------------------------------------------------------------
 
 
-def _load_hf(model: nn.Module, path: str, work_dir: str | Path | None) -> None:
+def _load_hf(
+    model: nn.Module, path: str, work_dir: str | Path | None, allowed: Collection[str]
+) -> None:
     hf_config = read_hf_config(path)
     config = transformer_config_from_hf(hf_config)
     # Every rank checks (config.json is small): a mismatch is then the same error everywhere.
-    _check_config(model, _config_fields(config), path)
+    _check_config(model, config, path, allowed)
     download = None if work_dir is None else Path(work_dir) / "hf-download" / path.rsplit("/")[-1]
     state: dict[str, torch.Tensor] | None = _on_rank0(
         lambda: convert_from_hf(read_hf_tensors(path, download_dir=download), config), share=False
@@ -252,15 +292,11 @@ def _copy_in(
             target.copy_(full)
 
 
-def _config_fields(config: TransformerConfig) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in (*_SHAPE_FIELDS, *_ARCHITECTURE_FIELDS)}
-
-
 # -- olmolike checkpoints -----------------------------------------------------------------
 
 
-def _load_checkpoint(model: nn.Module, checkpoint: str) -> None:
-    _check_config(model, _checkpoint_model_config(checkpoint), checkpoint)
+def _load_checkpoint(model: nn.Module, checkpoint: str, allowed: Collection[str]) -> None:
+    _check_config(model, _checkpoint_model_config(checkpoint), checkpoint, allowed)
     dcp_dir = io.join_path(checkpoint, MODEL_AND_OPTIM)
     problems = _agreed_problems(_shape_mismatches(model, _checkpoint_shapes(dcp_dir)))
     if problems:
@@ -279,19 +315,19 @@ def _checkpoint_shapes(dcp_dir: str) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _checkpoint_model_config(checkpoint: str) -> dict[str, Any]:
+def _checkpoint_model_config(checkpoint: str) -> TransformerConfig | None:
     """The ``model`` section of the run's ``config.json`` (in the checkpoint or its save
-    folder), with the derived sizes; empty if the run saved none."""
+    folder); ``None`` if the run saved none, or another kind of model config."""
     parent = checkpoint.rsplit("/", 1)[0] if "/" in checkpoint else "."
     for folder in (checkpoint, parent):
         path = io.join_path(folder, "config.json")
         if io.exists(path):
             section = json.loads(io.read_bytes(path)).get("model")
             if not isinstance(section, dict):
-                return {}
+                return None
             fields = {k: v for k, v in section.items() if k != "_CLASS_"}
             try:
-                return _config_fields(TransformerConfig.from_dict(fields))
+                return TransformerConfig.from_dict(fields)
             except (ConfigurationError, TypeError):
-                return {}  # not a TransformerConfig: the tensor shapes are still checked
-    return {}
+                return None  # not a TransformerConfig: the tensor shapes are still checked
+    return None

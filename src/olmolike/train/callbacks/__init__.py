@@ -27,6 +27,7 @@ from .model_merge import (
     compute_merge_steps_from_decay_schedule,
     compute_merge_window_starts,
 )
+from .moe_load import MoELoadCallback
 from .monkey_patcher import MonkeyPatcherCallback
 from .notifications import NotificationSetting
 from .profiler import ProfilerCallback
@@ -65,6 +66,7 @@ __all__ = [
     "LMEvaluatorCallbackConfig",
     "ListCheckpointerCallback",
     "MetricSaverCallback",
+    "MoELoadCallback",
     "ModelMergeCallback",
     "MonkeyPatcherCallback",
     "NotificationSetting",

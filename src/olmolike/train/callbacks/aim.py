@@ -55,6 +55,8 @@ class AimCallback(Callback, name="aim"):
     """
 
     enabled: bool = True
+    """``False`` turns the callback off while keeping it in the config (an override can turn it back
+    on)."""
     experiment: str | None = None
     """The run's experiment (Aim's default experiment when ``None``)."""
     run_name: str | None = None

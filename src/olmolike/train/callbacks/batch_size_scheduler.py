@@ -65,6 +65,8 @@ class BatchSizeSchedulerCallback(Callback, name="batch_size_scheduler"):
     schedule: list[BatchSizeStage] = field(default_factory=list)
     """Stages sorted by ``start``; the first starts at 0."""
     units: BatchSizeUnits = BatchSizeUnits.steps
+    """What the stages' ``start`` counts: ``steps`` (optimizer steps trained) or ``tokens`` (global
+    training tokens seen)."""
 
     _base: int | None = field(default=None, init=False, repr=False)
     _factor: int | None = field(default=None, init=False, repr=False)

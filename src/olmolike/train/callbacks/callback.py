@@ -103,9 +103,12 @@ class Callback(CallbackHooks, CheckedChoices):
 
     def train_loss_metric(self) -> str:
         """The metric holding the loss being trained: the train module's ``loss_metric``
-        (``train/DPO loss`` for DPO), or OLMo-core's ``train/CE loss`` before attaching."""
+        (``train/DPO loss`` for DPO), else OLMo-core's ``train/CE loss`` (before attaching,
+        or beside a stand-in trainer whose train module names no metric, as OLMo-core's own
+        tests build callbacks)."""
         trainer = self.__dict__.get("_trainer")
-        return "train/CE loss" if trainer is None else trainer.train_module.loss_metric
+        named = getattr(getattr(trainer, "train_module", None), "loss_metric", None)
+        return named if isinstance(named, str) and named else "train/CE loss"
 
     @property
     def step(self) -> int:

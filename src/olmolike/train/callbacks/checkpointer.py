@@ -201,12 +201,14 @@ class CheckpointerCallback(Callback, name="checkpointer"):
             # Buffers of the next save, allocated while this step's successor runs.
             self.trainer.checkpointer.prepare_async_staging(self.trainer.train_module)
             self._prepared_for = step + 1
-        if self.trainer.training_complete:
+        permanent = self._permanent_due(step)
+        ephemeral = not permanent and self._ephemeral_due(step)
+        # Asked only when it matters: most steps neither save nor hold prepared buffers.
+        due = permanent or ephemeral or self._prepared_for == step
+        if due and self.trainer.training_complete:
             return  # post_train saves the final checkpoint, and as a permanent one
-        if self._permanent_due(step):
-            self._save(ephemeral=False)
-        elif self._ephemeral_due(step):
-            self._save(ephemeral=True)
+        if permanent or ephemeral:
+            self._save(ephemeral=ephemeral)
         elif self._prepared_for == step:  # an ephemeral save blocked since they were prepared
             self._discard_prepared()
 

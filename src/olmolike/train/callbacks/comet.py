@@ -37,24 +37,38 @@ class CometCallback(Callback, name="comet"):
     """
 
     enabled: bool = True
+    """``False`` turns the callback off while keeping it in the config (an override can turn it back
+    on)."""
     name: str | None = None
+    """The experiment's name on Comet; default: Comet's own."""
     project: str | None = None
+    """The Comet project the experiment goes to; default: Comet's default project
+    (``$COMET_PROJECT_NAME``)."""
     workspace: str | None = None
+    """The Comet workspace (user or team); default: the API key's own."""
     tags: list[str] | None = None
+    """Tags added to the experiment when it starts."""
     config: dict[str, Any] | None = None
     """Parameters shown with the experiment (e.g. the run's config as plain values)."""
     cancel_tags: list[str] | None = field(
         default_factory=lambda: ["cancel", "canceled", "cancelled"]
     )
+    """Tags that stop the run gracefully when added to the experiment on Comet's site (checked every
+    ``cancel_check_interval`` steps, online only); ``None`` or empty turns the check off."""
     cancel_check_interval: int | None = None
     """Steps between tag lookups; default the trainer's ``cancel_check_interval``."""
     notifications: NotificationSetting = NotificationSetting.none
+    """Which events (start, end, failure) Comet's notification system is told about: ``all``,
+    ``end_only``, ``failure_only`` or ``none``."""
     failure_tag: str = "failed"
     """Added to the experiment when the run fails."""
     auto_resume: bool = False
     """Continue the experiment of the checkpoint a run resumes from (same ``name``)."""
     offline: bool = False
+    """Write the experiment to a local archive (``offline_directory``) instead of sending it; upload
+    it later with ``comet upload``."""
     offline_directory: str | None = None
+    """Where an offline experiment's archive goes; default ``{work_dir}/comet``."""
 
     _exp: Any = field(default=None, init=False, repr=False)
     _exp_key: str | None = field(default=None, init=False, repr=False)

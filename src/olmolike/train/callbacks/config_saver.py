@@ -34,6 +34,7 @@ class ConfigSaverCallback(Callback, name="config_saver"):
     config: dict[str, Any] | None = None
     """The experiment config as plain values, e.g. ``experiment.as_config_dict()``."""
     fname: str = "config.json"
+    """The file name of the config, in the save folder and in each checkpoint folder."""
 
     priority = 5
 

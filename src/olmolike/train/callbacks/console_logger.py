@@ -7,6 +7,7 @@ import fnmatch
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ...exceptions import ConfigurationError
 from ...utils import format_float
@@ -61,22 +62,18 @@ class ConsoleLoggerCallback(Callback, name="console_logger"):
     def post_step(self) -> None:
         step = self.step
         if step % self.log_interval == 0 and not self._metrics_step(step):
-            log.info(
-                "[step=%d/%s,epoch=%d]%s", step, self._max_steps(), self.trainer.epoch, self._eta()
-            )
+            log.info("[step=%d/%s,epoch=%d]%s", step, *self._progress(self.trainer.epoch))
 
-    def _eta(self) -> str:
-        """`` eta=...``: this run's seconds per step so far times the steps left, or nothing."""
+    def _progress(self, *between: Any) -> tuple[Any, ...]:
+        """The run's ``max_steps`` (``?`` if unknown), ``between``, and `` eta=...``: this
+        run's seconds per step so far times the steps left (or nothing)."""
         max_steps, step = self.trainer.max_steps, self.step
+        shown = "?" if max_steps is None else str(max_steps)
         if self._start is None or max_steps is None or step <= self._start[1]:
-            return ""
+            return shown, *between, ""
         per_step = (time.monotonic() - self._start[0]) / (step - self._start[1])
         left = datetime.timedelta(seconds=round(per_step * max(max_steps - step, 0)))
-        return f" eta={left}"
-
-    def _max_steps(self) -> str:
-        max_steps = self.trainer.max_steps
-        return "?" if max_steps is None else str(max_steps)
+        return shown, *between, f" eta={left}"
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         if not self._metrics_step(step) or not log.isEnabledFor(logging.INFO):
@@ -86,7 +83,7 @@ class ConsoleLoggerCallback(Callback, name="console_logger"):
             for name, value in sorted(metrics.items())
             if self._is_shown(name)
         ]
-        log.info("[step=%d/%s] %s%s", step, self._max_steps(), " ".join(shown), self._eta())
+        log.info("[step=%d/%s] %s%s", step, *self._progress(" ".join(shown)))
 
     def _is_shown(self, name: str) -> bool:
         shown = self._shown.get(name)

@@ -39,11 +39,14 @@ class EarlyStoppingCallback(Callback, name="early_stopping"):
     metric: str = "eval/lm/CE loss"
     """The full metric name as logged (``namespace/name``)."""
     mode: EarlyStoppingMode = EarlyStoppingMode.min
+    """Which direction of ``metric`` is better: ``min`` (losses) or ``max`` (accuracies)."""
     patience: int = 3
     """Evaluations without improvement that are tolerated; one more stops the run."""
     min_delta: float = 0.0
     """How much better than the best a value must be to count as an improvement."""
     enabled: bool = True
+    """``False`` turns the callback off while keeping it in the config (an override can turn it back
+    on)."""
 
     _best: float | None = field(default=None, init=False, repr=False)
     _best_step: int | None = field(default=None, init=False, repr=False)

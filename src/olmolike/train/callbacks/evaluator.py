@@ -240,6 +240,8 @@ class EvaluatorCallback(_PeriodicEvaluation, name="evaluator"):
     """Runs the given :class:`Evaluator` objects periodically (built in Python, not a config)."""
 
     evaluators: list[Evaluator] = field(default_factory=list)
+    """The :class:`Evaluator` objects run at each evaluation, in order (built in Python: they hold
+    datasets and models, not config values)."""
 
     def _evaluators(self) -> list[Evaluator]:
         return self.evaluators
@@ -267,6 +269,8 @@ class LMEvaluatorCallbackConfig(_HeldOutLoss, name="lm_evaluator"):
     """Validation loss and perplexity on held-out token data, from config values alone."""
 
     eval_dataset: NumpyDatasetConfig | None = None
+    """The held-out token data (``prepare-data``'s ``val`` split, say); required. Its
+    ``sequence_length`` is that of the instances evaluated."""
     eval_batch_size: int = 8
     """Instances per forward pass on each rank."""
     max_batches: int | None = None
@@ -303,11 +307,13 @@ class SFTEvaluatorCallbackConfig(_HeldOutLoss, name="sft_evaluator"):
     cross-entropy over their completions' tokens only, logged as ``eval/{label}/CE loss``."""
 
     eval_dataset: SFTDatasetConfig | None = None
+    """The held-out SFT data: the ``val`` split of a ``prepare-data --sft`` folder; required."""
     eval_batch_size: int = 8
     """Sequences per forward pass on each rank."""
     max_batches: int | None = None
     """Evaluate on at most this many batches per rank (``None``: every held-out sequence)."""
     label: str = "sft"
+    """Names the metrics: ``eval/{label}/CE loss`` and ``eval/{label}/PPL``."""
 
     def validate(self) -> None:
         super().validate()

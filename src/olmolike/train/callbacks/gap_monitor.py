@@ -42,6 +42,8 @@ class GAPMonitorCallback(Callback, name="gap_monitor"):
     """
 
     enabled: bool = True
+    """``False`` turns the callback off while keeping it in the config (an override can turn it back
+    on)."""
     monitor: bool | None = None
     """Record the statistics; default ``True``."""
     interval: int = 1
@@ -49,9 +51,11 @@ class GAPMonitorCallback(Callback, name="gap_monitor"):
     dump_gradients: bool | None = None
     """Write raw gradients; default ``False``."""
     dump_gradients_start_step: int = 0
+    """The first step whose gradients are dumped (with ``dump_gradients``)."""
     dump_gradients_end_step: int | None = None
     """The last step to dump (inclusive); ``None`` until training ends."""
     dump_gradients_step_interval: int = 1
+    """Steps between gradient dumps, counted from ``dump_gradients_start_step``."""
     dump_gradients_save_first_n: int | None = None
     """Dump only this many leading entries of each dimension (from rank 0)."""
 

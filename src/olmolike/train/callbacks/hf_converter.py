@@ -47,6 +47,8 @@ class HFConverterCallback(Callback, name="hf_converter"):
     )
 
     enabled: bool = True
+    """``False`` turns the callback off while keeping it in the config (an override can turn it back
+    on)."""
     output_folder: str | None = None
     """Local directory or URL for the model; default ``{save_folder}/step{N}-hf``."""
     dtype: DType | None = DType.bfloat16
@@ -54,7 +56,11 @@ class HFConverterCallback(Callback, name="hf_converter"):
     max_sequence_length: int | None = None
     """Recorded in ``config.json`` instead of the model's own maximum."""
     eos_token_id: int | None = None
+    """The end-of-text token id recorded in ``config.json`` (``eos_token_id``); ``None`` leaves it
+    out."""
     bos_token_id: int | None = None
+    """The beginning-of-text token id recorded in ``config.json`` (``bos_token_id``); ``None``
+    leaves it out."""
 
     def post_attach(self) -> None:
         if self.enabled:

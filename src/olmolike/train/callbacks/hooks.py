@@ -145,6 +145,14 @@ class HookCaller:
         for method in self.table[hook]:
             method(*args)
 
+    def deliver_metrics(self, metrics: dict[int, dict[str, float]]) -> None:
+        """One collection's reduced metrics, ``{step: {name: value}}``: ``pre_log_metrics``
+        and ``log_metrics`` for each step in order, then ``post_log_metrics``."""
+        for step in sorted(metrics):
+            self("pre_log_metrics", step, metrics[step])
+            self("log_metrics", step, metrics[step])
+        self("post_log_metrics")
+
     def call_except(self, hook: str, excluded: Iterable[Any]) -> None:
         """Call ``hook`` (without arguments) on every callback but those in ``excluded``."""
         excluded = list(excluded)

@@ -27,6 +27,8 @@ class MonkeyPatcherCallback(Callback, name="monkey_patcher"):
     """
 
     enabled: bool = True
+    """``False`` turns the callback off while keeping it in the config (an override can turn it back
+    on)."""
 
     _original: Callable[..., Any] | None = field(default=None, init=False, repr=False)
 

@@ -56,6 +56,8 @@ class ProfilerCallback(Callback, name="profiler"):
     enable_cuda_sync_events: bool = False
     """Record CUDA synchronization events, for critical-path analysis of the trace."""
     enabled: bool = True
+    """``False`` turns the callback off while keeping it in the config (an override can turn it back
+    on)."""
 
     _profiler: profile | None = field(default=None, init=False, repr=False)
     _traces: list[str] = field(default_factory=list, init=False, repr=False)

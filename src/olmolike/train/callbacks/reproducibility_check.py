@@ -103,6 +103,8 @@ class ReproducibilityCheckCallback(Callback, name="reproducibility_check"):
     seed: int = 0
     """Seeds the permutations that turn the mock batch into ``num_batches`` batches."""
     enabled: bool = True
+    """``False`` turns the callback off while keeping it in the config (an override can turn it back
+    on)."""
 
     _saves_seen: int = field(default=0, init=False, repr=False)
     _pending: list[_Reference] = field(default_factory=list, init=False, repr=False)

@@ -40,11 +40,18 @@ class SequenceLengthSchedulerCallback(Callback, name="sequence_length_scheduler"
     """
 
     min_sequence_length: int = 128
+    """The sequence length (tokens) trained at step 1."""
     warmup_steps: int = 2000
+    """Steps over which the length grows linearly to the data's own; from then on instances are left
+    whole."""
     truncate: bool = False
+    """Cut each instance to the current length and drop the rest, instead of splitting it into
+    several shorter instances (which trains on every token)."""
     keep_multiple_of: int = 128
     """With ``truncate``: the length is always a multiple of this (kernels like round sizes)."""
     enabled: bool = True
+    """``False`` turns the callback off while keeping it in the config (an override can turn it back
+    on)."""
 
     _microbatch: tuple[Any, str, int] | None = field(default=None, init=False, repr=False)
     _last_len: int | None = field(default=None, init=False, repr=False)

@@ -36,7 +36,11 @@ class SlackNotifierCallback(Callback, name="slack_notifier"):
     name: str | None = None
     """The run's name in the messages."""
     notifications: NotificationSetting = NotificationSetting.end_only
+    """Which events post a message: ``all`` (start, checkpoints, epochs, end), ``end_only``
+    (completed, canceled or failed), ``failure_only`` or ``none``."""
     enabled: bool = True
+    """``False`` turns the callback off while keeping it in the config (an override can turn it back
+    on)."""
     webhook_url: str | None = None
     """The webhook to post to; by default ``$SLACK_WEBHOOK_URL``. Keep it out of config files
     that are shared: anyone with the URL can post to the channel."""

@@ -34,6 +34,8 @@ class SpikeScore:
     rolling_window: int = 10000
     """Steps that ``spike/SpikeScore`` is taken over."""
     threshold_std: float = 6.0
+    """How many standard deviations above the mean of the previous ``window_size`` values a loss or
+    gradient norm must be to count as a spike in the SpikeScore."""
     enabled: bool = True
     """``False`` turns the whole monitor off."""
     loss_metric_name: str | None = None

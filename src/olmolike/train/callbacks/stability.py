@@ -141,17 +141,27 @@ class StabilityMonitorCallback(SpikeScore, Callback, name="stability_monitor"):
     """
 
     policy: StabilityPolicy = StabilityPolicy.warn
+    """What a problem leads to: ``warn`` (a warning), ``skip_step`` (zero the gradients of a step
+    whose gradient norm is non-finite or spikes) or ``stop`` (cancel the run, keeping the last good
+    checkpoint the newest)."""
     loss_metric: str | None = None
     """The loss watched; ``None``: the train module's (its ``loss_metric``: ``train/CE loss``
     for pretraining and SFT, ``train/DPO loss``, ``train/GRPO loss``)."""
     grad_norm_metric: str = "optim/total grad norm"
     """Recorded by the train modules when they clip gradients (``max_grad_norm``)."""
     window: int = 100
+    """The span, in steps, of the exponentially weighted running mean and variance that spikes are
+    measured against."""
     warmup_steps: int = 20
+    """Values seen before spikes are judged (non-finite values are problems from the first step)."""
     loss_spike_threshold: float | None = 6.0
     """Standard deviations above the running mean; ``None`` watches only for non-finite loss."""
     grad_norm_spike_threshold: float | None = 6.0
+    """Standard deviations above the running mean at which the gradient norm spikes; ``None``
+    watches only for a non-finite norm."""
     guard_checkpoints: bool = True
+    """Check the loss right before each checkpoint (one host sync per checkpoint) and refuse to save
+    a state whose loss is non-finite: metrics arrive up to a collect interval late."""
 
     _loss_stats: _RunningStats = field(init=False, repr=False)
     _grad_stats: _RunningStats = field(init=False, repr=False)

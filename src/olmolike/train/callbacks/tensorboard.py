@@ -156,6 +156,8 @@ class TensorBoardCallback(_SaveFolderOutput, name="tensorboard"):
     subdir: str = "tensorboard"
     """Folder of the event files, relative to the save folder."""
     enabled: bool = True
+    """``False`` turns the callback off while keeping it in the config (an override can turn it back
+    on)."""
 
     _writer: _EventFile | None = field(default=None, init=False, repr=False)
 

@@ -59,13 +59,20 @@ class WandBCallback(Callback, name="wandb"):
     """
 
     enabled: bool = True
+    """``False`` turns the callback off while keeping it in the config (an override can turn it back
+    on)."""
     project: str | None = None
+    """The W&B project the run goes to; default ``$WANDB_PROJECT`` or W&B's own."""
     entity: str | None = None
+    """The W&B user or team that owns the run; default the API key's."""
     run_name: str | None = None
     """The run's display name (W&B's ``name``)."""
     group: str | None = None
+    """A W&B group that gathers related runs (an ablation's, say)."""
     tags: list[str] = field(default_factory=list)
+    """Tags added to the run."""
     notes: str | None = None
+    """A longer description shown on the run's page."""
     config: dict[str, Any] | None = None
     """The experiment config as plain values, shown on the run's page."""
     mode: str = "online"

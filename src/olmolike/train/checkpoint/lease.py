@@ -23,18 +23,37 @@ after the first read back); the heartbeat re-reads the record and stops the lose
 
 A lease is stale (its run dead) when its heartbeat is older than its timeout. Heartbeats
 compare wall clocks of different machines: keep clocks synchronised (NTP) to well under the
-timeout. Shortcuts take over a lease at once: its holder ran on this host and its process is
-gone (or is this process, which no longer holds it), or it has this run's id and ran on
-another host (the same job restarted by its scheduler: set ``OLMOLIKE_RUN_ID``; under SLURM
-the job and step ids are used). A holder on this host whose process is alive is never taken
-over, whatever its run id: two ``srun`` steps of one allocation, or two trainers started with
-the same ``OLMOLIKE_RUN_ID``, are two runs.
+timeout. Two shortcuts take a lease over at once, so that a restarted run does not wait for
+the timeout:
+
+* its holder ran on this host (and in this pid namespace: containers that share a host name
+  cannot see each other's processes) and its process is gone: no process with its pid, or
+  one that started at another time (its pid was reused, or the machine rebooted), or a
+  zombie (or it is this process, which no longer holds it);
+* its holder ran on another host with this run's id: the same run, restarted by its
+  scheduler, which ends a run's processes before it starts them again.
+
+A run's id (:func:`run_id`) is ``OLMOLIKE_RUN_ID``, else the SLURM job and step
+(``slurm-job-J-step-S``, kept by a requeued job), else torchrun's rendezvous id
+(``TORCHELASTIC_RUN_ID``: shared by the restarts of one ``torchrun --max-restarts``, a fresh
+uuid per ``torchrun --standalone``; the default ``none`` of a multi-node ``torchrun`` without
+``--rdzv-id`` names no run and is not used), else a token of this process. ``olmolike train
+--max-restarts`` gives its ranks a run id of its own launch. A run id names one run *of one
+save folder*: the lease is the folder's.
+
+The rule for two jobs given the same run id by mistake: on one host they are two runs (a
+holder whose process is alive is never taken over, whatever its id: two ``srun`` steps of one
+allocation, two trainers started with one ``OLMOLIKE_RUN_ID``). On two hosts the second is
+taken for a restart of the first: it takes the lease over, and the first stops writing there
+before its next marker (each commit renews the lease first, which finds it taken) with an
+error naming the second and the id they share. Give every job its own id.
 
 The heartbeat thread only reads and writes the lease record; it runs no collective.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -43,7 +62,9 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
+from dataclasses import fields as dataclass_fields
 from datetime import datetime, timezone
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -79,7 +100,8 @@ class SaveFolderInUseError(CheckpointError):
 
 def run_id() -> str:
     """This run's id: ``OLMOLIKE_RUN_ID``, else the SLURM job and step (``slurm-job-J-step-S``:
-    two ``srun`` steps of one allocation are two runs), else host, pid and a token."""
+    two ``srun`` steps of one allocation are two runs), else torchrun's rendezvous id
+    (``torchrun-ID``, unless it is torchrun's default ``none``), else host, pid and a token."""
     explicit = os.environ.get("OLMOLIKE_RUN_ID")
     if explicit:
         return explicit
@@ -87,6 +109,9 @@ def run_id() -> str:
     if job:
         step = os.environ.get("SLURM_STEP_ID")
         return f"slurm-job-{job}" + (f"-step-{step}" if step else "")
+    rendezvous = os.environ.get("TORCHELASTIC_RUN_ID")
+    if rendezvous and rendezvous != "none":
+        return f"torchrun-{rendezvous}"
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
@@ -95,29 +120,66 @@ class LeaseRecord:
     """What a lease record says about its holder."""
 
     run_id: str
+    """The holding run's id (``OLMOLIKE_RUN_ID``, else one made when it started): a restart of the
+    same job has the same."""
     host: str
+    """The host name of the holding process."""
     pid: int
+    """The process id of the holder on its host."""
     started_at: float
+    """When the holder took the lease, in seconds since the epoch (UTC)."""
     heartbeat_at: float
+    """The holder's latest heartbeat, in seconds since the epoch; a lease whose heartbeat is older
+    than ``timeout`` is stale."""
     timeout: float
+    """Seconds without a heartbeat after which the lease may be taken over."""
     released: bool = False
+    """Whether the holder gave the lease up when it ended (the folder is free at once)."""
+    process_started: int | None = None
+    """When the holder's process started (clock ticks after boot, Linux): tells it from a
+    later process that got its pid. ``None`` where unknown (other systems, older records)."""
+    boot_id: str | None = None
+    """The holder's machine's boot (Linux): a process of an earlier boot is gone."""
+    pid_namespace: str | None = None
+    """The holder's pid namespace (Linux): containers that share a host name (host network)
+    see one another's pids as other processes, or none; a holder in another namespace is
+    judged as one on another host."""
 
     def age(self) -> float:
         return max(0.0, time.time() - self.heartbeat_at)
 
     def is_live(self, for_run: str | None = None) -> bool:
-        """Whether the holder may still be writing (seen from the run ``for_run``).
+        """Whether the holder may still be writing (seen from the run ``for_run``)."""
+        return self.ended(for_run) is None
 
-        A holder on another host with ``for_run``'s id is the same job's previous attempt
-        (its scheduler ended it); one on this host is live exactly while its process is.
+    def ended(self, for_run: str | None = None) -> str | None:
+        """Why the holder cannot be writing any more (seen from the run ``for_run``), or
+        ``None`` while it may be.
+
+        On this host a holder is live while its process runs and beats; one on another host
+        with ``for_run``'s id is the same run's previous attempt (its scheduler ended it).
         """
-        if self.released or self.age() > self.timeout:
-            return False
+        if self.released:
+            return "it released it"
+        if self._on_this_host():
+            if self.boot_id is not None and self.boot_id != _boot_id():
+                return "its host rebooted since"
+            if self.pid == os.getpid():  # this process: live only while it holds the lease
+                if self.run_id not in _HELD_HERE:
+                    return "this process let it go"
+            elif not _process_runs(self.pid, self.process_started):
+                return "its process is gone"
+        elif self.run_id == for_run:
+            return "it is this run, restarted (it has this run's id)"
+        if self.age() > self.timeout:  # e.g. a process stopped, or on a dead node
+            return f"its last heartbeat is older than lease_timeout={self.timeout:g}s"
+        return None
+
+    def _on_this_host(self) -> bool:
+        """Whether the holder's process can be looked up here: same host, same pid namespace."""
         if self.host != socket.gethostname():
-            return self.run_id != for_run
-        if self.pid == os.getpid():  # this process: live only while it holds the lease
-            return self.run_id in _HELD_HERE
-        return _process_exists(self.pid)
+            return False
+        return self.pid_namespace is None or self.pid_namespace == _pid_namespace()
 
     def describe(self) -> str:
         started = datetime.fromtimestamp(self.started_at, timezone.utc).strftime("%Y-%m-%d %H:%M")
@@ -127,14 +189,45 @@ class LeaseRecord:
         )
 
 
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+def _process_runs(pid: int, started: int | None) -> bool:
+    """Whether the process ``pid`` that started at ``started`` (if known) still runs on this
+    host: not if there is none, if it is a zombie (dead, not yet reaped by its launcher), or
+    if it started at another time (another process that got the pid)."""
+    stat = _proc_stat(pid)
+    if stat is None:  # no /proc (not Linux), or no such process
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
         return True
-    return True
+    state, start = stat
+    return state not in ("Z", "X") and (started is None or start == started)
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """A process's state letter and start time (clock ticks after boot) from ``/proc``."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # after "pid (name) "
+    return fields[0], int(fields[19])
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
 
 
 def _lease_dir(folder: str) -> str:
@@ -157,7 +250,10 @@ def _write(folder: str, epoch: int, record: LeaseRecord) -> None:
 def _read(folder: str, epoch: int) -> LeaseRecord | None:
     """The record, or ``None`` if it is gone or unreadable (treated as a dead holder)."""
     try:
-        return LeaseRecord(**json.loads(io.read_bytes(_record_path(folder, epoch))))
+        fields = json.loads(io.read_bytes(_record_path(folder, epoch)))
+        # Fields a later version added are not this version's business.
+        known = {f.name for f in dataclass_fields(LeaseRecord)}
+        return LeaseRecord(**{k: v for k, v in fields.items() if k in known})
     except FileNotFoundError:
         return None
     except (ValueError, TypeError) as e:
@@ -234,11 +330,23 @@ class SaveFolderLease:
                 raise SaveFolderInUseError(in_use_message(self.folder, holder))
             if holder is not None and not holder.released:
                 log.warning(
-                    "Taking over the stale lease on %s of %s", self.folder, holder.describe()
+                    "Taking over the lease on %s of %s: %s",
+                    self.folder,
+                    holder.describe(),
+                    holder.ended(self.run_id),
                 )
             now = time.time()
+            stat = _proc_stat(os.getpid())
             record = LeaseRecord(
-                self.run_id, socket.gethostname(), os.getpid(), now, now, self.timeout
+                self.run_id,
+                socket.gethostname(),
+                os.getpid(),
+                now,
+                now,
+                self.timeout,
+                process_started=stat[1] if stat else None,
+                boot_id=_boot_id(),
+                pid_namespace=_pid_namespace(),
             )
             if not io.create_file(_record_path(self.folder, top + 1), _encode(record)):
                 continue  # another run took this number first: look at it again
@@ -267,10 +375,22 @@ class SaveFolderLease:
         self._epoch, self._record, self.lost = epoch, record, None
         for old in older:
             io.remove(_record_path(self.folder, old))
+        self._remove_leftovers()
         log.info("Holding the lease on %s as run %s", self.folder, self.run_id)
         self._stop.clear()
         self._thread = threading.Thread(target=self._beat, name="lease-heartbeat", daemon=True)
         self._thread.start()
+
+    def _remove_leftovers(self) -> None:
+        """Temporary files of record writes that a killed process left (local folders; an
+        object store writes whole objects). A file younger than the timeout may be a racing
+        taker's, about to become its record: it is left for the next holder."""
+        if io.is_url(self.folder):
+            return
+        for tmp in Path(_lease_dir(self.folder)).glob(".*.tmp"):
+            with contextlib.suppress(OSError):
+                if time.time() - tmp.stat().st_mtime > self.timeout:
+                    tmp.unlink()
 
     def _beat(self) -> None:
         interval = self.timeout / 6

@@ -35,12 +35,13 @@ from ...distributed.checkpoint_format import (
 )
 from ...distributed.checkpoint_save import describe_error
 from ...distributed.utils import gather_objects, get_rank, using_group
-from ...exceptions import CheckpointError
+from ...exceptions import CheckpointError, ConfigurationError
+from ...nn.transformer_config import TransformerConfig, computation_changes, model_override
 
 if TYPE_CHECKING:
     from .checkpointable import Checkpointable
 
-__all__ = ["CheckpointLoad", "describe_shape_mismatch"]
+__all__ = ["CheckpointLoad", "describe_computation_change", "describe_shape_mismatch"]
 
 
 @dataclass
@@ -48,11 +49,18 @@ class CheckpointLoad:
     """One load of the checkpoint ``dir`` into ``train_module``, on every rank of ``group``."""
 
     dir: str
+    """The checkpoint folder (``step{N}``), local or a URL."""
     train_module: Checkpointable
+    """What the model and optimizer state are read into, in place."""
     group: dist.ProcessGroup | None
+    """The process group of the ranks that load together (``None``: the default group)."""
     load_trainer_state: bool | None
+    """Whether to read the trainer state too; ``None``: if the checkpoint has it."""
     load_optim_state: bool | None
+    """Whether to read the optimizer state; ``None``: if the checkpoint has it."""
     current_config: str | bytes | None
+    """This run's ``config.json`` (``None`` if it has none): a checkpoint whose model config differs
+    is refused, naming the fields."""
 
     def run(self, work_dir: Path, pre_download: bool, thread_count: int | None) -> Any:
         """Load; returns this rank's trainer state (``None`` if not loaded). ``pre_download``
@@ -114,6 +122,9 @@ class CheckpointLoad:
         )
         if mismatch is not None:
             raise CheckpointError(mismatch)
+        change = describe_computation_change(dir, self.current_config)
+        if change is not None:
+            raise CheckpointError(change)
         dcp_dir = io.join_path(source, MODEL_AND_OPTIM)
         try:
             load_state_dict(dcp_dir, state, process_group=self.group, thread_count=thread_count)
@@ -145,8 +156,8 @@ def describe_shape_mismatch(
     current_config: str | bytes | None,
     held_elsewhere: Collection[str] = (),
 ) -> str | None:
-    """A message naming the tensors (and config fields) whose shapes differ, or that one side
-    has and the other lacks (another ``n_layers``, say), or ``None``. ``held_elsewhere``:
+    """A message naming the config fields, then the tensors, whose shapes differ, or that one
+    side has and the other lacks (another ``n_layers``, say), or ``None``. ``held_elsewhere``:
     parameter names other ranks hold (pipeline stages), which this rank may lack."""
     differing = []
     for fqn, tensor in model_state.items():
@@ -166,32 +177,83 @@ def describe_shape_mismatch(
             differing.append(f"{', '.join(keys[:3])}{more} {where}")
     if not differing:
         return None
-    message = (
-        f"checkpoint {dir} holds a model of another shape: "
-        + "; ".join(differing[:5])
-        + (f"; and {len(differing) - 5} more" if len(differing) > 5 else "")
-    )
+    message = f"checkpoint {dir} holds a model of another shape"
     fields = _config_differences(dir, current_config)
     if fields:
-        message += ". Config fields that differ (checkpoint -> this run): " + ", ".join(fields)
+        message += " (checkpoint -> this run): " + ", ".join(fields) + "; tensors"
+    message += ": " + "; ".join(differing[:3])
+    if len(differing) > 3:
+        message += f"; and {len(differing) - 3} more"
     return message + ". Build the model with the checkpoint's settings, or start a new run."
 
 
-def _config_differences(dir: str, current: str | bytes | None) -> list[str]:
+def describe_computation_change(dir: str, current_config: str | bytes | None) -> str | None:
+    """A message naming the model config fields that make the checkpoint's weights compute
+    something else in this run (same tensor shapes, other heads or rotary angles, say), how
+    to resume, and how to start a new run from those weights on purpose; or ``None``.
+
+    Both configs come from the run's ``config.json`` (in the checkpoint, and the one this run
+    writes); without either, or with a model config that is not a
+    :class:`~olmolike.nn.TransformerConfig`, there is nothing to compare.
+    """
+    sections = _model_sections(dir, current_config)
+    if sections is None:
+        return None
+    try:
+        saved, now = (TransformerConfig.from_dict(s) for s in sections)
+    except (ConfigurationError, TypeError, ValueError):
+        return None  # the run's own kind of model: its shapes are still checked
+    changes = computation_changes(saved, now)
+    if not changes:
+        return None
+    found = ", ".join(f"model.{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items())
+    restore = " ".join(model_override(k, old) for k, (old, _) in changes.items())
+    allowed = ",".join(changes)
+    return (
+        f"checkpoint {dir} was trained with another model config (checkpoint -> this run): "
+        f"{found}. Its tensors have the same shapes, but under this config they would compute "
+        f"something else. To resume, build the model as the checkpoint was: {restore}. To "
+        f"start a new run from these weights on purpose, give it another save folder and "
+        f"--train_module.init_weights={dir} --train_module.init_weights_allowed_changes=[{allowed}]"
+    )
+
+
+def _model_sections(
+    dir: str, current: str | bytes | None
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The ``model`` sections of the checkpoint's ``config.json`` and of ``current``."""
+    configs = _configs(dir, current)
+    if configs is None:
+        return None
+    saved, now = (config.get("model") for config in configs)
+    return (saved, now) if isinstance(saved, dict) and isinstance(now, dict) else None
+
+
+def _configs(dir: str, current: str | bytes | None) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The checkpoint's ``config.json`` and ``current`` (this run's), parsed; ``None`` if
+    either is missing or no JSON mapping."""
     if current is None:
-        return []
+        return None
     try:
         saved = json.loads(io.read_bytes(io.join_path(dir, "config.json")))
         now = json.loads(current)
     except (FileNotFoundError, ValueError):
+        return None
+    return (saved, now) if isinstance(saved, dict) and isinstance(now, dict) else None
+
+
+def _config_differences(dir: str, current: str | bytes | None) -> list[str]:
+    configs = _configs(dir, current)
+    if configs is None:
         return []
-    old_flat, new_flat = _flatten(saved), _flatten(now)
+    old_flat, new_flat = _flatten(configs[0]), _flatten(configs[1])
     keys = sorted(
         k for k in old_flat.keys() | new_flat.keys() if old_flat.get(k) != new_flat.get(k)
     )
     # The model's own fields decide shapes: name only those when some differ.
     keys = [k for k in keys if k.startswith("model.")] or keys
-    return [f"{k}: {old_flat.get(k)!r} -> {new_flat.get(k)!r}" for k in keys[:10]]
+    named = [f"{k}: {old_flat.get(k)!r} -> {new_flat.get(k)!r}" for k in keys[:5]]
+    return named + ([f"and {len(keys) - 5} more"] if len(keys) > 5 else [])
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -36,15 +36,22 @@ class RunCheckpoints:
     docstring)."""
 
     checkpointer: Checkpointer
+    """Reads and writes the checkpoints."""
     train_module: Checkpointable
+    """What a load restores: its model and optimizer state."""
     save_folder: str
+    """The run's save folder: resumed from first, and the folder whose lease the run holds."""
     work_dir: Path
+    """A local directory for remote checkpoints downloaded before loading."""
     load_path: str | None
+    """Where to look when the save folder holds no checkpoint (a checkpoint, or a folder of them).
+    """
     load_strategy: str
     """A :class:`~olmolike.train.LoadStrategy` value: ``if_available``, ``always``, ``never``."""
     load_trainer_state: bool | None
     """Default of :meth:`load`'s flag; ``None``: load it if the checkpoint has it."""
     load_optim_state: bool | None
+    """Default of :meth:`load`'s flag; ``None``: load it if the checkpoint has it."""
     extra_files: dict[str, str | bytes] = field(default_factory=dict)
     """Files written into every checkpoint saved from now on (name to contents)."""
     loaded: bool = False

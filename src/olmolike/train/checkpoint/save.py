@@ -67,15 +67,27 @@ class CheckpointSave:
     """
 
     target: str
+    """The checkpoint folder being written (``.../step{N}``), local or a URL."""
     extra_files: dict[str, bytes]
+    """Files written into the checkpoint besides the state, by name (the run's ``config.json``,
+    say)."""
     work_dir: Path
+    """A local directory where a save to a URL is staged before its upload."""
     group: dist.ProcessGroup | None
+    """The process group of the ranks that save together (``None``: the default group)."""
     lease: SaveFolderLease | None
+    """The save folder's lease: a save is refused once another run has taken the folder over.
+    ``None``: no lease is held."""
     uploader: Executor
     """Runs the uploads to an object store; several threads upload several files at once."""
     throttle_uploads: bool
+    """Upload the ranks' files one rank after another instead of all at once."""
     staging: Path = field(init=False)
+    """Where the files are written first (set by :meth:`begin`): beside the target under a hidden
+    name, or under ``work_dir`` for a URL."""
     remote: bool = field(init=False)
+    """Whether the target is a URL (set by :meth:`begin`): the files are then uploaded from
+    ``staging``."""
     _uploads: dict[Path, Future[Any]] = field(default_factory=dict, init=False)
 
     @property
@@ -223,14 +235,18 @@ class CheckpointSave:
         for future in [self.uploader.submit(self._upload, path) for path in rest]:
             future.result()
 
-    def _check_lease(self) -> None:
+    def _check_lease(self, *, renew: bool = False) -> None:
         """A run that lost its save folder's lease must not write there, nor vouch for
-        anything (the lease's heartbeat keeps the error to raise)."""
+        anything (the lease's heartbeat keeps the error to raise). ``renew``: look at the
+        lease now, not at the last heartbeat's finding (before a marker: a run given this
+        run's id by mistake may have taken it over since)."""
+        if self.lease is not None and renew:
+            self.lease.heartbeat()
         if self.lease is not None and self.lease.lost is not None:
             raise self.lease.lost.with_traceback(None)
 
     def _commit(self, ephemeral: bool) -> None:
-        self._check_lease()
+        self._check_lease(renew=True)
         marker = json.dumps(
             {
                 "format_version": FORMAT_VERSION,

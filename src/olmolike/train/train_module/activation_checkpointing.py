@@ -1,7 +1,7 @@
 """Activation checkpointing's settings: which transformer blocks recompute their activations
 in backward instead of keeping them. The train module applies them
 (:class:`~olmolike.train.train_module.TransformerTrainModule`); the memory planner counts the
-blocks they select (:mod:`olmolike.train.activation_memory`).
+blocks they select (:mod:`olmolike.plan.activations`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ class ActivationCheckpointingConfig(Config):
     """Activation checkpointing: trade compute for memory by recomputing block activations."""
 
     mode: ActivationCheckpointingMode = ActivationCheckpointingMode.full
+    """Which activations are recomputed in the backward pass instead of kept: see
+    :class:`ActivationCheckpointingMode` (``full``: every block's)."""
     block_interval: int = 1
     """With ``selected_blocks``: checkpoint blocks 0, N, 2N, ..."""
 

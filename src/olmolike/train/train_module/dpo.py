@@ -18,10 +18,16 @@ import torch.nn as nn
 
 from ...data.preference import PreferenceDataLoader
 from ...exceptions import ConfigurationError
-from ...nn.functional import DPOLossType, check_label_smoothing, dpo_loss, sequence_log_probs
+from ...nn.functional import DPOLossType, check_label_smoothing, dpo_loss
+from ...nn.moe import aux_loss_weight
 from ...utils import get_default_device
 from ..common import ReduceType
-from .reference import ReferenceModel, cached_reference_logps, check_same_architecture
+from .reference import (
+    ReferenceModel,
+    cached_reference_logps,
+    check_same_architecture,
+    split_sequence_log_probs,
+)
 from .train_module import agreed_microbatches, is_padding, labels_from_batch, microbatch_rows
 from .transformer import TransformerTrainModule, TransformerTrainModuleConfig
 
@@ -181,8 +187,11 @@ class DPOTrainModule(TransformerTrainModule):
         # Micro-batches count pairs; the same collective sums the pairs over the ranks.
         slices, agreed = agreed_microbatches(pairs, per_mb, self.dp_process_group, also=(pairs,))
         # Times the world size, as DDP / FSDP average over ranks: the mean over the global
-        # batch's pairs, however many each rank holds.
+        # batch's pairs, however many each rank holds. Under context parallelism every rank
+        # of a group has the same loss (from the group's sums) and the gradient of its own
+        # tokens: DDP / FSDP average over those ranks too, so the gradient's scale counts them.
         scale = self.dp_world_size / max(1, agreed.sum[1])
+        grad_scale = scale * self.layout.degrees.cp
         live = self._cached_logps is None or index is None  # as _reference_log_probs decides
         live_reference = (self.reference.model,) if live else ()
         stats = torch.zeros(7, device=ids.device)
@@ -196,9 +205,10 @@ class DPOTrainModule(TransformerTrainModule):
                 mb_ids, mb_labels = ids[rows], labels[rows]
                 mb_index = None if index is None else index[pair_rows]
                 ref_c, ref_r, lengths = self._reference_log_probs(mb_ids, mb_labels, mb_index)
-                with self._autocast:
+                # An MoE policy's auxiliary losses: the mean over the step's pairs, as the loss.
+                with self._autocast, aux_loss_weight(len(rows) // 2 * scale):
                     logits = self._forward_module(mb_ids)
-            pol, _ = sequence_log_probs(logits, mb_labels, ignore_index=ignore)
+            pol, _ = self._log_probs(logits, mb_labels)
             pol_c, pol_r = pol.chunk(2)
             len_c, len_r = lengths.chunk(2)
             out = dpo_loss(
@@ -207,15 +217,24 @@ class DPOTrainModule(TransformerTrainModule):
                 chosen_lengths=len_c, rejected_lengths=len_r,
             )  # fmt: skip
             n = pol_c.shape[0]
-            (out.loss * n * scale).backward()
+            (out.loss * n * grad_scale).backward()
             margin = out.chosen_rewards - out.rejected_rewards
             stats += torch.stack([
                 out.loss.detach() * n, out.chosen_rewards.sum(), out.rejected_rewards.sum(),
                 (margin > 0).float().sum(), margin.sum(), pol_c.detach().sum(),
                 pol_r.detach().sum(),
             ])  # fmt: skip
+        self._record_moe(dry_run)
         if not dry_run:
             self._record(stats * scale)
+
+    def _log_probs(
+        self, logits: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's summed log-probs and token counts of whole rows, from the logits this
+        rank computed (its share of the tokens under context parallelism)."""
+        ignore, cp = self.config.label_ignore_index, self.layout.context_parallel
+        return split_sequence_log_probs(logits, labels, cp, ignore)
 
     def _reference_log_probs(
         self, ids: torch.Tensor, labels: torch.Tensor, index: torch.Tensor | None
@@ -255,7 +274,7 @@ class DPOTrainModule(TransformerTrainModule):
         was_training = self.model.training
         self.model.eval()
         try:
-            pol, _ = sequence_log_probs(self.model(ids), labels, ignore_index=ignore)
+            pol, _ = self._log_probs(self.model(ids), labels)
         finally:
             self.model.train(was_training)
         ref, _ = self.reference.sequence_log_probs(ids, labels, ignore_index=ignore)

@@ -8,6 +8,9 @@ trainer and callbacks see is what they see without a pipeline:
 - the loss (CE, z-loss) is computed on the last stage, normalised by the global token count
   exactly as without a pipeline, and shared with every pipeline rank by one all-reduce per
   step, so each rank records the same metric values;
+- a mixture of experts' auxiliary losses are attached to each MoE block's output
+  (:mod:`olmolike.nn.moe`), so every stage's backward backpropagates its own blocks' losses,
+  each micro-batch's weighted by its share of the step as without a pipeline;
 - the gradient norm is that of the whole model (squares summed over the pipeline ranks), and
   clipping uses it;
 - data parallelism (FSDP, HSDP, or replication for ``ddp``) runs over the data dimensions of
@@ -42,6 +45,7 @@ from ...distributed.pipeline import (
 from ...distributed.utils import gather_objects, get_world_size
 from ...exceptions import ConfigurationError
 from ...nn.functional import cross_entropy_loss
+from ...nn.moe import aux_loss_weight
 from ...nn.transformer import Transformer
 from ...nn.transformer_config import TransformerConfig
 from ...nn.transformer_stage import TransformerParts, TransformerStage
@@ -113,7 +117,9 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
         layers = split_layers(model.config.n_layers, pp.num_stages)
         if self.config.compile_model or self.config.ac_config is not None:
             self._wrap_blocks(model)
+        self.layout.expert_parallel(model)
         self.layout.tensor_parallel(model)
+        self.layout.split_sequences(model)
         dp = self._dp_config_under_pipeline(self.config.dp_config)
         assert self.layout.mesh is not None  # a pipeline always splits the ranks
         self.mesh = self.layout.mesh
@@ -177,9 +183,10 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
         tensor-parallel degrees). DDP is run as FSDP2 replication (HSDP with shards of one
         rank): the pipeline schedule drives FSDP2's gradient sync."""
         dp_ranks = self.layout.degrees.dp
-        if dp_ranks <= 1:
+        if dp_ranks * self.layout.degrees.cp <= 1:
             return None
         if dp is None or dp.name == DataParallelType.ddp:
+            # Replicated over the data ranks; the context ranks (if any) shard.
             return DataParallelConfig(name=DataParallelType.hsdp, num_replicas=dp_ranks)
         return dp
 
@@ -283,12 +290,17 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
 
     def train_batch(self, batch: dict[str, Any], dry_run: bool = False) -> None:
         input_ids, labels, doc_ids = self._training_inputs(batch)
-        # Scaled by the data-parallel world size because FSDP averages gradients across it.
-        self._loss_scale = self._global_token_count(labels).reciprocal() * self.dp_world_size
+        # Scaled by the number of ranks FSDP averages gradients across.
+        self._loss_scale = (
+            self._global_token_count(labels).reciprocal() * self.layout.averaged_ranks
+        )
         input_ids, labels, docs, n = self._pad_to_agreed_microbatches(input_ids, labels, doc_ids)
+        labels = self._local_labels(labels)
         self._losses = []
         schedule = self._schedule(n, tuple(input_ids.shape), docs is not None, train=True)
-        with self._autocast:
+        # Every rank of the data group runs n micro-batches of one shape: each is 1 / (n x dp)
+        # of the step's tokens, times dp for the gradients' average over the data ranks.
+        with self._autocast, aux_loss_weight(1.0 / n):
             schedule.step(
                 *([input_ids] if self.is_first_stage_rank else []),
                 target=labels if self.is_last_stage_rank else None,
@@ -303,6 +315,7 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
         # The loss exists on the last stage only: one all-reduce per step on every pipeline
         # rank (the others add zeros) gives each rank the same values to record.
         dist.all_reduce(totals, group=self.pp_group)
+        self._record_moe(dry_run)
         if dry_run:
             return
         self.record_ce_loss(totals[0], ReduceType.mean)
@@ -336,9 +349,12 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
         seq: int,
     ) -> tuple[torch.Tensor, Any, Any]:
         """Right-pad to ``rows x seq``, the sequence up to a multiple of the tensor-parallel
-        degree (equal sequence shards): token 0, ignored labels, padding documents (-1).
-        Causal attention keeps the real tokens' results unchanged."""
-        seq = -(-seq // self.layout.degrees.tp) * self.layout.degrees.tp
+        degree (equal sequence shards), or under context parallelism of what it splits
+        evenly: token 0, ignored labels, padding documents (-1). Causal attention keeps the
+        real tokens' results unchanged."""
+        cp = self.layout.context_parallel
+        seq = self.layout.degrees.tp * -(-seq // self.layout.degrees.tp)
+        seq = seq if cp is None else cp.padded_length(seq)
         pad = (0, seq - input_ids.shape[1], 0, rows - input_ids.shape[0])
         if not any(pad):
             return input_ids, labels, doc_ids
@@ -372,9 +388,7 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
         if labels is not None:
             loss = torch.zeros((), device=self.device)
             if self.is_last_stage_rank:
-                loss, _ = cross_entropy_loss(
-                    logits, labels, ignore_index=self.config.label_ignore_index, reduction="mean"
-                )
+                loss = self._mean_loss(logits, labels)
             return self._from_last_stage(loss.float())
         return self._logits_from_last_stage(logits, input_ids.shape, rows, seq)
 
@@ -385,8 +399,10 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
         rank. Under tensor parallelism each rank sends its vocabulary shard to the same rank
         of the other stages, and every rank returns the vocabulary-sharded DTensor a
         tensor-parallel model returns."""
+        cp = self.layout.context_parallel
         if self.is_last_stage_rank:
             local = (logits.to_local() if isinstance(logits, DTensor) else logits).float()
+            local = local if cp is None else cp.gather(local, padded[1])
         else:
             vocab = self.model.config.vocab_size // self.layout.degrees.tp
             local = torch.empty((*padded, vocab), device=self.device)

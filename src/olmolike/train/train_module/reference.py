@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from ...data.preference import PreferenceDataLoader, split_pair_rows
 from ...distributed.utils import broadcast_object, get_rank, get_world_size, is_distributed
 from ...exceptions import CheckpointError, ConfigurationError
+from ...nn.context_parallel import ContextParallel
 from ...nn.functional import sequence_log_probs
 from ..weights import load_pretrained_weights
 from .layout import ParallelLayout
@@ -117,6 +118,7 @@ class ReferenceModel:
             layout.shard(model)
         model.requires_grad_(False)  # after sharding: tensor parallelism makes new parameters
         self.model = model
+        self.context_parallel = None if layout is None else layout.context_parallel
         self.source = source
         log.info("reference model from %s, fingerprint %s", source, self.fingerprint)
 
@@ -173,7 +175,7 @@ class ReferenceModel:
         """Summed response log-probs and token counts per row, in fp32, without autocast."""
         with torch.autocast(input_ids.device.type, enabled=False):
             logits = self.model(input_ids)
-        return sequence_log_probs(logits, labels, ignore_index=ignore_index)
+        return split_sequence_log_probs(logits, labels, self.context_parallel, ignore_index)
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -195,6 +197,20 @@ class ReferenceModel:
                 f"(fingerprint {saved.get('fingerprint')}), but this run loaded {self.source!r} "
                 f"(fingerprint {self.fingerprint}): point the reference at the same weights"
             )
+
+
+def split_sequence_log_probs(
+    logits: torch.Tensor, labels: torch.Tensor, cp: ContextParallel | None, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~olmolike.nn.functional.sequence_log_probs` of whole sequences' ``labels``
+    from ``logits`` that are, under context parallelism, this rank's share of the tokens: the
+    sums over the shares are added up over the context-parallel group (each rank's gradient
+    flows to its own share)."""
+    if cp is None:
+        return sequence_log_probs(logits, labels, ignore_index=ignore_index)
+    local = cp.shard(labels, pad_value=ignore_index)
+    logps, lengths = sequence_log_probs(logits, local, ignore_index=ignore_index)
+    return cp.sum(logps), cp.sum(lengths)
 
 
 def cached_reference_logps(

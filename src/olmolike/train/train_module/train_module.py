@@ -16,7 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ...distributed.checkpoint import apply_model_and_optim_state_dict, model_and_optim_state_dict
 from ...distributed.utils import AgreedCounts, agree_counts, get_world_size, is_distributed
 from ...exceptions import ConfigurationError
-from ..common import MetricMergeStrategy, ReduceType
+from ..common import ReduceType
+from ..metric_buffer import MetricBuffer, _record_ce_loss, _record_metric
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -30,7 +31,8 @@ class TrainModule(ABC):
     """Owns the model and optimizer and knows how to train on one batch.
 
     The trainer calls, for every step: :meth:`train_batch` (forward and backward over
-    micro-batches), then :meth:`optim_step`, then :meth:`zero_grads`.
+    micro-batches), then :meth:`optim_step`, then :meth:`zero_grads`. ``record_metric`` and
+    ``record_ce_loss`` record into the trainer's metrics, as the trainer's methods do.
     """
 
     loss_metric: ClassVar[str] = "train/CE loss"
@@ -47,6 +49,9 @@ class TrainModule(ABC):
     process: helpers that take ``None`` as "one process" (the GRPO loss's) then need no
     special case. The class default ``None`` (a module that sets nothing) means all ranks."""
 
+    _metrics: MetricBuffer | None = None
+    """The trainer's metric buffer, which :meth:`record_metric` records into directly."""
+
     def __init__(self) -> None:
         self._trainer: Trainer | None = None
 
@@ -56,12 +61,23 @@ class TrainModule(ABC):
             raise RuntimeError(f"{type(self).__name__} is not attached to a trainer yet")
         return self._trainer
 
-    def _attach_trainer(self, trainer: Trainer) -> None:
-        self._trainer = trainer
+    def _attach_trainer(self, trainer: Trainer, metrics: MetricBuffer | None = None) -> None:
+        self._trainer, self._metrics = trainer, metrics
         self.on_attach()
 
     def on_attach(self) -> None:  # noqa: B027 (an optional hook, not an abstract method)
         """Called once attached: check settings against the trainer and data loader here."""
+
+    def on_fit_start(self, *, resumed: bool) -> None:  # noqa: B027 (optional, as on_attach)
+        """Called when ``fit()`` starts, after the checkpoint it resumes from (``resumed``) was
+        loaded and before any callback's ``pre_train``: the module's own start of a run, such
+        as loading the pretrained weights a run that did not resume starts from."""
+
+    def default_callbacks(self) -> tuple[str, ...]:
+        """The registered names of callbacks this module's metrics are meant for (``moe_load``
+        for an MoE model's expert loads): the trainer's config adds each one of whose kind the
+        user configured none. A train module never adds a callback itself."""
+        return ()
 
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
@@ -105,26 +121,20 @@ class TrainModule(ABC):
         del seq_len
         return None
 
-    def record_metric(
-        self,
-        name: str,
-        value: float | torch.Tensor,
-        reduce_type: ReduceType | None = None,
-        namespace: str | None = None,
-        merge_strategy: MetricMergeStrategy = MetricMergeStrategy.warn,
-    ) -> None:
-        self.trainer.record_metric(name, value, reduce_type, namespace, merge_strategy)
+    # The trainer's: into its metric buffer, directly (the step's metrics take no detour).
+    record_metric = _record_metric
+    record_ce_loss = _record_ce_loss
 
-    def record_ce_loss(
-        self, value: float | torch.Tensor, reduce_type: ReduceType | None = None
-    ) -> None:
-        self.trainer.record_ce_loss(value, reduce_type)
+    def _metric_buffer(self) -> tuple[MetricBuffer, int]:
+        if self._metrics is None or self._trainer is None:
+            return self.trainer._metric_buffer()
+        return self._metrics, self._trainer.global_step
 
     def record_loss(
         self, value: float | torch.Tensor, reduce_type: ReduceType | None = None
     ) -> None:
         """Record the step's loss under :attr:`loss_metric`."""
-        self.trainer.record_metric(self.loss_metric, value, reduce_type)
+        self.record_metric(self.loss_metric, value, reduce_type)
 
 
 class ModelAndOptimTrainModule(TrainModule):
@@ -317,7 +327,10 @@ class BasicTrainModule(ModelAndOptimTrainModule):
         input_ids = batch["input_ids"]
         labels = labels_from_batch(batch, self.label_ignore_index)
         rows = microbatch_rows(input_ids, self.rank_microbatch_size, "rank_microbatch_size")
-        slices, _ = agreed_microbatches(input_ids.shape[0], rows, self._dp_group)
+        if self._dp_group is None and input_ids.shape[0] <= rows:
+            slices = [slice(0, input_ids.shape[0])]  # one process, one micro-batch: as agreed
+        else:
+            slices, _ = agreed_microbatches(input_ids.shape[0], rows, self._dp_group)
         if len(slices) == 1 and not is_padding(slices[0]):
             # One micro-batch, the common case: cross-entropy's own mean over the non-ignored
             # tokens is the same sum / count, bit for bit, without the separate count and

@@ -14,10 +14,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from ...config import Config, DType
+from ...distributed.expert_parallel import (
+    ExpertParallelConfig,
+    clip_grads_with_norm,
+    grad_norm,
+)
 from ...distributed.mesh import ParallelDegrees
 from ...distributed.parallel import DataParallelConfig, DataParallelType, apply_ddp
 from ...distributed.pipeline import PipelineParallelConfig
@@ -25,12 +29,14 @@ from ...distributed.tensor_parallel import ContextParallelConfig, TensorParallel
 from ...distributed.utils import get_world_size
 from ...exceptions import ConfigurationError
 from ...nn.functional import cross_entropy_loss
+from ...nn.moe import aux_loss_weight
 from ...optim import AdamWConfig, OptimConfig, Scheduler, SchedulerUnits
 from ...utils import get_default_device
-from ..callbacks.init_weights import InitWeightsCallback
 from ..common import ReduceType
+from ..weights import check_allowed_changes, load_init_weights
 from .activation_checkpointing import ActivationCheckpointingConfig, ActivationCheckpointingMode
 from .layout import ParallelLayout
+from .moe import MoEMetrics
 from .train_module import (
     ModelAndOptimTrainModule,
     agreed_microbatches,
@@ -58,6 +64,7 @@ class TransformerTrainModuleConfig(Config):
     rank_microbatch_size: int
     """Tokens per forward/backward pass on one rank; the rank batch must be a multiple of it."""
     optim: OptimConfig = field(default_factory=AdamWConfig)
+    """The optimizer (default AdamW with its defaults), built over the model's parameters."""
     scheduler: Scheduler | None = None
     """LR schedule over the trainer's ``max_duration``; ``None`` keeps the optimizer's LR."""
     max_grad_norm: float | None = None
@@ -66,12 +73,17 @@ class TransformerTrainModuleConfig(Config):
     """Weight of the z-loss (squared log-partition), which keeps logits from drifting; 1e-4 is
     a common choice for large runs."""
     label_smoothing: float = 0.0
+    """Label smoothing of the cross-entropy loss, from 0 (none) to below 1: the share of the target
+    probability spread evenly over the vocabulary."""
     label_ignore_index: int = -100
+    """Label value whose positions are not trained on (padding, masked prompt tokens)."""
     autocast_precision: DType | None = None
     """Run forward and backward under ``torch.autocast`` in this dtype (e.g. bfloat16)."""
     compile_model: bool = False
     """``torch.compile`` each transformer block (the blocks are identical, so one compile)."""
     compile_backend: str = "inductor"
+    """The ``torch.compile`` backend with ``compile_model`` (``inductor``; ``aot_eager`` compiles
+    without generating kernels)."""
     dp_config: DataParallelConfig | None = None
     """Data parallelism over the ranks the other degrees leave; ``None`` means DDP when there
     are several data-parallel ranks."""
@@ -79,11 +91,19 @@ class TransformerTrainModuleConfig(Config):
     """Tensor parallelism (innermost mesh dimension); ``None`` means none. Needs FSDP/HSDP
     (not DDP) when there are several data-parallel ranks."""
     cp_config: ContextParallelConfig | None = None
-    """Context parallelism: only ``degree=1`` (see :class:`ContextParallelConfig`)."""
+    """Context parallelism: every sequence split over ``cp_config.degree`` ranks, for
+    sequences whose activations do not fit one device (see :class:`ContextParallelConfig`);
+    ``None`` means none. The data dimensions take the ranks the other degrees leave."""
+    ep_config: ExpertParallelConfig | None = None
+    """Expert parallelism: every MoE layer's experts split over ``ep_config.degree`` ranks
+    carved from the data ranks FSDP/HSDP shard over (see :class:`ExpertParallelConfig`);
+    ``None`` means none (every data rank holds its shard of every expert)."""
     pp_config: PipelineParallelConfig | None = None
     """Pipeline parallelism: the layers split into stages over ``pp_config.degree`` ranks
     (:mod:`olmolike.train.train_module.pipeline`); the data dimensions take the other ranks."""
     ac_config: ActivationCheckpointingConfig | None = None
+    """Activation checkpointing: recompute activations in the backward pass to save memory;
+    ``None``: keep them all."""
     init_seed: int = 0
     """Seed for the weights when the model was built on the ``meta`` device."""
     init_weights: str | None = None
@@ -92,12 +112,27 @@ class TransformerTrainModuleConfig(Config):
     remote. Weights only: the optimizer, schedule and step count start fresh. Loaded when
     ``fit()`` starts, after sharding and before step 1, and only if the run did not resume
     from a checkpoint: a resumed run continues from its own weights."""
+    init_weights_allowed_changes: list[str] = field(default_factory=list)
+    """Model config fields (``n_heads``, ``rope_theta``, ...) that may differ from the config
+    ``init_weights`` were trained with, to start from them under another architecture on
+    purpose (a longer context's ``rope_theta``, say). Empty: any difference that changes what
+    the weights compute is refused."""
 
     pipeline_refusal: ClassVar[str | None] = None
     """Why this kind of training refuses ``pp_config`` (``None``: it runs pipelined). The
     pipelined step runs the plain LM loss; a subclass whose step runs more says why not."""
 
+    context_parallel_refusal: ClassVar[str | None] = None
+    """Why this kind of training refuses ``cp_config`` (``None``: it runs under context
+    parallelism)."""
+
     def validate(self) -> None:
+        if _degree(self.cp_config) > 1 and self.context_parallel_refusal:
+            raise self._invalid(
+                "cp_config",
+                f"{type(self).__name__} does not run under context parallelism: "
+                f"{self.context_parallel_refusal}; set cp_config=null",
+            )
         if self.pp_config is not None and self.pp_config.degree > 1 and self.pipeline_refusal:
             raise self._invalid(
                 "pp_config",
@@ -106,6 +141,7 @@ class TransformerTrainModuleConfig(Config):
             )
         if self.rank_microbatch_size <= 0:
             raise self._invalid("rank_microbatch_size", "must be a positive number of tokens")
+        check_allowed_changes(self.init_weights_allowed_changes, "init_weights_allowed_changes")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise self._invalid("max_grad_norm", f"must be positive, got {self.max_grad_norm}")
         if self.z_loss_multiplier is not None and self.z_loss_multiplier < 0:
@@ -130,6 +166,7 @@ class TransformerTrainModuleConfig(Config):
                 pp=pp,
                 cp=_degree(self.cp_config),
                 tp=_degree(self.tp_config),
+                ep=_degree(self.ep_config),
                 local_world_size=local_world_size,
             )
         except ConfigurationError as e:  # name the fields in full, as other errors do
@@ -141,6 +178,7 @@ class TransformerTrainModuleConfig(Config):
                     ("pp", self.pp_config),
                     ("cp", self.cp_config),
                     ("tp", self.tp_config),
+                    ("ep", self.ep_config),
                 )
                 if _degree(config) > 1
             ]
@@ -200,6 +238,9 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         self.dp_world_size = self.layout.dp_world_size
         self.model = model
         self._parallelize(model)  # may replace self.model (a pipeline rank's stages)
+        self._moe = MoEMetrics.of(self.model, replicas=self.layout.degrees.tp)
+        self._step_tokens = 1
+        """Tokens of the step over the data-parallel ranks (the MoE auxiliary losses' mean)."""
         self.optim = config.optim.build(self.model)
         self.scheduler = config.scheduler
         self._check_rewarm = False
@@ -239,7 +280,7 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
             self._materialize(model)
         layout.finish(model)
         if layout.ddp:
-            self._ddp = apply_ddp(model, self.dp_process_group)
+            self._ddp = apply_ddp(model, layout.gradient_group)
 
     def _materialize(self, model: nn.Module) -> None:
         materialize: Callable[..., Any] | None = getattr(model, "materialize", None)
@@ -282,9 +323,19 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
                 self.scheduler.get_lr(1.0, 0, self._schedule_position()[1])
             except ConfigurationError as e:
                 raise e.under("train_module.scheduler") from None
+
+    def default_callbacks(self) -> tuple[str, ...]:
+        return () if self._moe is None else ("moe_load",)
+
+    def on_fit_start(self, *, resumed: bool) -> None:
+        super().on_fit_start(resumed=resumed)
         if self.config.init_weights is not None:
-            self.trainer.add_callback(
-                "init_weights", InitWeightsCallback(source=self.config.init_weights)
+            load_init_weights(
+                self.model,
+                self.config.init_weights,
+                resumed=resumed,
+                work_dir=self.trainer.work_dir,
+                allowed_changes=self.config.init_weights_allowed_changes,
             )
 
     def _check_batches(self) -> None:
@@ -309,8 +360,9 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         input_ids, labels, doc_ids = self._training_inputs(batch)
         slices = self._microbatches(input_ids)
         # The denominator is this step's non-ignored token count over all ranks; each rank's
-        # gradient is scaled by the world size because DDP and FSDP average across ranks.
-        scale = self._global_token_count(labels).reciprocal() * self.dp_world_size
+        # gradient is scaled by the number of ranks DDP and FSDP average over.
+        scale = self._global_token_count(labels).reciprocal() * self.layout.averaged_ranks
+        labels = self._local_labels(labels)
         ce_total = torch.zeros((), device=input_ids.device)
         z_total = torch.zeros((), device=input_ids.device)
         for i, rows in enumerate(slices):
@@ -319,7 +371,7 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
                     self._padding_step()
                     continue
                 docs = None if doc_ids is None else doc_ids[rows]
-                with self._autocast:
+                with self._autocast, self._moe_share(input_ids[rows].numel()):
                     logits = self._forward_module(input_ids[rows], **_doc_kwargs(docs))
                     ce_loss, z_loss = cross_entropy_loss(
                         logits,
@@ -334,6 +386,7 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
             ce_total += ce_loss.detach()
             if z_loss is not None:
                 z_total += z_loss.detach()
+        self._record_moe(dry_run)
         if dry_run:
             return
         # Mean-reduced across ranks, these are exactly the global per-token means.
@@ -350,7 +403,34 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         per = microbatch_rows(
             input_ids, self.config.rank_microbatch_size, "train_module.rank_microbatch_size"
         )
-        return agreed_microbatches(input_ids.shape[0], per, self.dp_process_group)[0]
+        slices, agreed = agreed_microbatches(
+            input_ids.shape[0], per, self.dp_process_group, also=(input_ids.numel(),)
+        )
+        self._step_tokens = max(1, agreed.sum[1])
+        return slices
+
+    def _moe_share(self, tokens: int) -> contextlib.AbstractContextManager[None]:
+        """The MoE auxiliary losses' gradient weight for a micro-batch of ``tokens`` tokens:
+        its share of the step's tokens (on every data-parallel rank), times the ranks the
+        gradients are averaged over (:func:`~olmolike.nn.moe.aux_loss_weight`). Under context
+        parallelism a rank routes ``1 / cp`` of those tokens and the gradients are averaged
+        over ``cp`` times more ranks: the two cancel."""
+        return aux_loss_weight(tokens / self._step_tokens * self.dp_world_size)
+
+    def _record_moe(self, dry_run: bool, *, passes: int = 1) -> None:
+        """Record the MoE layers' routing of this step (nothing for a dense model);
+        ``passes``: how many times the step's auxiliary-loss weights added up to one (GRPO's
+        updates), so the recorded losses are their mean."""
+        if self._moe is None:
+            return
+        if dry_run:  # a step that records nothing counts no routing either
+            self._moe.record(self, weight_sum=1, collect=True, dry_run=True)
+            return
+        trainer = self.trainer
+        step = trainer.global_step
+        collect = step % trainer.metrics_collect_interval == 0 or step == trainer.max_steps
+        weights = self.layout.averaged_ranks * passes  # what the weights sum to, all ranks
+        self._moe.record(self, weight_sum=weights, collect=collect, dry_run=dry_run)
 
     def _padding_step(self, *references: nn.Module) -> None:
         """A micro-batch that changes nothing (:func:`padding_loss`): forwards of the frozen
@@ -360,9 +440,15 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         with torch.no_grad():
             for reference in references:
                 padding_loss(reference, self.device)
-        with self._autocast:
+        with self._autocast, aux_loss_weight(0.0):  # no MoE loss or routing counted either
             loss = padding_loss(self._forward_module, self.device)
         loss.backward()
+
+    def _local_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """The labels of this rank's tokens: under context parallelism the model returns the
+        logits of its share of each sequence only (padding, if any, is ignored)."""
+        cp = self.layout.context_parallel
+        return labels if cp is None else cp.shard(labels, pad_value=self.config.label_ignore_index)
 
     def _global_token_count(self, labels: torch.Tensor) -> torch.Tensor:
         count = (labels != self.config.label_ignore_index).sum()
@@ -383,21 +469,35 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
         """The logits of ``batch``, or with ``labels`` the mean CE loss over non-ignored tokens.
 
         Under tensor parallelism the logits are a DTensor sharded on the vocabulary: the losses
-        of :mod:`olmolike.nn.functional` take it as it is; ``full_tensor()`` gathers it.
+        of :mod:`olmolike.nn.functional` take it as it is; ``full_tensor()`` gathers it. Under
+        context parallelism each rank computes its share of the tokens; the loss is over all
+        of them and the logits are gathered, so every rank returns what one process would.
         """
         was_training = self.model.training
         self.model.eval()
+        input_ids = batch["input_ids"]
         try:
             with self._autocast:
-                logits = self.model(batch["input_ids"], **_doc_kwargs(batch.get("doc_ids")))
+                logits = self.model(input_ids, **_doc_kwargs(batch.get("doc_ids")))
         finally:
             self.model.train(was_training)
+        cp = self.layout.context_parallel
         if labels is None:
-            return logits
-        ce_loss, _ = cross_entropy_loss(
-            logits, labels, ignore_index=self.config.label_ignore_index, reduction="mean"
-        )
-        return ce_loss
+            return logits if cp is None else cp.gather(logits, input_ids.shape[1])
+        return self._mean_loss(logits, labels)
+
+    def _mean_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean CE loss over the non-ignored tokens of ``labels`` (whole sequences), from
+        the ``logits`` this rank computed (its share of the tokens under context parallelism:
+        the sum and the count are then added up over the context-parallel group)."""
+        ignore, cp = self.config.label_ignore_index, self.layout.context_parallel
+        if cp is None:
+            return cross_entropy_loss(logits, labels, ignore_index=ignore, reduction="mean")[0]
+        labels = self._local_labels(labels)
+        ce_sum, _ = cross_entropy_loss(logits, labels, ignore_index=ignore, reduction="sum")
+        sums = torch.stack([ce_sum.float(), (labels != ignore).sum().float()])
+        dist.all_reduce(sums, group=cp.group)
+        return sums[0] / sums[1].clamp(min=1)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -420,8 +520,11 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
 
     def _clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients to a total norm of ``max_norm``; returns the norm before."""
-        grad_norm = nn.utils.clip_grad_norm_(self._params, max_norm)
-        return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        # The experts' gradients live on another mesh under expert parallelism: grad_norm
+        # takes each mesh's norm, then theirs.
+        norm = grad_norm([p.grad for p in self._params if p.grad is not None])
+        clip_grads_with_norm(self._params, max_norm, norm)
+        return norm
 
     def _warn_if_rewarmed(self, scheduler: Scheduler, current: int, t_max: int | None) -> None:
         """Warn when a resumed run's LR jumps up: its schedule was stretched, e.g. by extending
@@ -460,7 +563,11 @@ class TransformerTrainModule(ModelAndOptimTrainModule):
 
 
 def _degree(
-    config: TensorParallelConfig | ContextParallelConfig | PipelineParallelConfig | None,
+    config: TensorParallelConfig
+    | ContextParallelConfig
+    | ExpertParallelConfig
+    | PipelineParallelConfig
+    | None,
 ) -> int:
     return 1 if config is None else config.degree
 

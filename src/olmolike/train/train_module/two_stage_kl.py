@@ -170,7 +170,8 @@ class TwoStageKLTrainModule(TransformerTrainModule):
         doc_ids = batch.get("doc_ids")  # packed SFT data: attention within each document
         slices = self._microbatches(ids)
         count = self._global_token_count(labels)
-        scale = count.reciprocal() * self.dp_world_size
+        scale = count.reciprocal() * self.layout.averaged_ranks
+        labels = self._local_labels(labels)
         ce_total = torch.zeros((), device=ids.device)
         kl_total = torch.zeros((), device=ids.device)
         for i, rows in enumerate(slices):
@@ -181,7 +182,7 @@ class TwoStageKLTrainModule(TransformerTrainModule):
                 mb_ids, mb_labels = ids[rows], labels[rows]
                 docs = None if doc_ids is None else doc_ids[rows]
                 ref_logits = self.reference.logits(mb_ids, docs)
-                with self._autocast:
+                with self._autocast, self._moe_share(mb_ids.numel()):
                     logits = self._forward_module(mb_ids, **_doc_kwargs(docs))
             ce, _ = cross_entropy_loss(logits, mb_labels, ignore_index=ignore, reduction="sum")
             mb_tokens = (mb_labels != ignore).sum()
@@ -190,6 +191,7 @@ class TwoStageKLTrainModule(TransformerTrainModule):
             ((ce + self.config.beta * kl_sum) * scale).backward()
             ce_total += ce.detach()
             kl_total += kl_sum.detach()
+        self._record_moe(dry_run)
         if not dry_run:
             self.record_ce_loss(ce_total * scale, ReduceType.mean)
             self.record_metric("KL to snapshot", kl_total * scale, ReduceType.mean,

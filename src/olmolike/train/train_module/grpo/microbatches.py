@@ -20,8 +20,13 @@ class StepPlan:
     fewer micro-batches than another runs padding ones, so that FSDP's collectives match."""
 
     rows: int
+    """Completions per micro-batch: ``rank_microbatch_size`` tokens over the width of the longest
+    row (at least one)."""
     full: int
+    """Micro-batches of the no-gradient passes over the whole rollout (old and reference
+    log-probabilities)."""
     minibatch: int
+    """Micro-batches of each minibatch's forward and backward."""
 
     @classmethod
     def local(cls, out: Rollout, rank_microbatch_size: int, num_minibatches: int) -> StepPlan:

@@ -42,7 +42,10 @@ class SamplingConfig(Config):
     temperature: float = 1.0
     """1 samples the policy itself, which the clipped ratio assumes; lower sharpens it."""
     top_k: int | None = None
+    """Sample among the k likeliest tokens only; ``None``: all of them."""
     top_p: float | None = None
+    """Sample from the smallest set of likeliest tokens whose probabilities reach this total
+    (nucleus sampling); ``None``: off."""
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -76,6 +79,8 @@ class Rollout:
     """(N,) advantages, scaled as ``loss.scale_rewards`` says (``batch``: by this rollout's
     std; the GRPO train module rescales them by every rank's)."""
     completions: list[str]
+    """The completions as text, decoded with the tokenizer, in the order of the rows (what the
+    reward functions scored)."""
     metrics: dict[str, Tensor]
     """Reward mean/std (total and per function), zero-advantage share, completion lengths,
     generation tokens/s and seconds."""

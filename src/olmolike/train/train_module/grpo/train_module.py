@@ -33,8 +33,8 @@ reshard after each of the hundreds of one-token forward calls) and resharded rig
 Under tensor parallelism (with FSDP over the data ranks) the policy and the reference are split
 the same way, the KV cache holds each rank's attention heads, and the completion log-probs
 and entropies come from the vocabulary-sharded logits without gathering a row
-(:func:`.rollout.completion_logps`). Pipeline parallelism is refused (see
-:attr:`GRPOTrainModuleConfig.pipeline_refusal`).
+(:func:`.rollout.completion_logps`). Pipeline and context parallelism are refused (see
+:attr:`GRPOTrainModuleConfig.pipeline_refusal` and ``context_parallel_refusal``).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from ....data.prompts import PromptDataLoader, PromptRecord
 from ....data.tokenizer import Tokenizer
 from ....distributed.utils import agree_counts, get_rank
 from ....exceptions import ConfigurationError
+from ....nn.moe import aux_loss_weight
 from ....optim import SchedulerUnits
 from ....utils import get_default_device
 from ...common import ReduceType
@@ -97,8 +98,15 @@ class GRPOTrainModuleConfig(TransformerTrainModuleConfig):
         "stage, one token at a time), and rollouts through a pipeline are not supported; "
         "tensor parallelism splits the policy and generates"
     )
+    context_parallel_refusal: ClassVar[str | None] = (
+        "its rollouts decode one token per forward with a KV cache, and context parallelism "
+        "splits whole training sequences over ranks, not decoding steps; tensor parallelism "
+        "splits the policy and generates"
+    )
 
     rank_microbatch_size: int = 4096
+    """Tokens per forward and backward pass on each rank (prompt and completion rows, padded): the
+    memory knob; a step runs as many micro-batches as its rows need."""
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     """Group size, advantage scaling, clipping, KL coefficient, aggregation."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -304,6 +312,7 @@ class GRPOTrainModule(TransformerTrainModule):
                 self.zero_grads()
             i = update % self.config.num_minibatches
             self._backward(out, minibatches[i], plan, old, ref, denominators[i], stats)
+        self._record_moe(dry_run, passes=self.updates_per_step)
         self._pending = {"started": started, "rollout": out, "stats": stats, "dry_run": dry_run}
 
     def _rollout(self, records: list[PromptRecord], step: int) -> tuple[Rollout, StepPlan]:
@@ -430,7 +439,10 @@ class GRPOTrainModule(TransformerTrainModule):
                     self._padding_step()
                     continue
                 part = select(out, span)
-                with self._autocast:
+                # An MoE policy's auxiliary losses: the mean over the update's completions
+                # (as many on every rank), as the loss.
+                share = (span.stop - span.start) / (rows.stop - rows.start)
+                with self._autocast, aux_loss_weight(share):
                     logps, entropy = completion_logps(
                         self._forward_module, part, with_entropy=True, **self._sampled
                     )

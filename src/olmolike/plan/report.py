@@ -6,10 +6,16 @@
    share of about ``(pp - 1) / (micro-batches + pp - 1)`` of the step;
 2. a smaller tensor-parallel degree (``tp``): TP all-gathers and reduce-scatters activations in
    every block, on the critical path, so it wants the fast links inside a node;
-3. no activation checkpointing before checkpointing: recomputing the blocks costs about a
+3. a smaller context-parallel degree (``cp``): CP all-gathers every block's keys and values
+   (and reduce-scatters their gradients), on the critical path too, but moves ``kv / d`` of
+   TP's bytes per token and keeps the matmuls whole;
+4. no activation checkpointing before checkpointing: recomputing the blocks costs about a
    third more compute, always;
-4. less sharding (``dp_shard``): FSDP gathers the parameters in forward and backward and
+5. less sharding (``dp_shard``): FSDP gathers the parameters in forward and backward and
    reduce-scatters gradients, about 1.5 times DDP's traffic, but overlapped with compute.
+
+Each layout that fits also gets the longest sequence that would fit instead, one sequence per
+micro-batch with the same activation checkpointing (:func:`longest_sequence`).
 
 Plain data parallelism (DDP: one gradient all-reduce per step, overlapped with backward) is
 thus the cheapest layout where the whole model state fits on one GPU.
@@ -24,16 +30,17 @@ from ..distributed.parallel import DataParallelType
 from ..distributed.pipeline import PipelineParallelConfig
 from ..exceptions import ConfigurationError
 from ..nn import TransformerConfig
-from .activation_memory import activation_bytes, microbatches_in_flight
-from .memory_plan import Layout, StateBytes, gathered_bytes, layouts, state_bytes
-from .train_module.dpo import DPOTrainModuleConfig
-from .train_module.transformer import (
+from ..train.train_module.dpo import DPOTrainModuleConfig
+from ..train.train_module.layout import check_data_parallel
+from ..train.train_module.transformer import (
     ActivationCheckpointingConfig,
     ActivationCheckpointingMode,
     TransformerTrainModuleConfig,
 )
+from .activations import activation_bytes, microbatches_in_flight
+from .memory import Layout, StateBytes, all_to_all_bytes, gathered_bytes, layouts, state_bytes
 
-__all__ = ["RankMemory", "plan_report", "rank_memory"]
+__all__ = ["RankMemory", "config_layout", "longest_sequence", "plan_report", "rank_memory"]
 
 GIB = 1024**3
 FULL_AC = ActivationCheckpointingConfig(mode=ActivationCheckpointingMode.full)
@@ -51,12 +58,20 @@ class RankMemory:
     """One rank's bytes under one layout and activation-checkpointing setting."""
 
     layout: Layout
+    """The layout the rank belongs to."""
     ac: ActivationCheckpointingConfig | None
+    """The activation checkpointing assumed; ``None``: none."""
     state: StateBytes
+    """Parameters, gradients, optimizer state and buffers, in bytes."""
     gathered: int
+    """Communication buffers during a step, in bytes: DDP's gradient buckets, or FSDP's gathered
+    root and blocks."""
     activations: int
+    """The activations kept for backward at the peak of a step, in bytes."""
     pp_rank: int = 0
     """The rank's pipeline rank (the rank is the first of its pipeline stage's ranks)."""
+    longest: int = 0
+    """The longest sequence that fits instead (:func:`longest_sequence`; 0: not computed)."""
 
     @property
     def total(self) -> int:
@@ -124,6 +139,7 @@ def pipeline_memory(
         )
         state = state_bytes(model, layout, module.optim, rank)
         gathered = gathered_bytes(model, layout, module.dp_config, rank)
+        gathered += all_to_all_bytes(model, layout, forward_tokens(module), dtype_bytes)
         memories.append(RankMemory(layout, ac, state, gathered, activations, pp_rank))
     return memories
 
@@ -140,27 +156,54 @@ def rank_memory(
 
 
 def config_layout(
-    module: TransformerTrainModuleConfig, gpus: int, gpus_per_node: int, tp: int, pp: int
+    module: TransformerTrainModuleConfig,
+    gpus: int,
+    gpus_per_node: int,
+    tp: int,
+    pp: int,
+    cp: int = 1,
+    ep: int = 1,
 ) -> Layout:
     """The layout the train module's ``dp_config`` gives on ``gpus`` GPUs, with ``tp``/``pp``
-    (and ``pp_config``'s schedule)."""
-    for flag, degree in (("--tp", tp), ("--pp", pp)):
+    (and ``pp_config``'s schedule), ``cp`` and ``ep`` (carved from FSDP/HSDP's ranks, as
+    training carves it)."""
+    layout = _data_layout(module, gpus, gpus_per_node, tp, pp, cp)
+    if ep == 1:
+        return layout
+    if module.dp_config is None or module.dp_config.name == DataParallelType.ddp:
+        raise ConfigurationError(
+            f"--ep {ep}: expert parallelism is carved from the ranks FSDP or HSDP shard over; "
+            "set --train_module.dp_config.name=fsdp (or hsdp)"
+        )
+    layout = replace(layout, ep=ep)
+    layout.check_expert_parallel()
+    return layout
+
+
+def _data_layout(
+    module: TransformerTrainModuleConfig, gpus: int, gpus_per_node: int, tp: int, pp: int, cp: int
+) -> Layout:
+    """:func:`config_layout` without expert parallelism."""
+    for flag, degree in (("--tp", tp), ("--pp", pp), ("--cp", cp)):
         if degree < 1 or gpus % degree:
             raise ConfigurationError(
                 f"{flag} {degree} does not divide --gpus {gpus}; pick a divisor of {gpus}"
             )
-    if gpus % (tp * pp):
+    if gpus % (tp * pp * cp):
         raise ConfigurationError(
-            f"--tp {tp} x --pp {pp} = {tp * pp} does not divide --gpus {gpus}; "
-            f"pick degrees whose product divides {gpus}"
+            f"--tp {tp} x --pp {pp} x --cp {cp} = {tp * pp * cp} does not divide --gpus "
+            f"{gpus}; pick degrees whose product divides {gpus}"
         )
     schedule = _schedule(module, pp)
-    dp_ranks = gpus // (tp * pp)
+    dp_ranks = gpus // (tp * pp * cp)
     dp = module.dp_config
     if dp is None or dp.name == DataParallelType.ddp:
-        return Layout(pp=pp, dp_replicate=dp_ranks, tp=tp, **schedule)
+        # A pipeline replicates with FSDP2, which shards over the context ranks.
+        layout = Layout(pp=pp, dp_replicate=dp_ranks, cp=cp, tp=tp, cp_sharded=pp > 1)
+        check_data_parallel(layout, dp)  # as training refuses DDP with tensor parallelism
+        return replace(layout, **schedule)
     if dp.name == DataParallelType.fsdp:
-        return Layout(pp=pp, dp_shard=dp_ranks, tp=tp, **schedule)
+        return Layout(pp=pp, dp_shard=dp_ranks, cp=cp, tp=tp, **schedule)
     replicas = dp.num_replicas or max(1, gpus // gpus_per_node)
     if dp_ranks % replicas:
         raise ConfigurationError(
@@ -168,7 +211,8 @@ def config_layout(
             f"ranks of --gpus {gpus}; set --train_module.dp_config.num_replicas to a divisor "
             f"of {dp_ranks} or change --gpus-per-node"
         )
-    return Layout(pp=pp, dp_replicate=replicas, dp_shard=dp_ranks // replicas, tp=tp, **schedule)
+    shard = dp_ranks // replicas
+    return Layout(pp=pp, dp_replicate=replicas, dp_shard=shard, cp=cp, tp=tp, hsdp=True, **schedule)
 
 
 def _schedule(module: TransformerTrainModuleConfig, pp: int) -> dict[str, Any]:
@@ -207,10 +251,38 @@ def _pipeline_refusal(
     return None
 
 
+def _context_refusal(module: TransformerTrainModuleConfig, layout: Layout) -> str | None:
+    """Why training refuses ``layout``'s context parallelism (``None``: it runs)."""
+    if layout.cp > 1 and module.context_parallel_refusal:
+        return (
+            f"{type(module).__name__} does not run under context parallelism: "
+            f"{module.context_parallel_refusal}"
+        )
+    return None
+
+
+def _expert_refusal(model: TransformerConfig, layout: Layout) -> str | None:
+    """Why training refuses ``layout``'s expert parallelism for ``model`` (``None``: it runs)."""
+    if layout.ep == 1:
+        return None
+    if model.moe is None:
+        return f"--ep {layout.ep}: the model has no MoE layer to split; set --ep 1"
+    if model.moe.num_experts % layout.ep:
+        return (
+            f"--ep {layout.ep} must divide num_experts ({model.moe.num_experts}): every "
+            "expert-parallel rank holds the same number of experts"
+        )
+    return None
+
+
 def check_model_split(
     model: TransformerConfig, module: TransformerTrainModuleConfig, layout: Layout, n: int
 ) -> None:
-    """Refuse a TP degree that splits attention heads, or a pipeline training refuses."""
+    """Refuse a TP degree that splits attention heads, or a pipeline or context parallelism
+    training refuses."""
+    refusal = _context_refusal(module, layout) or _expert_refusal(model, layout)
+    if refusal:
+        raise ConfigurationError(refusal)
     if _splits_heads(model, layout.tp):
         raise ConfigurationError(
             f"tensor parallelism {layout.tp} must divide n_heads ({model.n_heads}) and "
@@ -235,26 +307,88 @@ def fitting(
 ) -> tuple[list[RankMemory], RankMemory | None]:
     """The cheapest way each layout of ``gpus`` fits in ``limit`` bytes, cheapest first; and
     if none fits, the layout that comes closest. Pipelines run the config's schedule (1F1B
-    without ``pp_config``)."""
+    without ``pp_config``); with the config's ``ep_config``, the layouts its expert
+    parallelism can be carved from (FSDP/HSDP)."""
     options: list[ActivationCheckpointingConfig | None] = [None, FULL_AC]
     if module.ac_config is not None and module.ac_config.mode != ActivationCheckpointingMode.full:
         options.insert(1, module.ac_config)
     schedule = _schedule(module, pp=2)
+    ep = module.ep_config.degree if module.ep_config else 1
     fits, closest = [], None
-    for layout in layouts(gpus, schedule["stages_per_rank"]):
-        layout = replace(layout, schedule=schedule["schedule"])
+    for candidate in layouts(gpus, schedule["stages_per_rank"]):
+        layout = _with_experts(replace(candidate, schedule=schedule["schedule"]), ep)
+        if layout is None or _expert_refusal(model, layout):
+            continue
         n = microbatches(module, layout, global_batch_size)
         if _splits_heads(model, layout.tp) or _pipeline_refusal(model, module, layout, n):
             continue
+        if _context_refusal(module, layout):
+            continue
         for ac in options:
-            memory = rank_memory(model, module, layout, ac, n)
+            ranks = pipeline_memory(model, module, layout, ac, n)
+            memory = max(ranks, key=lambda m: m.total)
             if memory.total <= limit:
-                fits.append(memory)
+                longest = longest_sequence(model, module, layout, ac, limit, n, ranks)
+                fits.append(replace(memory, longest=longest))
                 break
             if closest is None or memory.total < closest.total:
                 closest = memory
-    fits.sort(key=lambda m: (m.layout.pp, m.layout.tp, options.index(m.ac), m.layout.dp_shard))
+    fits.sort(
+        key=lambda m: (
+            m.layout.pp, m.layout.tp, m.layout.cp, options.index(m.ac), m.layout.dp_shard,
+            m.layout.cp_sharded,
+        )
+    )  # fmt: skip
     return fits, None if fits else closest
+
+
+def _with_experts(layout: Layout, ep: int) -> Layout | None:
+    """``layout`` with expert parallelism ``ep``; ``None`` where training would refuse it."""
+    if ep == 1:
+        return layout
+    if layout.data_parallel not in ("fsdp", "hsdp") or not layout.cp_sharded:
+        return None
+    if ep % layout.cp or (layout.dp_shard * layout.cp) % ep:
+        return None
+    return replace(layout, ep=ep)
+
+
+def longest_sequence(
+    model: TransformerConfig,
+    module: TransformerTrainModuleConfig,
+    layout: Layout,
+    ac: ActivationCheckpointingConfig | None,
+    limit: int,
+    n_microbatches: int = 1,
+    ranks: list[RankMemory] | None = None,
+) -> int:
+    """The longest sequence, in tokens, that fits ``limit`` bytes on every rank of ``layout``
+    with activation checkpointing ``ac`` when a micro-batch is that one sequence (two for
+    DPO's pairs): the state and buffers stay, the activations grow with it. A multiple of
+    ``2 x cp x tp`` (what training pads a sequence to); 0 if not even that fits. The RoPE
+    tables are counted at the model's ``max_sequence_length``. ``ranks``: the layout's
+    :func:`pipeline_memory` with ``ac``, if already computed."""
+    dtype_bytes, autocast = _compute_dtype_bytes(module, layout)
+    sides = forward_tokens(module) // module.rank_microbatch_size
+    ranks = ranks or pipeline_memory(model, module, layout, ac, n_microbatches)
+
+    def spare(units: int, m: RankMemory) -> int:
+        """Bytes left on ``m``'s rank with sequences of ``units x step`` tokens."""
+        activations = activation_bytes(
+            model, sides * units * step, dtype_bytes, ac, autocast=autocast, layout=layout,
+            microbatches=n_microbatches, pp_rank=m.pp_rank,
+        )  # fmt: skip
+        return limit - m.state.total - m.gathered - activations
+
+    step = 2 * layout.cp * layout.tp
+    # The activations grow linearly with the tokens (to a byte: the formula rounds up once).
+    units = min(spare(1, m) // max(1, spare(1, m) - spare(2, m)) + 1 for m in ranks)
+    while units > 0 and min(spare(units, m) for m in ranks) < 0:
+        units -= 1
+    return max(0, units) * step
+
+
+_MOE_FORMULA = "; an MoE block a(3kd+4k h_e+4h_s)+(a+8)E for 4ah, not divided by tp"
 
 
 def _gib(n: int) -> str:
@@ -302,7 +436,9 @@ def plan_report(
     checkpointed_busiest = checkpointed[busiest.pp_rank]
     dtype_bytes, autocast = _compute_dtype_bytes(module, layout)
     lines = [
-        f"model: {model.num_params():,} parameters; {forward_tokens(module):,} tokens per "
+        f"model: {model.num_params():,} parameters"
+        + (f" ({model.num_active_params():,} active per token)" if model.moe else "")
+        + f"; {forward_tokens(module):,} tokens per "
         f"forward pass on each rank; activations in {dtype_bytes}-byte dtype"
         + (" (autocast)" if autocast else ""),
         f"layout from the config: {layout} ({layout.data_parallel} on "
@@ -311,7 +447,9 @@ def plan_report(
         f"  gradients         {_gib(plain.state.grads)}",
         f"  optimizer state   {_gib(plain.state.optim)}   ({type(module.optim).__name__})",
         f"  buffers           {_gib(plain.state.buffers)}   (RoPE tables)",
-        f"  comm buffers      {_gib(plain.gathered)}   ({_COMM[layout.data_parallel]})",
+        f"  comm buffers      {_gib(plain.gathered)}   ({_COMM[layout.data_parallel]}"
+        + (", the all-to-all of one MoE layer at balanced routing" if layout.ep > 1 else "")
+        + ")",
         f"  activations       {_gib(plain.activations)}   without activation checkpointing",
         f"                    {_gib(checkpointed_busiest.activations)}   with "
         f"{checkpointed_busiest.ac_name} "
@@ -319,10 +457,16 @@ def plan_report(
         f"  total             {_gib(busiest.total)}   (activation checkpointing: "
         f"{busiest.ac_name}, as configured)",
         *_pipeline_lines(layout, n, configured),
+        f"longest sequence that fits in {gpu_memory_gib:g} GiB (one per micro-batch): "
+        f"{longest_sequence(model, module, layout, None, limit, n):,} tokens without "
+        f"activation checkpointing, "
+        f"{longest_sequence(model, module, layout, checkpointed_busiest.ac, limit, n):,} with "
+        f"{checkpointed_busiest.ac_name}",
         "activations per token: block 2(8+a)d + a(2d+2kv+4h) + 4(H+2); outside the blocks "
         "(8+a)d + 4 + (a+4)V; a checkpointed block a*d; divided by tp; under a pipeline, times "
-        "the micro-batches its schedule holds (GPipe n, 1F1B pp - r on pipeline rank r) "
-        "(docs/memory-planner.md)",
+        "the micro-batches its schedule holds (GPipe n, 1F1B pp - r on pipeline rank r); under "
+        "context parallelism for 1/cp of the tokens, and each block keeps every token's keys "
+        "and values 2a*kv" + (_MOE_FORMULA if model.moe else "") + " (docs/memory-planner.md)",
     ]
     if type(module) is not TransformerTrainModuleConfig:
         lines.append(
@@ -342,14 +486,22 @@ def plan_report(
     lines.append(
         f"layouts that fit in {gpu_memory_gib:g} GiB less {reserve_gib:g} GiB reserve, "
         f"cheapest (least communication and recomputation) first; pipelines run "
-        f"{schedule['schedule']} with {schedule['stages_per_rank']} stage(s) per rank:"
+        f"{schedule['schedule']} with {schedule['stages_per_rank']} stage(s) per rank"
+        + (f", experts split over ep {layout.ep} ranks (no DDP)" if layout.ep > 1 else "")
+        + ":"
     )
-    lines.append("     pp  dp_replicate  dp_shard   tp  data-par  act-ckpt   GiB/GPU")
+    lines.append(
+        "data-par is the dp_config each row trains with (hsdp's num_replicas: dp_replicate); "
+        "replication alone runs as DDP without tp or pp, else as hsdp with one-rank shards"
+    )
+    lines.append(
+        "     pp  dp_replicate  dp_shard   cp   tp  data-par  act-ckpt   GiB/GPU   longest seq"
+    )
     for m in fits[:MAX_ROWS]:
         lo = m.layout
         lines.append(
-            f"  {lo.pp:5d} {lo.dp_replicate:13d} {lo.dp_shard:9d} {lo.tp:4d}  "
-            f"{lo.data_parallel:8s}  {m.ac_name:8s} {m.total / GIB:9.3f}"
+            f"  {lo.pp:5d} {lo.dp_replicate:13d} {lo.dp_shard:9d} {lo.cp:4d} {lo.tp:4d}  "
+            f"{lo.data_parallel:8s}  {m.ac_name:8s} {m.total / GIB:9.3f} {m.longest:13,d}"
         )
     if len(fits) > MAX_ROWS:
         lines.append(f"  ... and {len(fits) - MAX_ROWS} more")

@@ -13,7 +13,16 @@ parallelism shards them:
   :func:`~olmolike.nn.parallel_plan.block_plan`, read here, not restated): a column-wise
   linear layer along dim 0 of its weight, a row-wise one along dim 1, a row-wise embedding
   along the vocabulary (dim 0), a feature-sharded norm along its features; what the plan
-  leaves out or sequence-parallelises stays whole. FSDP then chunks the TP-local tensor.
+  leaves out or sequence-parallelises stays whole (a mixture of experts' router and experts
+  too: they are replicated over the tensor-parallel ranks). FSDP then chunks the TP-local
+  tensor (the stacked experts ``(E, ...)`` along the expert dimension).
+* **CP** (``cp``) splits the sequences, not the parameters: FSDP/HSDP cut each tensor over
+  ``dp_shard x cp`` ranks (the train module shards over both), DDP replicates over them.
+* **EP** (``ep``, carved from ``dp_shard x cp``) splits every MoE layer's stacked experts
+  evenly along the expert dimension: expert-parallel rank ``r`` (``dp_shard``'s index within
+  its group of ``ep / cp``, times ``cp``, plus the ``cp`` index) holds experts ``r E/ep`` on;
+  FSDP/HSDP then chunk those rows over the ``dp_shard_mod_ep`` ranks that hold the same
+  experts, every other tensor over all ``dp_shard x cp`` ranks as without experts.
 * **PP** (``pp``) gives each pipeline rank the stages the pipeline train module gives it
   (:class:`~olmolike.nn.transformer_stage.TransformerStage`, built here on ``meta``: stage
   ``s`` of ``pp x stages_per_rank`` on pipeline rank ``s % pp``, layers split by
@@ -24,11 +33,12 @@ parallelism shards them:
 Gradients have the parameters' shapes and dtype (FSDP casts the reduced gradient back to it).
 AdamW keeps ``exp_avg`` and ``exp_avg_sq`` like each parameter plus a 4-byte float32 ``step``
 per parameter tensor; SGD with momentum one buffer like each parameter. Activations follow
-:mod:`olmolike.train.activation_memory`.
+:mod:`olmolike.plan.activations`.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -52,8 +62,10 @@ __all__ = [
     "MESH_DIMS",
     "Layout",
     "StateBytes",
+    "all_to_all_bytes",
     "chunk_size",
     "gathered_bytes",
+    "is_expert_weight",
     "layouts",
     "rank_tensors",
     "state_bytes",
@@ -73,17 +85,44 @@ class Layout(ParallelDegrees):
     """Pipeline stages on each pipeline rank (more than 1 with interleaved 1F1B only)."""
     schedule: PipelineScheduleType = PipelineScheduleType.one_f_one_b
     """The pipeline schedule (with ``pp`` 1: none)."""
+    cp_sharded: bool = True
+    """With ``cp`` > 1: FSDP/HSDP shard the parameters over the context-parallel ranks too
+    (the train module's FSDP and HSDP); ``False``: DDP replicates over them."""
+    hsdp: bool = False
+    """The config asks for HSDP: replication alone (``dp_shard`` 1) then runs as HSDP with
+    one-rank shards, not as DDP."""
 
     def __post_init__(self) -> None:
         schedule = check_choice(self.schedule, PipelineScheduleType, "schedule")
         object.__setattr__(self, "schedule", schedule)  # frozen: a name becomes its member
 
     @property
+    def shards(self) -> int:
+        """The ranks FSDP cuts every parameter over: ``dp_shard``, with the context-parallel
+        ranks when they shard too."""
+        return self.dp_shard * (self.cp if self.cp_sharded else 1)
+
+    def shard_index(self, coords: dict[str, int]) -> int:
+        """The chunk of each parameter the rank at ``coords`` holds (``dp_shard`` and ``cp``
+        flattened, as the train module's ``dp_shard_cp`` mesh dimension)."""
+        return (
+            coords["dp_shard"] * self.cp + coords["cp"] if self.cp_sharded else coords["dp_shard"]
+        )
+
+    @property
     def data_parallel(self) -> str:
-        """``ddp``, ``fsdp``, ``hsdp`` or ``none``: how the data-parallel ranks hold the model."""
-        if self.dp_shard > 1:
+        """``ddp``, ``fsdp``, ``hsdp`` or ``none``: how the data-parallel (and context-parallel)
+        ranks hold the model as training runs them. Replication alone (over ``dp_replicate``,
+        and the context-parallel ranks when they do not shard) is DDP, except with tensor
+        parallelism (DDP does not compose with it: training runs these degrees only as HSDP
+        with one-rank shards), under a pipeline (which runs them so too), or when the config
+        asks for HSDP."""
+        if self.shards > 1:
             return "hsdp" if self.dp_replicate > 1 else "fsdp"
-        return "ddp" if self.dp_replicate > 1 else "none"
+        if self.dp_replicate * self.cp == 1:
+            return "none"
+        plain = self.tp == 1 and self.pp == 1 and not self.hsdp
+        return "ddp" if plain else "hsdp"
 
     @property
     def num_stages(self) -> int:
@@ -107,8 +146,18 @@ class Layout(ParallelDegrees):
             rank //= size
         return {name: coords[name] for name in MESH_DIMS}
 
+    def expert_coordinates(self, coords: dict[str, int]) -> tuple[int, int]:
+        """Under expert parallelism, (the expert-parallel rank, the index among the ranks
+        holding the same experts) of the rank at ``coords``: ``dp_shard`` is laid out as
+        ``dp_shard_mod_ep x dp_shard_in_ep`` (row-major), and the expert-parallel ranks are
+        ``dp_shard_in_ep x cp`` flattened (see :func:`~olmolike.distributed.mesh.expert_mesh`)."""
+        in_ep = self.dp_shard_in_ep
+        shard = coords["dp_shard"]
+        return (shard % in_ep) * self.cp + coords["cp"], shard // in_ep
+
     def __str__(self) -> str:
-        return " x ".join(f"{name} {getattr(self, name)}" for name in MESH_DIMS if name != "cp")
+        dims = " x ".join(f"{name} {getattr(self, name)}" for name in MESH_DIMS)
+        return dims + (f" (ep {self.ep})" if self.ep > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -116,9 +165,14 @@ class StateBytes:
     """What one rank holds between steps, in bytes."""
 
     params: int
+    """The parameter shards the rank holds, in bytes."""
     grads: int
+    """The gradients the rank holds, in bytes (like its parameters)."""
     optim: int
+    """The optimizer state the rank holds, in bytes (AdamW: two moments like each parameter and a
+    float32 step per tensor)."""
     buffers: int
+    """Non-parameter tensors the rank holds (the RoPE tables), in bytes."""
 
     @property
     def total(self) -> int:
@@ -156,10 +210,11 @@ def rank_tensors(model: TransformerConfig, layout: Layout, pp_rank: int = 0) -> 
         return list(meta.named_parameters()), list(meta.named_buffers())
     layers = split_layers(model.n_layers, layout.num_stages)
     last = layout.num_stages - 1
-    stages = [
-        TransformerStage(meta, layers[s], first=s == 0, last=s == last)
-        for s in layout.stage_indices(pp_rank)
-    ]
+    with torch.device("meta"):  # the stages' RoPE tables too: no cos and sin to compute
+        stages = [
+            TransformerStage(meta, layers[s], first=s == 0, last=s == last)
+            for s in layout.stage_indices(pp_rank)
+        ]
     buffers = [named for stage in stages for named in stage.named_buffers()]
     return list(TransformerParts(stages).named_parameters()), buffers
 
@@ -182,8 +237,10 @@ def tensor_parallel_dims(model: TransformerConfig) -> dict[str, int]:
     :mod:`olmolike.nn.parallel_plan`'s plan (a parameter not named is replicated)."""
     meta = _meta_model(model)
     plans: list[tuple[str, nn.Module, dict[str, ParallelStyle]]] = [("", meta, root_plan())]
-    qk_norm = model.qk_norm
-    plans += [(f"blocks.{i}.", b, block_plan(qk_norm)) for i, b in meta.blocks.named_children()]
+    plans += [
+        (f"blocks.{i}.", b, block_plan(model.qk_norm, moe=model.is_moe_layer(int(i))))
+        for i, b in meta.blocks.named_children()
+    ]
     dims = {}
     for prefix, root, plan in plans:
         for path, style in plan.items():
@@ -201,15 +258,29 @@ def _local_numel(
     layout: Layout,
     coords: dict[str, int],
     tp_dims: dict[str, int],
+    sharded: bool = True,
 ) -> int:
-    """The elements rank ``coords`` holds of a tensor of ``shape``: TP first, then FSDP's dim 0."""
+    """The elements rank ``coords`` holds of a tensor of ``shape``: TP first (or EP for an
+    MoE layer's stacked experts), then FSDP's dim 0 (``sharded=False``: as FSDP gathers it)."""
     local = list(shape)
+    if layout.ep > 1 and is_expert_weight(name):
+        ep_rank, holder = layout.expert_coordinates(coords)
+        local[0] = chunk_size(local[0], layout.ep, ep_rank)
+        if sharded:
+            local[0] = chunk_size(local[0], layout.dp_shard_mod_ep, holder)
+        return math.prod(local)
     dim = tp_dims.get(name)
     if layout.tp > 1 and dim is not None:
         local[dim] = chunk_size(local[dim], layout.tp, coords["tp"])
-    if layout.dp_shard > 1 and local:
-        local[0] = chunk_size(local[0], layout.dp_shard, coords["dp_shard"])
+    if sharded and layout.shards > 1 and local:
+        local[0] = chunk_size(local[0], layout.shards, layout.shard_index(coords))
     return math.prod(local)
+
+
+def is_expert_weight(name: str) -> bool:
+    """Whether parameter ``name`` is an MoE layer's stacked routed-expert weight (what expert
+    parallelism splits; a shared expert is not one)."""
+    return ".experts." in name
 
 
 def _optim_states(optim: OptimConfig) -> tuple[int, int]:
@@ -249,19 +320,24 @@ def state_bytes(
 
 
 def layouts(gpus: int, stages_per_rank: int = 1) -> Iterator[Layout]:
-    """Every ``pp x dp_replicate x dp_shard x tp`` with product ``gpus`` (``cp`` 1); pipelines
+    """Every ``pp x dp_replicate x dp_shard x tp`` with product ``gpus``, and with context
+    parallelism (``cp`` > 1) FSDP over the data and context ranks or, without TP and PP, DDP
+    over them (HSDP under context parallelism is left out: it would double the list for a rare choice); pipelines
     with ``stages_per_rank`` stages per rank."""
-    for p in range(1, gpus + 1):
-        for t in range(1, gpus // p + 1):
-            if gpus % (p * t):
-                continue
-            dp = gpus // (p * t)
-            v = stages_per_rank if p > 1 else 1
-            for shard in range(1, dp + 1):
-                if dp % shard == 0:
-                    yield Layout(
-                        pp=p, dp_replicate=dp // shard, dp_shard=shard, tp=t, stages_per_rank=v
-                    )
+    divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    for p, t, c in itertools.product(divisors, repeat=3):
+        if gpus % (p * t * c):
+            continue
+        dp = gpus // (p * t * c)
+        base = Layout(pp=p, cp=c, tp=t, stages_per_rank=stages_per_rank if p > 1 else 1)
+        if c > 1:
+            yield replace(base, dp_shard=dp)
+            if t == p == 1:  # DDP composes with neither TP nor a pipeline
+                yield replace(base, dp_replicate=dp, cp_sharded=False)
+            continue
+        for shard in range(1, dp + 1):
+            if dp % shard == 0:
+                yield replace(base, dp_replicate=dp // shard, dp_shard=shard)
 
 
 def gathered_bytes(
@@ -278,14 +354,13 @@ def gathered_bytes(
     if layout.data_parallel in ("ddp", "none"):
         ddp = layout.data_parallel == "ddp"
         return sum(size for _, size in _param_bytes(model, layout, rank)) if ddp else 0
-    whole = replace(layout, dp_replicate=1, dp_shard=1)  # the same ranks without the data cut
     gather_dtype = dp.param_dtype.as_pt() if dp is not None and dp.param_dtype else None
     coords = layout.coordinates(rank)
     tp_dims = tensor_parallel_dims(model) if layout.tp > 1 else {}
     root = 0
     blocks: dict[str, int] = {}
     for name, p in rank_tensors(model, layout, coords["pp"])[0]:
-        size = _local_numel(name, tuple(p.shape), whole, coords, tp_dims)
+        size = _local_numel(name, tuple(p.shape), layout, coords, tp_dims, sharded=False)
         size *= (gather_dtype or p.dtype).itemsize
         if name.startswith("blocks."):
             index = name.split(".")[1]
@@ -294,3 +369,17 @@ def gathered_bytes(
             root += size
     gathered = len(blocks) if dp is not None and not dp.reshard_after_forward else 2
     return root + sum(sorted(blocks.values(), reverse=True)[:gathered])
+
+
+def all_to_all_bytes(
+    model: TransformerConfig, layout: Layout, tokens: int, dtype_bytes: int
+) -> int:
+    """Expert parallelism's exchange buffers on a rank during one MoE layer (an estimate: they
+    live one layer at a time, beside the activations): the ``top_k`` routed copies of the
+    rank's ``tokens / cp`` tokens sorted for sending, the copies received, the results sent
+    back and received, ``4 k d`` values per token in ``dtype_bytes``-byte elements. Received
+    equals sent when the routing is balanced; a rank whose experts every rank prefers
+    receives up to ``ep`` times more. 0 without expert parallelism."""
+    if layout.ep == 1 or model.moe is None:
+        return 0
+    return 4 * -(-tokens // layout.cp) * model.moe.top_k * model.d_model * dtype_bytes
