@@ -14,11 +14,38 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# The storage servers' fixtures, registered here once for every test file: a session fixture
+# imported into each test module would be a module's own, one server per module alive at once.
+from remote_servers import (  # noqa: F401
+    gcs_bucket,
+    gcs_server,
+    restartable_gcs_bucket,
+    s3_bucket,
+    s3_server,
+)
+
 from olmolike.testing import busy_machine_factor
 
 # Every test checks that no process group is used by two threads at once (inherited by the
 # ranks and scripts the tests start).
 os.environ.setdefault("OLMOLIKE_DEBUG_GROUPS", "1")
+
+
+def _share_the_cores() -> None:
+    """Under pytest-xdist, each test process (and what it starts) gets its share of the cores
+    for torch's threads, unless ``OMP_NUM_THREADS`` says otherwise: two workers on 2 cores with
+    2 threads each run 4 busy threads on 2 cores, and OpenMP's waiting threads spin. test_trainer
+    took 73 CPU seconds that way beside other work, 18 with one thread each."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 0 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+_share_the_cores()
 
 
 @pytest.fixture(autouse=True)

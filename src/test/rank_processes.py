@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import sys
 import threading
+import weakref
 from multiprocessing import forkserver, reduction
 from multiprocessing.context import BaseContext
 from typing import Any
@@ -58,7 +59,18 @@ class AsSpawned:
     def exit() -> None:
         """End as the interpreter ends a spawned process: threads first, then ``atexit``."""
         threading._shutdown()  # type: ignore[attr-defined]
+        skip_torch_library_finalizers()
         atexit._run_exitfuncs()
+
+
+def skip_torch_library_finalizers() -> None:
+    """Keep ``atexit`` from unregistering torch's operator libraries one by one, in a process
+    that ends with ``os._exit`` next (a fork server's child): ~180 ``torch.library``
+    finalizers that free what the process is about to drop anyway took 0.06 CPU s per rank
+    and, beside other work, 0.5 s of a 2-rank call's 1.1 s. Any other finalizer still runs."""
+    for finalizer, info in list(weakref.finalize._registry.items()):  # type: ignore[attr-defined]
+        if getattr(info.func, "__module__", None) == "torch.library":
+            finalizer.atexit = False
 
 
 def _rebuild(env: dict[str, str], stdout: Any, stderr: Any) -> AsSpawned:

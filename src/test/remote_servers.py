@@ -2,14 +2,12 @@
 
 The servers run as subprocesses on free ports, so ``gs://`` and ``s3://`` URLs exercise the
 same client libraries (gcsfs, s3fs) and the same HTTP round trips as in production, with
-nothing leaving the machine. Use the fixtures from a test module::
+nothing leaving the machine. conftest.py registers the fixtures for every test file: name
+them as a test's arguments, and do not import them into a test module (pytest would then make
+a module's own copy of each session fixture: one server per module instead of per session).
 
-    from remote_servers import gcs_bucket, gcs_server, s3_bucket, s3_server  # noqa: F401
-
-(pytest finds fixtures by name in the test module's namespace; conftest.py is left alone).
-
-* ``gcs_server`` / ``s3_server`` (session): one server each for the whole session, always
-  terminated at the end, also when tests fail.
+* ``gcs_server`` / ``s3_server`` (session): one server each per test process (one per xdist
+  worker), always terminated at the end, also when tests fail.
 * ``gcs_bucket`` / ``s3_bucket`` (function): point fsspec at the session's server for one
   test (``fsspec.config.conf``, plus the environment variables other clients read) and hand
   out a :class:`RemoteStore` with a prefix of its own, so tests sharing a server never see
@@ -25,9 +23,11 @@ tests using these fixtures are skipped with a message saying what is missing.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -143,6 +143,7 @@ class ServerProcess:
                 cwd=self.cwd,
                 env={**os.environ, **self.env},
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         try:
             self._wait_until_answering()
@@ -205,6 +206,18 @@ class ServerProcess:
             f"{self.name} did not answer on {self.url} within {self.startup_timeout:.0f}s "
             f"(last error: {last_error}); its output:\n{self.log_tail()}"
         )
+
+
+# Looked up here, not in the forked child: loading a library there could deadlock.
+_PRCTL = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the server process before it starts: on Linux, end it (SIGTERM) when the test
+    process that started it dies, even killed, so that no server outlives its test run."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def start_gcs_emulator(

@@ -1,4 +1,7 @@
-"""The benchmarks still run (their --quick smoke sizes); they measure, so nothing is timed here."""
+"""The benchmarks still run (their --quick smoke sizes); they measure, so nothing is timed here.
+
+Each runs under :mod:`preloaded_python`'s stand-in for ``python`` (the same script, without
+importing torch again); what a benchmark starts itself (rounds, ranks, sinks) is real."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import preloaded_python
 import pytest
 from testutils import patient
 
@@ -38,7 +42,7 @@ def test_benchmark_smoke(script: str, expected: str, tmp_path: Path) -> None:
 
 def _run_benchmark(script: str, *flags: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *flags],
+        [*preloaded_python.command(), str(BENCHMARKS / script), *flags],
         capture_output=True,
         text=True,
         timeout=patient(280),
@@ -57,7 +61,7 @@ def _run_vs_olmo_core(tmp_path: Path, *prelude: str) -> subprocess.CompletedProc
         f"runpy.run_path({str(script)!r}, run_name='__main__')",
     ]
     return subprocess.run(
-        [sys.executable, "-c", "\n".join(code)],
+        [*preloaded_python.command(), "-c", "\n".join(code)],
         capture_output=True,
         text=True,
         timeout=280,

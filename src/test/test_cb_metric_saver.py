@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from remote_servers import RemoteStore, gcs_bucket, gcs_server, s3_bucket, s3_server
+from remote_servers import RemoteStore
 from testutils import SEQ_LEN, Crash, CrashAtStep, build_trainer
 
 from olmolike import io
@@ -16,9 +16,6 @@ from olmolike.exceptions import ConfigurationError
 from olmolike.train import Callback, Duration, Trainer
 from olmolike.train.callbacks import CheckpointerCallback
 from olmolike.train.callbacks.metric_saver import MetricSaverCallback, read_metrics_file
-
-# pytest finds fixtures by name in this module; importing them is what registers them here.
-__all__ = ["gcs_bucket", "gcs_server", "s3_bucket", "s3_server"]
 
 TOKENS_PER_STEP = 8 * SEQ_LEN
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from remote_servers import RemoteStore, gcs_bucket, gcs_server, s3_bucket, s3_server
+from remote_servers import RemoteStore
 from testutils import build_trainer
 
 from olmolike.exceptions import ConfigurationError
@@ -25,9 +25,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
-
-# pytest finds fixtures by name in this module; importing them is what registers them here.
-__all__ = ["gcs_bucket", "gcs_server", "s3_bucket", "s3_server"]
 
 
 def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:

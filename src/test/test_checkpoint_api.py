@@ -10,7 +10,7 @@ import pytest
 import testutils
 import torch
 import torch.nn as nn
-from remote_servers import RemoteStore, gcs_bucket, gcs_server
+from remote_servers import RemoteStore
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 import olmolike.distributed.checkpoint as api
@@ -28,8 +28,6 @@ from olmolike.distributed.checkpoint import (
 )
 from olmolike.distributed.checkpoint_format import MARKER, MODEL_AND_OPTIM
 from olmolike.exceptions import CheckpointError
-
-__all__ = ["gcs_bucket", "gcs_server"]  # fixtures, found by name
 
 OLMO_CORE_NAMES = {
     "save_state_dict",

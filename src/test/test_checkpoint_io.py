@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from remote_servers import RemoteStore, gcs_bucket, gcs_server, s3_bucket, s3_server
+from remote_servers import RemoteStore
 from testutils import build_trainer
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager
@@ -25,8 +25,6 @@ from olmolike.train import BasicTrainModule, Duration
 from olmolike.train.callbacks import CheckpointerCallback
 from olmolike.train.checkpoint import MARKER, Checkpointer, CheckpointerConfig
 from olmolike.train.checkpoint.checkpointer import stagers_are_reusable
-
-__all__ = ["gcs_bucket", "gcs_server", "s3_bucket", "s3_server"]  # fixtures, found by name
 
 
 def module(seed: int = 0) -> BasicTrainModule:

@@ -10,12 +10,12 @@ import logging
 import os
 import stat
 import subprocess
-import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import preloaded_python
 import pytest
 import torch
 from testutils import SEQ_LEN, VOCAB, build_trainer, patient, run_distributed
@@ -141,7 +141,7 @@ def test_a_removal_killed_half_way_is_cleaned_up_by_the_next_save(tmp_path: Path
 
     def launch(mode: str, steps: int) -> int:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, str(script), str(save), mode, str(steps)]
+        cmd = [*preloaded_python.command(), str(script), str(save), mode, str(steps)]
         return subprocess.run(cmd, timeout=patient(240), env=env).returncode
 
     # Removing step 2 (max_checkpoints=1, once step 4 is complete) is killed after its marker.

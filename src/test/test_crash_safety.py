@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
+import preloaded_python
 import pytest
 import torch
 from testutils import patient
@@ -96,8 +96,9 @@ if __name__ == "__main__":
 
 
 def launch(script: Path, kill_point: str, mode: str, save: Path, out: Path) -> int:
+    # A real process that SIGKILL ends, forked with torch imported (preloaded_python).
     result = subprocess.run(
-        [sys.executable, str(script), kill_point, mode, str(save), str(out)],
+        [*preloaded_python.command(), str(script), kill_point, mode, str(save), str(out)],
         capture_output=True,
         text=True,
         timeout=patient(180),

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import preloaded_python
 import pytest
 import torch
 from testutils import patient
@@ -48,7 +49,7 @@ def trainer_over(paths: list[str], tmp_path: Path, vocab: int) -> TrainerConfig:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "olmolike", *args],
+        [*preloaded_python.command(), "-m", "olmolike", *args],
         capture_output=True,
         text=True,
         timeout=patient(120),

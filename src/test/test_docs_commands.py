@@ -2,8 +2,7 @@
 
 Each fenced ``bash`` block in the docs carries a marker on the line before it:
 
-- ``<!-- doc-test: run [ARGS...] -->``: the test runs the block's commands, in the order of the
-  docs, in one workspace that holds the repository's ``src``, ``Makefile`` and data. ``ARGS``
+- ``<!-- doc-test: run [ARGS...] -->``: the test runs the block's commands, in order. ``ARGS``
   are appended to the block's training commands (``train.py``, ``olmolike train``), after the
   small-size arguments the test adds to every training command so that all of it fits in CI.
 - ``<!-- doc-test: skip REASON -->``: not run (it needs a GPU, a cloud bucket, or minutes), and
@@ -11,20 +10,31 @@ Each fenced ``bash`` block in the docs carries a marker on the line before it:
 
 A ``bash`` block without a marker fails the test, so a new command cannot slip in unchecked.
 Output and transcripts use ``console`` or ``text`` blocks, which are not run.
+
+The tutorial's first block (``make run``) runs once per test run, in a workspace that holds
+the repository's ``src``, ``Makefile`` and ``docs``; every other block is a test of its own,
+run in a copy of the workspace that block left (later pages use its runs/stdlib-demo and
+data/stdlib), so that the blocks spread over the test processes. A block must not need what
+another block (but the first) wrote. ``python`` and ``olmolike`` in the blocks are
+:mod:`preloaded_python`'s stand-ins: the same commands, without importing torch again.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import preloaded_python
 import pytest
 from testutils import patient
 
@@ -103,12 +113,17 @@ def all_blocks() -> list[Block]:
     return [block for path in doc_files() for block in parse_blocks(path)]
 
 
+def run_blocks() -> list[Block]:
+    """The blocks marked to run, in the docs' order (the tutorial's first)."""
+    return [b for b in all_blocks() if b.marker is not None and b.marker[0] == "run"]
+
+
 def adapt(command: str, extra: list[str], venv: Path) -> str:
     """The command with the small sizes added (a trailing ``# comment`` dropped)."""
     code = command.partition(" #")[0].rstrip()
     small = " ".join(shlex.quote(a) for a in [*SMALL, *extra])
     if code.startswith("make run"):
-        # The shared virtualenv stands in for `make install`'s (-o: never rebuild it).
+        # The workspace's venv (the stand-in commands) for `make install`'s (-o: never build it).
         stamp = venv / ".installed-stamp"
         return f"{code} VENV={venv} -o {stamp} RUN_ARGS={shlex.quote(small)}"
     if TRAINING.search(code):
@@ -117,30 +132,35 @@ def adapt(command: str, extra: list[str], venv: Path) -> str:
 
 
 def workspace(root: Path) -> tuple[Path, dict[str, str]]:
-    """A directory laid out like a checkout, with `olmolike`, `python`, `torchrun` on PATH."""
+    """A directory laid out like a checkout, with ``python`` and ``olmolike`` (preloaded
+    stand-ins) and ``torchrun`` on PATH; ``root/venv`` stands in for `make install`'s."""
     work = root / "work"
     work.mkdir()
     for name in ["src", "Makefile", "pyproject.toml", "constraints.txt", "docs"]:
         (work / name).symlink_to(REPO / name)
-    bindir = root / "bin"
-    bindir.mkdir()
-    python = Path(sys.executable)
+    bindir = root / "venv" / "bin"
+    bindir.mkdir(parents=True)
+    (root / "venv" / ".installed-stamp").touch()
+    python = shlex.join(preloaded_python.command())
     for name, how in [
-        ("python", ""),
-        ("olmolike", "-m olmolike"),
-        ("torchrun", "-m torch.distributed.run"),
+        ("python", python),
+        ("olmolike", f"{python} -m olmolike"),
+        ("torchrun", f"{shlex.quote(sys.executable)} -m torch.distributed.run"),
     ]:
         # Scripts, not symlinks: a symlinked venv python would not find its site-packages.
-        (bindir / name).write_text(f'#!/bin/sh\nexec {python} {how} "$@"\n')
+        (bindir / name).write_text(f'#!/bin/sh\nexec {how} "$@"\n')
         (bindir / name).chmod(0o755)
-    env = {
+    return work, environment(root)
+
+
+def environment(root: Path) -> dict[str, str]:
+    return {
         **os.environ,
-        "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PATH": f"{root / 'venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
         "PYTHONPATH": str(REPO / "src"),
         "OMP_NUM_THREADS": "1",
         "COLUMNS": "100",
     }
-    return work, env
 
 
 def run(command: str, cwd: Path, env: dict[str, str], where: str) -> None:
@@ -191,17 +211,65 @@ def test_parse_joins_continuations_and_reads_markers(tmp_path: Path) -> None:
     assert adapt("make run", [], tmp_path).startswith(f"make run VENV={tmp_path} -o ")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_docs_commands_run_as_written(tmp_path: Path) -> None:
+def test_a_block_reaches_the_preloaded_python(tmp_path: Path) -> None:
+    """The workspace's ``python`` and ``olmolike`` run the real commands through the server."""
     work, env = workspace(tmp_path)
-    venv = Path(sys.executable).parent.parent
-    ran = 0
-    for block in all_blocks():
-        if block.marker is None or block.marker[0] != "run":
-            continue
-        extra = shlex.split(block.marker[1])
-        for command in block.commands:
-            run(adapt(command, extra, venv), work, env, block.where)
-            ran += 1
+    code = "import os, sys; print(os.environ['OLMOLIKE_TEST_PYTHON_SERVER'] != '', sys.argv[1:])"
+    out = subprocess.run(
+        ["bash", "-c", f"python -c {shlex.quote(code)} a b && olmolike --version"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=patient(120), check=True,
+    ).stdout  # fmt: skip
+    assert out.splitlines()[0] == "True ['a', 'b']" and "olmolike" in out.splitlines()[1]
+
+
+def run_block(block: Block, work: Path, env: dict[str, str], venv: Path) -> None:
+    extra = shlex.split(block.marker[1]) if block.marker else []
+    for command in block.commands:
+        run(adapt(command, extra, venv), work, env, block.where)
+
+
+@pytest.fixture(scope="session")
+def tutorial_workspace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The workspace after the tutorial's first block (``make run``), built once per test run:
+    by the first test process that needs it, while the others wait (a file lock)."""
+    first = run_blocks()[0]
+    assert first.path.name == FIRST[0] and first.commands == ["make run"], first.where
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # shared by the run's workers
+    root = base / "docs-tutorial"
+    with open(base / "docs-tutorial.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        failed = base / "docs-tutorial.failed"
+        if failed.exists():
+            pytest.fail(failed.read_text())
+        if not (root / "done").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            work, env = workspace(root)
+            try:
+                run_block(first, work, env, root / "venv")
+            except BaseException as e:  # the other workers' tests fail with its message
+                failed.write_text(f"the tutorial's {first.where} failed: {e}")
+                raise
+            (root / "done").touch()
+    yield root
+
+
+def test_the_tutorials_first_block_runs(tutorial_workspace: Path) -> None:
+    assert (tutorial_workspace / "work" / "runs" / "stdlib-demo").is_dir()
+
+
+@pytest.mark.parametrize("block", run_blocks()[1:], ids=lambda b: b.where.removeprefix("docs/"))
+def test_docs_block_runs_as_written(block: Block, tutorial_workspace: Path, tmp_path: Path) -> None:
+    work, env = workspace(tmp_path)
+    for entry in (tutorial_workspace / "work").iterdir():
+        if not entry.is_symlink():  # what the first block made; the data is only read
+            link = os.link if entry.name == "data" else shutil.copy2
+            shutil.copytree(entry, work / entry.name, symlinks=True, copy_function=link)
+    run_block(block, work, env, tmp_path / "venv")
+
+
+def test_enough_commands_are_run() -> None:
+    ran = sum(len(block.commands) for block in run_blocks())
     assert ran >= 5, f"only {ran} doc commands are marked to run"

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import preloaded_python
 import pytest
 import torch
 from testutils import patient, run_distributed_test
@@ -292,12 +293,11 @@ def test_dpo_example_runs_and_reports_accuracy(tmp_path: Path) -> None:
     """One process (test_example_post_training.py runs it under torchrun)."""
     import os
     import subprocess
-    import sys
 
     script = Path(__file__).parents[1] / "examples" / "dpo" / "train.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [sys.executable, str(script), "--trainer.max_duration.value=3", "--pretrain_steps=1"],
+        [*preloaded_python.command(), str(script), "--trainer.max_duration.value=3", "--pretrain_steps=1"],
         capture_output=True, text=True, timeout=patient(280), env=env, check=True, cwd=tmp_path,
     )  # fmt: skip
     assert "held-out preference accuracy" in out.stdout

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 from hf_models import VOCAB, hf_logits, save_hf_model, token_ids
-from remote_servers import RemoteStore, s3_bucket, s3_server  # noqa: F401
+from remote_servers import RemoteStore
 
 from olmolike import io
 from olmolike.data import TokenTensorDataLoader
@@ -132,7 +132,7 @@ def test_reference_from_a_checkpoint_and_a_resume_against_another(tmp_path: Path
 
 
 @pytest.mark.timeout(180)
-def test_remote_reference(tmp_path: Path, s3_bucket: RemoteStore) -> None:  # noqa: F811
+def test_remote_reference(tmp_path: Path, s3_bucket: RemoteStore) -> None:
     theirs = save_hf_model(tmp_path / "hf", "olmo2")
     io.persist(tmp_path, s3_bucket.url(), "hf")
     module = dpo(config_of(tmp_path / "hf").build(seed=0), reference=s3_bucket.url("hf"))

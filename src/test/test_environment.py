@@ -6,9 +6,9 @@ import logging
 import os
 import random
 import subprocess
-import sys
 
 import numpy as np
+import preloaded_python
 import pytest
 import torch
 import torch.distributed as dist
@@ -135,7 +135,7 @@ def test_fsdp_in_a_single_process_without_a_launcher_starts_its_own_group() -> N
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
     result = subprocess.run(
-        [sys.executable, "-c", _SINGLE_PROCESS_FSDP],
+        [*preloaded_python.command(), "-c", _SINGLE_PROCESS_FSDP],
         env=env,
         capture_output=True,
         text=True,

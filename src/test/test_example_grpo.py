@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import preloaded_python
 import pytest
 from test_docs_results import grpo_results
 from testutils import patient
@@ -19,7 +20,7 @@ def run(out: Path, *launcher: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     steps = ["--trainer.max_duration.value=2", "--warm_up.steps=3"]
     warmup = ["--train_module.scheduler.warmup=0"]
-    command = [*(launcher or (sys.executable,)), str(SCRIPT), str(out), *steps, *warmup]
+    command = [*(launcher or preloaded_python.command()), str(SCRIPT), str(out), *steps, *warmup]
     return subprocess.run(command, capture_output=True, text=True, timeout=patient(280), env=env)
 
 
@@ -47,8 +48,7 @@ def test_grpo_example_reports_accuracy_and_writes_metrics(tmp_path: Path) -> Non
 def test_grpo_example_runs_under_torchrun(tmp_path: Path) -> None:
     from testutils import free_port
 
-    launcher = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                f"--master-port={free_port()}")  # fmt: skip
+    launcher = preloaded_python.torchrun("--nproc-per-node=2", f"--master-port={free_port()}")
     result = run(tmp_path, *launcher)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 rank(s)" in result.stderr and "held-out greedy accuracy" in result.stdout

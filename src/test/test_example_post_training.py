@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import preloaded_python
 import pytest
 from test_examples import run_in_own_session
 from testutils import free_port, patient
@@ -62,7 +63,7 @@ def test_two_stage_example_names_the_fix_for_stages_that_disagree() -> None:
 
 
 def test_dpo_example_dry_run_prints_the_config(tmp_path: Path) -> None:
-    command = [sys.executable, str(EXAMPLES / "dpo" / "train.py"), "demo", "--dry-run",
+    command = [*preloaded_python.command(), str(EXAMPLES / "dpo" / "train.py"), "demo", "--dry-run",
                "--train_module.reference=runs/base"]  # fmt: skip
     result = subprocess.run(
         command, cwd=tmp_path, capture_output=True, text=True, timeout=patient(120)
@@ -72,10 +73,8 @@ def test_dpo_example_dry_run_prints_the_config(tmp_path: Path) -> None:
 
 
 def torchrun(script: Path, *args: str, cwd: Path) -> str:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-        f"--master-port={free_port()}", str(script), *args,
-    ]  # fmt: skip
+    launcher = preloaded_python.torchrun("--nproc-per-node=2", f"--master-port={free_port()}")
+    command = [*launcher, str(script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = run_in_own_session(command, cwd=cwd, env=env, timeout=patient(280))
     assert result.returncode == 0, result.stderr[-3000:]

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import preloaded_python
 import pytest
 from test_examples import olmolike, prepared_corpus, run_in_own_session, run_train_lm  # noqa: F401
 from testutils import patient
@@ -71,7 +72,7 @@ def run_sft(base: Path, functions: Path, out: Path, *launcher: str) -> str:
         "--train_module.optim.lr=0.004",
         "--train_module.scheduler.warmup=2",
     ]
-    command = [*(launcher or (sys.executable,)), str(SFT), *args]
+    command = [*(launcher or preloaded_python.command()), str(SFT), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = run_in_own_session(command, cwd=out.parent, env=env, timeout=patient(500))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -107,10 +108,7 @@ def test_sft_example_lowers_the_held_out_masked_loss(
 def test_sft_example_runs_under_torchrun(base_run: Path, functions: Path, tmp_path: Path) -> None:
     from testutils import free_port
 
-    launcher = (
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-        f"--master-port={free_port()}",
-    )  # fmt: skip
+    launcher = preloaded_python.torchrun("--nproc-per-node=2", f"--master-port={free_port()}")
     stdout = run_sft(base_run, functions, tmp_path / "sft", *launcher)
     assert ratio(stdout) < 0.9
 

@@ -1,13 +1,14 @@
-"""The examples the docs point to run as written."""
+"""The examples the docs point to run as written (``python`` being :mod:`preloaded_python`'s
+stand-in, which runs the same script without importing torch again; torchrun is real)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
+import preloaded_python
 import pytest
 from testutils import patient
 
@@ -18,7 +19,11 @@ EXAMPLES = Path(__file__).parents[1] / "examples"
 @pytest.mark.timeout(120)
 def test_quickstart_trains_and_takes_overrides(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "quickstart" / "train.py"), "--max_duration.value=10"],
+        [
+            *preloaded_python.command(),
+            str(EXAMPLES / "quickstart" / "train.py"),
+            "--max_duration.value=10",
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -50,7 +55,7 @@ SMALL_RUN = [
 
 def olmolike(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "olmolike.cli", *args],
+        [*preloaded_python.command(), "-m", "olmolike.cli", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -86,7 +91,7 @@ def run_train_lm(
         f"--trainer.max_duration.value={steps}",
         *extra,
     ]
-    command = [*(launcher or (sys.executable,)), str(TRAIN_LM), *args]
+    command = [*(launcher or preloaded_python.command()), str(TRAIN_LM), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return run_in_own_session(command, cwd=run_dir.parent, env=env, timeout=patient(280))
 
@@ -154,7 +159,7 @@ def test_train_lm_trains_resumes_generates_and_exports(
 
 def dry_run(cwd: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(TRAIN_LM), "demo", "--dry-run", *overrides],
+        [*preloaded_python.command(), str(TRAIN_LM), "demo", "--dry-run", *overrides],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -188,13 +193,7 @@ def test_train_lm_runs_unchanged_under_torchrun_with_fsdp(
         prepared_corpus,
         4,
         "--train_module.dp_config.name=fsdp",
-        launcher=(
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node=2",
-            f"--master-port={free_port()}",
-        ),
+        launcher=preloaded_python.torchrun("--nproc-per-node=2", f"--master-port={free_port()}"),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 rank(s)" in result.stderr

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from remote_servers import RemoteStore, gcs_bucket, gcs_server, s3_bucket, s3_server
+from remote_servers import RemoteStore
 from testutils import build_trainer, patient
 
 from olmolike.exceptions import CheckpointError
@@ -34,8 +34,6 @@ from olmolike.train.checkpoint.lease import (
     current_lease,
     run_id,
 )
-
-__all__ = ["gcs_bucket", "gcs_server", "s3_bucket", "s3_server"]
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import preloaded_python
 import pytest
 from testutils import patient
 
@@ -59,7 +60,7 @@ def small(data: Path) -> list[str]:
 @pytest.mark.timeout(300)
 def test_the_example_prints_each_layers_expert_load(data: Path, tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, str(EXAMPLE), "demo", *small(data)],
+        [*preloaded_python.command(), str(EXAMPLE), "demo", *small(data)],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -84,7 +85,7 @@ def test_olmolike_train_runs_the_examples_experiment_file(
 ) -> None:
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # the command installs its own
     printed = subprocess.run(
-        [sys.executable, str(EXAMPLE), "from-file", "--dry-run", *small(data)],
+        [*preloaded_python.command(), str(EXAMPLE), "from-file", "--dry-run", *small(data)],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from testutils import run_distributed_test
+from testutils import assert_within_adam_reach, run_distributed_test
 
 from olmolike.data import TokenTensorDataLoader
 from olmolike.distributed.parallel import DataParallelConfig
@@ -42,6 +42,7 @@ VOCAB = 64
 INSTANCES_PER_BATCH = 8
 MICROBATCH_INSTANCES = 2
 STEPS = 3
+LR = 1e-2
 MOE_LAYERS = [1, 2, 3]
 
 
@@ -100,7 +101,7 @@ def train(
 ) -> Run:
     module_config = TransformerTrainModuleConfig(
         rank_microbatch_size=MICROBATCH_INSTANCES * SEQ_LEN,
-        optim=AdamWConfig(lr=1e-2, weight_decay=0.1),
+        optim=AdamWConfig(lr=LR, weight_decay=0.1),
         max_grad_norm=1.0,
         pp_config=PipelineParallelConfig.from_dict(pp) if pp else None,
         dp_config=DataParallelConfig.from_dict(dp) if dp else None,
@@ -136,7 +137,10 @@ def train(
 
 
 def assert_same_run(got: Run, want: Run) -> None:
-    """Same metrics (names and values), gradients and weights, within 1e-5 in fp32."""
+    """Same metrics (names and values) and gradients, within 1e-5 in fp32, at every step; the
+    weights after the AdamW updates within what Adam can move them apart (an element whose
+    gradient is near zero moves by up to ~lr per update, in a direction the layout's summation
+    order decides: ``testutils.assert_within_adam_reach``)."""
     assert sorted(got.metrics) == list(range(1, STEPS + 1))
     for step in got.metrics:
         assert got.metrics[step].keys() == want.metrics[step].keys()
@@ -150,8 +154,8 @@ def assert_same_run(got: Run, want: Run) -> None:
             torch.testing.assert_close(
                 grad, want.grads[step][name], rtol=1e-5, atol=1e-6, msg=f"{step} {name}"
             )
-    for name, param in got.params.items():
-        torch.testing.assert_close(param, want.params[name], rtol=1e-5, atol=1e-5, msg=name)
+    want_params = {name: want.params[name] for name in got.params}  # a stage's share
+    assert_within_adam_reach(got.params, want_params, lr=LR, updates=STEPS)
 
 
 @pytest.fixture(scope="module")

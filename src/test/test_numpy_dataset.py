@@ -9,12 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from remote_servers import RemoteStore, gcs_bucket, gcs_server, s3_bucket, s3_server
+from remote_servers import RemoteStore
 
 from olmolike.data import NumpyDatasetConfig, SourceMixtureConfig, prepare_data
 from olmolike.exceptions import ConfigurationError, DataError
-
-__all__ = ["gcs_bucket", "gcs_server", "s3_bucket", "s3_server"]
 
 SEQ = 8
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
+import preloaded_python
 import pytest
 import torch
 from testutils import patient
@@ -144,7 +144,7 @@ def test_prepared_pairs_equal_the_encoded_ones_and_feed_the_loader(tmp_path: Pat
 def test_command_line(tmp_path: Path) -> None:
     write(tmp_path / "a.jsonl", records(10))
     result = subprocess.run(
-        [sys.executable, "-m", "olmolike.cli", "prepare-data", "--dpo", "a.jsonl", "-o", "out",
+        [*preloaded_python.command(), "-m", "olmolike.cli", "prepare-data", "--dpo", "a.jsonl", "-o", "out",
          "--sequence-length", "64"],
         cwd=tmp_path, capture_output=True, text=True, timeout=patient(110),
     )  # fmt: skip

@@ -50,3 +50,45 @@ def test_a_rank_runs_its_exit_handlers_and_reports_its_error(tmp_path: Path) -> 
     assert outcomes[1].exitcode == 1
     assert outcomes[1].error is not None and "rank 1 fails on purpose" in outcomes[1].error
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exited-0", "exited-1"]
+
+
+def _finalize_at_exit(folder: str) -> None:
+    import weakref
+
+    class Held:
+        pass
+
+    held = Held()
+    weakref.finalize(held, (Path(folder) / f"finalized-{os.environ['RANK']}").touch)
+    _HELD.append(held)  # alive until the rank exits
+
+
+_HELD: list[object] = []
+
+
+def test_a_ranks_finalizers_run_at_exit_but_torchs_operator_libraries_are_left(
+    tmp_path: Path,
+) -> None:
+    import weakref
+
+    import torch
+    from rank_processes import skip_torch_library_finalizers
+
+    run_distributed_test(_finalize_at_exit, args=(str(tmp_path),))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["finalized-0", "finalized-1"]
+
+    library = torch.library.Library("olmolike_rank_processes_probe", "DEF")
+    ours = weakref.finalize(library, lambda: None)
+    torch_ones = [
+        f for f, info in weakref.finalize._registry.items()  # type: ignore[attr-defined]
+        if getattr(info.func, "__module__", None) == "torch.library"
+    ]  # fmt: skip
+    assert torch_ones and all(f.atexit for f in torch_ones)
+    try:
+        skip_torch_library_finalizers()
+        assert not any(f.atexit for f in torch_ones) and ours.atexit
+    finally:
+        for f in torch_ones:
+            f.atexit = True
+        ours.detach()
+        del library

@@ -26,11 +26,6 @@ from remote_servers import (
     dead_endpoint,
     fast_client_retries,
     free_port,
-    gcs_bucket,
-    gcs_server,
-    restartable_gcs_bucket,
-    s3_bucket,
-    s3_server,
 )
 from testutils import build_trainer, dcp_shards
 
@@ -39,9 +34,6 @@ from olmolike.exceptions import CheckpointError, NetworkError
 from olmolike.train import Callback, CheckpointerConfig, Duration, Trainer
 from olmolike.train.callbacks import CheckpointerCallback
 from olmolike.train.checkpoint import MARKER, Checkpointer
-
-# pytest finds fixtures by name in this module; importing them is what registers them here.
-__all__ = ["gcs_bucket", "gcs_server", "restartable_gcs_bucket", "s3_bucket", "s3_server"]
 
 pytestmark = pytest.mark.slow
 

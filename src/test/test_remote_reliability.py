@@ -16,7 +16,7 @@ from typing import Any
 
 import fsspec
 import pytest
-from remote_servers import RemoteStore, gcs_bucket, gcs_server, s3_bucket, s3_server
+from remote_servers import RemoteStore
 from testutils import build_trainer, launch_two_nodes, run_distributed
 
 from olmolike.exceptions import CheckpointError
@@ -24,8 +24,6 @@ from olmolike.train import CheckpointerConfig, Duration
 from olmolike.train.callbacks import CheckpointerCallback
 from olmolike.train.checkpoint import MARKER, Checkpointer
 from olmolike.train.checkpoint import checkpointer as checkpoint_module
-
-__all__ = ["gcs_bucket", "gcs_server", "s3_bucket", "s3_server"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

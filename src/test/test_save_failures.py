@@ -18,15 +18,13 @@ from unittest import mock
 
 import fsspec
 import pytest
-from remote_servers import RemoteStore, gcs_bucket, gcs_server
+from remote_servers import RemoteStore
 from testutils import build_trainer, patient, run_distributed
 
 from olmolike import io
 from olmolike.distributed.checkpoint_format import verify_checkpoint
 from olmolike.exceptions import CheckpointError
 from olmolike.train.checkpoint import MARKER, Checkpointer
-
-__all__ = ["gcs_bucket", "gcs_server"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

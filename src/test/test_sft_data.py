@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
+import preloaded_python
 import pytest
 from testutils import patient
 
@@ -154,7 +154,7 @@ def test_rerun_is_a_no_op_and_other_arguments_are_refused(tmp_path: Path) -> Non
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "olmolike.cli", "prepare-data", *args],
+        [*preloaded_python.command(), "-m", "olmolike.cli", "prepare-data", *args],
         cwd=cwd,
         capture_output=True,
         text=True,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import preloaded_python
 import pytest
 from testutils import free_port, patient
 
@@ -107,10 +108,10 @@ def test_a_mistake_in_the_overrides_is_one_line(
     ids=["fsdp", "pp", "ep"],
 )
 def test_under_torchrun(config_file: Path, tmp_path: Path, layout: list[str]) -> None:
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+    torchrun = preloaded_python.torchrun("--nproc-per-node=2", f"--master-port={free_port()}")
     command = ["-m", "olmolike", "train", str(config_file), "--trainer.max_duration.value=2"]
     result = subprocess.run(
-        [*torchrun, f"--master-port={free_port()}", *command, *layout],
+        [*torchrun, *command, *layout],
         capture_output=True,
         text=True,
         timeout=patient(200),

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import preloaded_python
 import pytest
 from testutils import free_port, patient
 
@@ -199,6 +200,7 @@ def grpo_run(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     path.write_text(GRPO_YAML.format(vocab=VOCAB, folder=tmp_path))
     src = str(Path(olmolike.__file__).parents[1])
     paths = [str(site), src, os.environ.get("PYTHONPATH", "")]
+    preloaded_python.command()  # its server started: the environment below names it
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
     return path, env
 
@@ -214,7 +216,7 @@ def test_grpo_from_a_file_with_rewards_from_entry_points(
     grpo_run: tuple[Path, dict[str, str]],
 ) -> None:
     path, env = grpo_run
-    train = [sys.executable, "-m", "olmolike", "train", str(path)]
+    train = [*preloaded_python.command(), "-m", "olmolike", "train", str(path)]
     result = run(train, env, 200)
     # `broken` is never imported: only the rewards a run names are loaded.
     assert result.returncode == 0, result.stderr[-3000:]
@@ -244,8 +246,8 @@ def test_grpo_from_a_file_with_rewards_from_entry_points(
 @pytest.mark.timeout(300)
 def test_grpo_under_torchrun(grpo_run: tuple[Path, dict[str, str]]) -> None:
     path, env = grpo_run
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
-    command = [*torchrun, f"--master-port={free_port()}", "-m", "olmolike", "train", str(path)]
+    torchrun = preloaded_python.torchrun("--nproc-per-node=2", f"--master-port={free_port()}")
+    command = [*torchrun, "-m", "olmolike", "train", str(path)]
     result = run(command, env, 250)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0 of 2" in result.stderr

@@ -6,7 +6,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import textwrap
 import threading
@@ -15,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import preloaded_python
 import pytest
 import torch
 import torch.distributed as dist
@@ -363,9 +363,9 @@ def test_the_same_script_runs_under_torchrun(tmp_path: Path) -> None:
     script.write_text(
         textwrap.dedent(TORCHRUN_SCRIPT.format(test_dir=test_dir, save=str(tmp_path / "run")))
     )
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+    torchrun = preloaded_python.torchrun("--nproc-per-node=2", f"--master-port={free_port()}")
     result = subprocess.run(
-        [*torchrun, f"--master-port={free_port()}", str(script)],
+        [*torchrun, str(script)],
         capture_output=True,
         text=True,
         timeout=patient(120),

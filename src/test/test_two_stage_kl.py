@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import preloaded_python
 import pytest
 import torch
 from testutils import patient, run_distributed_test
@@ -205,13 +206,12 @@ def test_two_stage_example_runs_and_reports_both_betas(tmp_path: Path) -> None:
     """One process (test_example_post_training.py runs it under torchrun)."""
     import os
     import subprocess
-    import sys
 
     script = Path(__file__).parents[1] / "examples" / "two_stage_kl" / "train.py"
     stages = ["--data_loader.stages.stage1.steps=3", "--data_loader.stages.stage2.steps=3",
               "--train_module.stage1_steps=3", "--trainer.max_duration.value=6"]  # fmt: skip
     out = subprocess.run(
-        [sys.executable, str(script), *stages], capture_output=True, text=True, timeout=patient(280),
+        [*preloaded_python.command(), str(script), *stages], capture_output=True, text=True, timeout=patient(280),
         env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True, cwd=tmp_path,
     )  # fmt: skip
     assert "beta=0: held-out stage-1 loss" in out.stdout

@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+import preloaded_python
 import pytest
 import torch
 from hf_models import VOCAB, hf_logits, hf_model, save_hf_model, token_ids
-from remote_servers import RemoteStore, gcs_bucket, gcs_server, s3_bucket, s3_server  # noqa: F401
+from remote_servers import RemoteStore
 from testutils import build_trainer, patient, run_distributed_test
 from torch.distributed.tensor import DTensor
 
@@ -271,11 +272,16 @@ def test_a_checkpoint_of_another_shape_is_refused(tmp_path: Path) -> None:
 
 def test_init_weights_is_a_dotted_override_of_train_lm(tmp_path: Path) -> None:
     import subprocess
-    import sys
 
     train_lm = Path(__file__).parents[1] / "examples" / "train_lm" / "train.py"
     result = subprocess.run(
-        [sys.executable, str(train_lm), "demo", "--dry-run", "--train_module.init_weights=hf/base"],
+        [
+            *preloaded_python.command(),
+            str(train_lm),
+            "demo",
+            "--dry-run",
+            "--train_module.init_weights=hf/base",
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -291,7 +297,6 @@ def test_train_lm_starts_from_an_hf_folder(tmp_path: Path) -> None:
     """The command line of the docs: export a model, then train from it with one override."""
     import os
     import subprocess
-    import sys
 
     from olmolike.data.prepare import stdlib_python_files
     from olmolike.data.tokenizer import TokenizerConfig
@@ -302,7 +307,7 @@ def test_train_lm_starts_from_an_hf_folder(tmp_path: Path) -> None:
     for path in stdlib_python_files()[:6]:
         (sources / path.name).write_bytes(path.read_bytes()[:20_000])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cli = [sys.executable, "-m", "olmolike.cli"]
+    cli = [*preloaded_python.command(), "-m", "olmolike.cli"]
     # Relative paths: the split hashes each source's name as given, so an absolute tmp path
     # would make the validation split (and its emptiness) differ from run to run.
     prepare = [*cli, "prepare-data", "sources", "-o", "data", "--val-fraction", "0.3"]
@@ -326,7 +331,7 @@ def test_train_lm_starts_from_an_hf_folder(tmp_path: Path) -> None:
         "--train_module.scheduler.warmup=1", "--train_module.init_weights=hf-model",
     ]  # fmt: skip
     result = subprocess.run(
-        [sys.executable, str(train_lm), *args],
+        [*preloaded_python.command(), str(train_lm), *args],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -440,7 +445,7 @@ def test_remote_hf_folder(tmp_path: Path, bucket: str, request: pytest.FixtureRe
 
 
 @pytest.mark.timeout(180)
-def test_remote_checkpoint(tmp_path: Path, s3_bucket: RemoteStore) -> None:  # noqa: F811
+def test_remote_checkpoint(tmp_path: Path, s3_bucket: RemoteStore) -> None:
     save_hf_model(tmp_path / "hf", "llama")
     config = config_of(tmp_path / "hf")
     base, _ = build_run(tmp_path / "base", config, init_weights=str(tmp_path / "hf"), steps=2)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -272,6 +272,58 @@ def full_params(trainer: Trainer) -> list[torch.Tensor]:
         (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for p in model.parameters()
     ]
+
+
+ADAM_UPDATE_BOUND = 1.05
+"""The most one Adam update moves an element, in units of the learning rate, over the first
+8 updates with PyTorch's default betas (0.9, 0.999): ``|m_hat| / sqrt(v_hat)`` is 1 at the
+first update and at most 1.028 at the 8th (Cauchy-Schwarz over the moments' sums)."""
+
+
+def assert_within_adam_reach(
+    got: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+    want: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+    *,
+    lr: float,
+    updates: int,
+) -> None:
+    """Weights of two runs that took ``updates`` AdamW updates (``lr``: the largest learning
+    rate of the schedule) from the same weights, under layouts that add up gradients in a
+    different order, differ by no more than Adam can move them.
+
+    Adam divides each gradient element by its own running scale: an element whose gradient
+    is near zero moves by up to ``lr`` per update, in a direction that rounding decides, so
+    the two runs may differ there by twice that on some machine (each moves by at most
+    ``ADAM_UPDATE_BOUND * lr`` per update; weight decay only shrinks a difference). No tighter
+    tolerance holds on every CPU. What the runs compute deterministically (losses, gradients
+    of the first step, which is one SGD step's weights) the tests compare tightly; this check
+    catches a parameter missed, stale, or loaded from elsewhere, which differs by more.
+    """
+    reach = 2 * ADAM_UPDATE_BOUND * lr * updates + 1e-6
+    got_named, want_named = _named(got), _named(want)
+    assert got_named.keys() == want_named.keys()
+    for name, value in want_named.items():
+        msg = f"{name}: further than {updates} Adam updates at lr {lr} reach"
+        torch.testing.assert_close(got_named[name], value, rtol=0, atol=reach, msg=msg)
+
+
+def _named(
+    tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+) -> dict[str | int, torch.Tensor]:
+    return dict(tensors) if isinstance(tensors, Mapping) else dict(enumerate(tensors))
+
+
+def whole_tensors(model: torch.nn.Module, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """The model's parameters (or their gradients) by name, as whole tensors (gathered if
+    sharded: on every rank together)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        tensor = p.grad if grads else p
+        assert tensor is not None, f"{name} has no gradient"
+        out[name] = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+    return {name: tensor.clone() for name, tensor in out.items()}
 
 
 class Crash(RuntimeError):
