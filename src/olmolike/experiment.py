@@ -28,7 +28,8 @@ from .config_coerce import check_separated_value
 from .data.numpy_data_loader import NumpyDataLoaderConfig
 from .data.numpy_dataset import NumpyDatasetConfig
 from .data.tokenizer import TokenizerConfig
-from .distributed.utils import get_rank
+from .distributed.mesh import ParallelDegrees
+from .distributed.utils import get_rank, get_world_size
 from .exceptions import ConfigurationError
 from .experiment_kinds import (
     DatasetConfig,
@@ -39,12 +40,14 @@ from .experiment_kinds import (
     load_rewards,
 )
 from .nn import TransformerConfig
+from .nn.parallel_plan import check_tensor_parallel_degree
 from .train import Trainer, TrainerConfig
 from .train.callbacks import ConfigSaverCallback
 from .train.train_module import TransformerTrainModuleConfig
 from .train.train_module.grpo import RewardRegistry
+from .train.train_module.pipeline import check_pipeline
 
-__all__ = ["ExperimentConfig", "load_experiment", "train", "train_command"]
+__all__ = ["ExperimentConfig", "check_layout", "load_experiment", "train", "train_command"]
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +136,23 @@ def load_experiment(path: str, overrides: list[str]) -> ExperimentConfig:
     return ExperimentConfig.from_dict(data, overrides)
 
 
+def check_layout(
+    config: ExperimentConfig, world_size: int, local_world_size: int | None = None
+) -> ParallelDegrees:
+    """The run's parallel degrees on ``world_size`` ranks (``local_world_size`` per node),
+    after every check of the layout that needs no process group: the degrees against the
+    world size (HSDP's replica groups too), tensor parallelism against the model's
+    dimensions, a pipeline's stages against its layers. ``olmolike train --nproc-per-node``
+    runs it before it starts any rank, so a layout the ranks cannot run is one line and no
+    process at all."""
+    degrees = config.train_module.parallel_degrees(world_size, local_world_size=local_world_size)
+    if degrees.tp > 1:
+        check_tensor_parallel_degree(config.model, degrees.tp)
+    if degrees.pp > 1:
+        check_pipeline(config.train_module, config.model, degrees.tp)
+    return degrees
+
+
 def train(config: ExperimentConfig, rewards: RewardRegistry | None = None) -> Trainer:
     """Build the run's parts in the examples' order and train; returns the trainer.
 
@@ -141,7 +161,7 @@ def train(config: ExperimentConfig, rewards: RewardRegistry | None = None) -> Tr
     """
     # First what is most likely wrong (a reward name, a missing folder), before the model.
     registry = load_rewards(config.train_module, rewards)
-    degrees = config.train_module.parallel_degrees()  # checked against the world size here
+    degrees = check_layout(config, get_world_size())
     data_loader = build_data_loader(config.dataset, config.data_loader, config.model, degrees)
     _check_ids_within_tokenizer(data_loader, config.tokenizer)
     # Built on the meta device: the train module shards it (if asked), then materialises it.
@@ -206,6 +226,7 @@ def train_command(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     """``--nproc-per-node``: this process starts the ranks (see :mod:`olmolike.launch`)."""
+    from .distributed.failure import frozen_rank_timeout
     from .distributed.utils import launched_distributed
     from .launch import launch
 
@@ -221,6 +242,11 @@ def _launch(args: argparse.Namespace) -> int:
             f"{option} is olmolike's launcher's: under torchrun drop it (torchrun has its own "
             "--max-restarts), or drop torchrun"
         )
+    # A mistake in the file, the overrides or the layout is one line here, before any rank
+    # starts (each rank would say it, and tear the job's store down under the others).
+    overrides = [o for o in args.overrides if o != "--dry-run"]
+    check_layout(load_experiment(args.config, overrides), nproc, nproc)
+    frozen_rank_timeout()  # the ranks' environment, this one's
     dry_run = ["--dry-run"] if args.dry_run else []
     argv = ["train", args.config, *dry_run, *args.overrides]
     return launch(nproc, argv, max_restarts=0 if args.dry_run else restarts)

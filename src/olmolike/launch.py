@@ -7,6 +7,11 @@ say. It also keeps a rank that died unreaped until the others have ended, so the
 how it ended (``/proc``, see :mod:`olmolike.distributed.lost_ranks`) and name the signal.
 Several machines need torchrun (or another launcher) still.
 
+Like torchrun's agent, it holds the job's key-value store itself (``TORCHELASTIC_USE_AGENT_STORE``
+tells the ranks so): the store outlives every rank, so the ranks left can always tell each
+other who failed first (one line per job, not one per rank), and a rank 0 that freezes does
+not freeze the store with it.
+
 Signals: the ranks run in their own sessions, so a Ctrl-C in the terminal reaches the
 launcher alone, which passes each SIGINT and SIGTERM on to every rank once: the first stops
 the run gracefully, a second SIGINT aborts it, as in a single process.
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import datetime
 import os
 import secrets
 import signal
@@ -33,6 +39,10 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 __all__ = ["GRACE_SECONDS", "launch", "shared_run_id", "without_option"]
 
@@ -110,8 +120,10 @@ def _start(
 ) -> tuple[int, str]:
     """One start of the ranks (kept in ``ranks`` while they run, for the signal handler): the
     exit status (as :func:`launch`'s) and which rank failed first, and how."""
-    env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    store = _job_store()  # held until every rank of this start has ended
+    env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
     env.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    env.update(TORCHELASTIC_USE_AGENT_STORE="True")
     ranks.clear()
     try:
         for rank in range(nproc):
@@ -179,7 +191,14 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _job_store() -> TCPStore:
+    """The job's store, on a free port of this machine, for the ranks to connect to."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(minutes=15),
+    )

@@ -116,30 +116,34 @@ def test_a_killed_rank_is_one_line_on_the_rank_left(tmp_path: Path, killed: int)
 
 
 END_SCRIPT = """
-import os, signal
+import os, signal, sys
 import torch.distributed as dist
 from olmolike.train import prepare_training_environment, teardown_training_environment
 
 prepare_training_environment()
-if dist.get_rank() == 1:
+dist.barrier()  # every rank's monitor knows every rank's process (and so the store's)
+if dist.get_rank() == int(sys.argv[1]):
     os.kill(os.getpid(), signal.SIGKILL)
 teardown_training_environment()
 """
 
 
 @pytest.mark.timeout(300)
-def test_a_rank_killed_before_the_teardown_barrier_is_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("killed", [1, 0], ids=["rank1", "rank0-holding-the-store"])
+def test_a_rank_killed_before_the_teardown_barrier_is_one_line(tmp_path: Path, killed: int) -> None:
     """The teardown's barrier meets a dead rank. Before: gloo's raw traceback from the
-    barrier, naming no rank."""
+    barrier, naming no rank; and with rank 0 dead, the rank left called itself rank 0 (it
+    read its rank after its groups had ended)."""
     script = tmp_path / "end.py"
     script.write_text(END_SCRIPT)
-    ranks = start_ranks([sys.executable, str(script)])
-    output = _output_of(ranks[0], ranks, timeout=120)
-    assert ranks[0].returncode == 1
+    ranks = start_ranks([sys.executable, str(script), str(killed)])
+    left = 1 - killed
+    output = _output_of(ranks[left], ranks, timeout=120)
+    assert ranks[left].returncode == 1
     (line,) = failure_lines(output)
     assert re.fullmatch(
-        r"error: rank 1 \(pid \d+\) (was killed by SIGKILL|is gone); rank 0 was ending its "
-        r"run \(full traceback: \S+\)",
+        rf"error: rank {killed} \(pid \d+\) (was killed by SIGKILL|is gone); rank {left} was "
+        r"ending its run \(full traceback: \S+\)",
         line,
     ), line
 
@@ -226,6 +230,11 @@ def _wait_for(condition: object) -> None:
 @pytest.fixture
 def experiment_file(tmp_path: Path) -> Path:
     """A tiny `olmolike train` experiment that saves every 2 steps and runs long."""
+    return write_experiment(tmp_path)
+
+
+def write_experiment(tmp_path: Path) -> Path:
+    """:func:`experiment_file`'s file, written into ``tmp_path``."""
     from olmolike.data import prepare_data
     from olmolike.data.numpy_data_loader import NumpyDataLoaderConfig
     from olmolike.data.numpy_dataset import NumpyDatasetConfig
@@ -384,6 +393,73 @@ def test_a_second_ctrl_c_is_one_line_naming_the_last_checkpoint(tmp_path: Path, 
         assert latest.endswith("step3")
     assert line.startswith(f"{expected}; the last complete checkpoint is {latest}: run the same")
     assert "Traceback" not in result.stdout
+
+
+SLOW_SAVE_SCRIPT = """
+import atexit, os, signal, sys, time
+sys.path.insert(0, {test_dir!r})
+from testutils import build_trainer
+from olmolike.train import Callback, Duration, prepare_training_environment
+from olmolike.train.callbacks.checkpointer import CheckpointerCallback
+from olmolike.train.checkpoint import save
+
+
+class TwoCtrlCs(Callback):
+    # What the launcher passes on to every rank: a Ctrl-C, then another, at step 5, while
+    # the async save of step 4 is still being written.
+    def post_step(self):
+        if self.step == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+write_synced = save.write_synced
+
+
+def slowly(path, data):
+    if "step4" in str(path):
+        time.sleep(2)
+    write_synced(path, data)
+
+
+if __name__ == "__main__":
+    prepare_training_environment(seed=0)
+    save.write_synced = slowly
+    # Exit handlers that take their time (a logger's upload, say): the process outlives the
+    # save in flight, whose marker lands before it exits.
+    atexit.register(time.sleep, 5)
+    saving = CheckpointerCallback(save_interval=2, save_async=True)
+    callbacks = {{"checkpointer": saving, "ctrl_c": TwoCtrlCs()}}
+    build_trainer(sys.argv[1], max_duration=Duration.steps(50), callbacks=callbacks).fit()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_second_ctrl_c_names_the_checkpoint_an_async_save_in_flight_completes(
+    tmp_path: Path,
+) -> None:
+    """Two ranks, a second Ctrl-C while the async save of step 4 is still being written: the
+    one line of the job names the newest checkpoint that is complete once the job ended.
+    Before: it named step 2 (composed at once), and step 4's marker landed after it."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SLOW_SAVE_SCRIPT.format(test_dir=TEST_DIR)))
+    ranks = start_ranks([sys.executable, str(script), str(tmp_path / "run")])
+    try:
+        outputs = [rank.communicate(timeout=patient(200))[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.communicate()
+    assert [rank.returncode for rank in ranks] == [130, 130], outputs
+    lines = [line for out in outputs for line in failure_lines(out)]
+    said = [line for line in lines if line.startswith("interrupted: ")]
+    assert len(said) == 1, lines  # the job's first failing rank alone
+    latest = list(Checkpointer.find_checkpoints(tmp_path / "run"))[-1][1]
+    assert latest.endswith("step4")
+    assert said[0].startswith(
+        f"interrupted: second SIGINT during step 5; the last complete checkpoint is {latest}: "
+    ), said[0]
 
 
 def test_a_writer_thread_that_fails_fails_the_save(

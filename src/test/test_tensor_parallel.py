@@ -206,8 +206,15 @@ def test_tensor_parallel_equals_one_process(tmp_path: Path) -> None:
 def test_degrees_that_do_not_fit_the_model_are_refused() -> None:
     from olmolike.nn.parallel_plan import check_tensor_parallel_degree
 
-    with pytest.raises(ConfigurationError, match=r"n_kv_heads \(2\)"):
+    with pytest.raises(ConfigurationError, match=r"n_kv_heads \(2\)") as kv:
         check_tensor_parallel_degree(model_config(), 4)
+    # Each cause names its own fix: padding the vocabulary is the fix of vocab_size alone.
+    assert "change model.n_kv_heads to a multiple of 4" in str(kv.value)
+    assert "vocab_size" not in str(kv.value)
+    odd_vocab = model_config(vocab_size=255, n_kv_heads=None)
+    with pytest.raises(ConfigurationError, match=r"vocab_size \(255\)") as vocab:
+        check_tensor_parallel_degree(odd_vocab, 2)
+    assert "pad model.vocab_size to a multiple of 2 (e.g. 256)" in str(vocab.value)
 
 
 def test_tensor_parallel_degrees_must_divide_the_world() -> None:
@@ -216,6 +223,8 @@ def test_tensor_parallel_degrees_must_divide_the_world() -> None:
     )
     with pytest.raises(ConfigurationError, match=r"tp \(2\) = 2 does not divide the world size"):
         config.parallel_degrees(3)
+    with pytest.raises(ConfigurationError, match=r"^train_module.tp_config.degree: "):
+        config.parallel_degrees(3)  # the field, named in full as other errors name theirs
     degrees = config.parallel_degrees(8)
     assert (degrees.dp_shard, degrees.tp, degrees.dp_replicate) == (1, 2, 4)  # DDP replicates
     fsdp = TransformerTrainModuleConfig(

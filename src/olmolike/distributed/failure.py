@@ -1,11 +1,13 @@
 """Turn "one rank crashed, the others hang in a collective until the timeout" into a prompt exit.
 
-A rank that fails writes a short report into the job's key-value store (the one torchrun or
-``MASTER_ADDR:MASTER_PORT`` provides). Every rank runs a daemon thread that polls the store;
-when it sees another rank's report it gives the process a grace period to fail on its own
-(gloo usually raises at once when a peer disappears), then ends it with a message that names
-the rank that failed and its error. NCCL collectives, which can block until their timeout,
-are covered the same way.
+A rank that fails writes a short report into the job's key-value store (the one torchrun,
+``olmolike train --nproc-per-node`` or ``MASTER_ADDR:MASTER_PORT`` provides). Every rank runs
+a daemon thread that polls the store (:mod:`.rank_monitor`); when it sees another rank's
+report it gives the process a grace period to fail on its own (gloo usually raises at once
+when a peer disappears), then ends it with a message that names the rank that failed and its
+error. NCCL collectives, which can block until their timeout, are covered the same way, and
+so is a rank that froze (its heartbeat went silent). This module starts the monitor and
+prints the uncaught errors the short way, once per job.
 """
 
 from __future__ import annotations
@@ -13,14 +15,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import json
 import logging
+import math
 import os
 import signal
 import sys
 import tempfile
 import threading
-import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,18 +29,37 @@ from types import FrameType, TracebackType
 
 import torch.distributed as dist
 
-from ..exceptions import OLMoLikeError, RankLostError
-from .lost_ranks import Roster, describe_lost_ranks
+from ..exceptions import ConfigurationError, OLMoLikeError, RankLostError
+from .lost_ranks import describe_lost_ranks
+from .rank_monitor import (
+    DEFAULT_FROZEN_SECONDS,
+    DEFAULT_GRACE_SECONDS,
+    EXIT_CODE,
+    FROZEN_ENV,
+    GRACE_ENV,
+    RankFailureMonitor,
+    set_failure_context,
+    tell_torchrun,
+)
 
 __all__ = [
+    "DEFAULT_FROZEN_SECONDS",
+    "DEFAULT_GRACE_SECONDS",
+    "EXIT_CODE",
+    "FROZEN_ENV",
+    "GRACE_ENV",
     "RankFailureMonitor",
+    "check_frozen_timeout",
     "exiting_on_error",
     "find_lost_ranks",
+    "frozen_rank_timeout",
     "install_error_hook",
     "install_exit_on_error",
+    "let_others_report",
     "print_uncaught",
     "rank_failed",
     "report_rank_failure",
+    "set_failure_context",
     "start_failure_monitor",
     "stop_failure_monitor",
     "tell_torchrun",
@@ -47,124 +67,18 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-GRACE_ENV = "OLMOLIKE_RANK_FAILURE_GRACE_SECONDS"
-DEFAULT_GRACE_SECONDS = 15.0
-EXIT_CODE = 3
-
-
-class RankFailureMonitor:
-    """Reports this rank's failure and watches for the failures of other ranks."""
-
-    def __init__(
-        self,
-        store: dist.Store,
-        rank: int,
-        *,
-        attempt: str = "0",
-        world_size: int = 1,
-        store_rank: int | None = None,
-        poll_interval: float = 0.5,
-        grace_period: float = DEFAULT_GRACE_SECONDS,
-    ) -> None:
-        self.rank = rank
-        self.poll_interval = poll_interval
-        self.grace_period = grace_period
-        self._store = store
-        self._key = f"olmolike/rank_failure/{attempt}"
-        self.roster = Roster(store, f"olmolike/ranks/{attempt}", rank, world_size, store_rank)
-        self._lock = threading.Lock()
-        self._stopped = threading.Event()
-        self._reported = False
-        self._first = True
-        self._thread = threading.Thread(
-            target=self._watch, name="rank-failure-monitor", daemon=True
-        )
-
-    def start(self) -> None:
-        try:
-            self.roster.enter()
-        except Exception as e:  # the job can run without it: a lost rank is then unnamed
-            log.debug("Could not enter this rank's process into the job's store: %s", e)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop watching (normal shutdown: a peer that exits is no longer a failure).
-
-        Waits for the thread to end: left inside a store call at interpreter exit, it would
-        race the C++ runtime's teardown, which aborts the process now and then.
-        """
-        self._stopped.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.poll_interval + 30)
-
-    @property
-    def reported(self) -> bool:
-        """Whether this rank reported its failure."""
-        return self._reported
-
-    def report(self, exc: BaseException) -> bool:
-        """Tell every other rank that this one failed with ``exc``. Idempotent.
-
-        Returns whether this rank's failure was the job's first (the one to show the user).
-        """
-        with self._lock:
-            if self._reported:
-                return self._first
-            self._reported = True
-            summary = f"rank {self.rank} failed with {type(exc).__name__}: {exc}"
-            if self.roster.store_gone():  # nobody to tell; and nobody failed before us
-                return self._first
-            try:
-                # The first failure is the cause; later ones are usually its consequences.
-                self.roster.mark_failed()
-                self._first = self._store.add(f"{self._key}/count", 1) == 1
-                if self._first:
-                    self._store.set(self._key, summary[:2000])
-            except Exception as store_error:  # the job is already failing; do not mask exc
-                log.info("Could not report this rank's failure to the other ranks: %s", store_error)
-            return self._first
-
-    def _watch(self) -> None:
-        while not self._stopped.wait(self.poll_interval):
-            if self._reported:
-                return  # this rank failed itself and is on its way out: let it finish
-            try:
-                with self._lock:
-                    if self.roster.store_gone():
-                        raise ConnectionError("its process ended")
-                    self.roster.beat()
-                    failed = self._store.check([self._key])
-                    message = self._store.get(self._key).decode() if failed else ""
-            except Exception as e:
-                # The store lives on rank 0 (or the launcher): losing it means they are gone.
-                lost = describe_lost_ranks(self.roster)
-                self._terminate(lost or f"the job's key-value store is unreachable ({e})")
-                return
-            if failed and not message.startswith(f"rank {self.rank} "):
-                self._terminate(message)
-                return
-
-    def _terminate(self, why: str) -> None:
-        log.info(
-            "Rank %d is stopping because %s. Waiting %.0fs for it to exit on its own.",
-            self.rank,
-            why,
-            self.grace_period,
-        )
-        if self._stopped.wait(self.grace_period):
-            return
-        sys.stderr.write(f"[rank {self.rank}] exiting: {why}\n")
-        sys.stderr.flush()
-        logging.shutdown()
-        os._exit(EXIT_CODE)
-
-
 _monitor: RankFailureMonitor | None = None
 _stopped_monitor: RankFailureMonitor | None = None
 
 
-def start_failure_monitor(rank: int) -> RankFailureMonitor | None:
-    """Start watching for peer failures, if the launcher gave us a store address."""
+def start_failure_monitor(
+    rank: int, frozen_timeout: float | None = None
+) -> RankFailureMonitor | None:
+    """Start watching for peer failures, if the launcher gave us a store address.
+
+    ``frozen_timeout``: seconds without a heartbeat after which a rank is frozen (0: never
+    named); by default ``$OLMOLIKE_FROZEN_RANK_TIMEOUT``, else :data:`DEFAULT_FROZEN_SECONDS`.
+    """
     global _monitor
     if _monitor is not None:
         return _monitor
@@ -180,11 +94,19 @@ def start_failure_monitor(rank: int) -> RankFailureMonitor | None:
         wait_for_workers=False,
     )
     grace = float(os.environ.get(GRACE_ENV, DEFAULT_GRACE_SECONDS))
+    refusal: ConfigurationError | None = None
+    try:
+        if frozen_timeout is None:
+            frozen_timeout = frozen_rank_timeout()
+        else:
+            frozen_timeout = check_frozen_timeout(frozen_timeout, "frozen_rank_timeout")
+    except ConfigurationError as e:  # said once per job: by the monitor's first failing rank
+        refusal, frozen_timeout = e, DEFAULT_FROZEN_SECONDS
     # torchrun keeps one store across restarts: key the reports by attempt so an old failure
     # does not end the new attempt.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    # torchrun's agent holds the store its ranks use; without a launcher, rank 0 does.
+    # torchrun's agent (and olmolike's launcher) hold the store its ranks use; else rank 0.
     store_rank = None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
     _monitor = RankFailureMonitor(
         store,
@@ -193,9 +115,44 @@ def start_failure_monitor(rank: int) -> RankFailureMonitor | None:
         world_size=world_size,
         store_rank=store_rank,
         grace_period=grace,
+        frozen_timeout=frozen_timeout,
     )
     _monitor.start()
+    if refusal is not None:
+        raise refusal
     return _monitor
+
+
+def frozen_rank_timeout() -> float:
+    """``$OLMOLIKE_FROZEN_RANK_TIMEOUT`` (seconds), else :data:`DEFAULT_FROZEN_SECONDS`,
+    checked (:func:`check_frozen_timeout`)."""
+    text = os.environ.get(FROZEN_ENV)
+    if text is None:
+        return DEFAULT_FROZEN_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    return check_frozen_timeout(seconds, FROZEN_ENV, shown=repr(text))
+
+
+_LONGEST_WAIT = threading.TIMEOUT_MAX / 2
+"""Longer waits overflow the clock of a thread's wait (about 146 years)."""
+
+
+def check_frozen_timeout(seconds: float, name: str, *, shown: str | None = None) -> float:
+    """``seconds`` as a frozen-rank timeout: 0 (never) for 0 or infinity. Anything else
+    that is not a duration a thread can wait for is refused, naming ``name``: a negative
+    one made every call to the store time out at once, and an infinite one overflowed, both
+    ending a healthy job with a line that blamed the store's holder."""
+    if seconds == math.inf:
+        return 0.0
+    if not 0 <= seconds <= _LONGEST_WAIT:
+        raise ConfigurationError(
+            f"{name} must be a number of seconds >= 0 (0 or inf: never name a rank frozen), "
+            f"got {shown if shown is not None else seconds}"
+        )
+    return float(seconds)
 
 
 def stop_failure_monitor() -> None:
@@ -206,6 +163,15 @@ def stop_failure_monitor() -> None:
         # Still reports: a script's `finally: teardown_training_environment()` runs before
         # its error reaches the exception hook, which asks whether it was the first failure.
         _stopped_monitor, _monitor = _monitor, None
+
+
+def let_others_report(timeout: float = 10.0) -> None:
+    """On the rank whose process holds the job's store (rank 0 without a launcher that
+    holds it), before its process group ends the store: up to ``timeout`` seconds until every
+    other rank has ended its run, reported its failure or seen another's."""
+    monitor = _monitor or _stopped_monitor
+    if monitor is not None and monitor.roster.store_rank == monitor.rank:
+        monitor.wait_for_others(timeout)
 
 
 _exiting = False
@@ -225,10 +191,14 @@ def exiting_on_error() -> bool:
 
 
 def report_rank_failure(exc: BaseException) -> bool:
-    """Report ``exc`` to the other ranks; whether it is the job's first failure (True when
-    not monitoring: a single process's failure is always the one to show)."""
+    """Report ``exc`` to the other ranks; whether it is the job's first failure, the one to
+    show (True when not monitoring: a single process's failure is always the one to show;
+    False once a monitor printed the job's line, say that a rank froze: an error of this
+    rank's after that, a collective's lost connection, follows from it)."""
     monitor = _monitor or _stopped_monitor
-    return monitor.report(exc) if monitor is not None else True
+    if monitor is None:
+        return True
+    return monitor.report(exc) and not monitor.line_said
 
 
 _PRINTED: set[int] = set()
@@ -252,6 +222,9 @@ def print_uncaught(
     if id(exc) in _PRINTED:  # the exception hook and a SIGTERM handler both got here
         return True
     first = report_rank_failure(exc)
+    monitor = _monitor or _stopped_monitor
+    if monitor is not None and monitor.line_said:
+        return True  # a monitor found the cause and printed the job's line
     line = _short_line(exc, first)
     if line is None:
         return False
@@ -267,21 +240,6 @@ def print_uncaught(
         tell_torchrun(line)
     sys.stderr.flush()
     return True
-
-
-def tell_torchrun(line: str) -> None:
-    """Give torchrun's failure summary this rank's line, instead of its "To enable traceback
-    see ..." (the file its ``@record`` decorator would write, with the line as the
-    traceback: the full one is in the file the line names)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    data = {
-        "message": line,
-        "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))},
-    }
-    with contextlib.suppress(OSError):
-        Path(path).write_text(json.dumps({"message": data}))
 
 
 def _short_line(exc: BaseException, first: bool) -> str | None:

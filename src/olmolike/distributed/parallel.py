@@ -72,13 +72,21 @@ class DataParallelConfig(Config):
                 raise self._invalid("num_replicas", f"must be positive, got {self.num_replicas}")
 
     def degrees(
-        self, world_size: int, *, pp: int = 1, cp: int = 1, tp: int = 1, ep: int = 1
+        self,
+        world_size: int,
+        *,
+        pp: int = 1,
+        cp: int = 1,
+        tp: int = 1,
+        ep: int = 1,
+        local_world_size: int | None = None,
     ) -> ParallelDegrees:
         """The run's degrees: the data dimensions take the ranks the other degrees leave.
 
         DDP replicates over all of them (``dp_replicate``); FSDP shards over all of them
         (``dp_shard``); HSDP shards within ``num_replicas`` groups, by default one group per
-        node's worth of data-parallel ranks, so the shard traffic stays on a node's links.
+        node's worth of data-parallel ranks, so the shard traffic stays on a node's links
+        (``local_world_size`` ranks per node; default: this node's, from the launcher).
         Expert parallelism (``ep``) is carved from the ranks FSDP/HSDP shard over.
         """
         if ep > 1 and self.name == DataParallelType.ddp:
@@ -93,7 +101,8 @@ class DataParallelConfig(Config):
         data = ParallelDegrees.resolve(world_size, pp=pp, cp=cp, tp=tp).dp
         if self.name == DataParallelType.ddp:
             return ParallelDegrees.resolve(world_size, pp=pp, dp_replicate=data, cp=cp, tp=tp)
-        per_node = max(1, get_local_world_size() // (cp * tp))
+        local = get_local_world_size() if local_world_size is None else local_world_size
+        per_node = max(1, local // (cp * tp))
         replicas = self.num_replicas or max(1, data // per_node)
         if data % replicas:
             raise ConfigurationError(

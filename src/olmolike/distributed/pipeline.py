@@ -134,7 +134,8 @@ def split_layers(n_layers: int, num_stages: int) -> list[range]:
         raise ConfigurationError(
             f"the model has {n_layers} layers but the pipeline has {num_stages} stages "
             "(degree x stages_per_rank), and every stage needs at least one layer; lower "
-            "pp_config.degree or pp_config.stages_per_rank, or use a deeper model",
+            "train_module.pp_config.degree or train_module.pp_config.stages_per_rank, or use "
+            "a deeper model (model.n_layers)",
             path="train_module.pp_config",
         )
     base, extra = divmod(n_layers, num_stages)

@@ -18,7 +18,13 @@ import logging
 import torch.distributed as dist
 
 from ..exceptions import RankLostError
-from .failure import exiting_on_error, find_lost_ranks, rank_failed, stop_failure_monitor
+from .failure import (
+    exiting_on_error,
+    find_lost_ranks,
+    let_others_report,
+    rank_failed,
+    stop_failure_monitor,
+)
 from .quiesce import wait_for_idle_gloo_workers
 from .utils import barrier_every_group, get_rank, is_distributed
 
@@ -33,13 +39,15 @@ def teardown_distributed(*, every_rank: bool = True) -> None:
     With ``every_rank`` (every rank ends its run too), first a barrier on every group: no
     collective this rank started is still running. Then the rank-failure monitor stops (a
     peer exiting is no longer a failure), every group is destroyed, and the wait for gloo's
-    worker threads to finish releasing their last ops (:mod:`.quiesce`). Pass
+    worker threads to finish releasing their last ops (:mod:`.quiesce`); the rank whose
+    process holds the job's store first waits (briefly) for the others to be done with it. Pass
     ``every_rank=False`` after a failure: other ranks may be gone or stuck, and a barrier
     would fail or wait for the whole timeout. A barrier that fails because a rank died ends
     the groups without it and raises :class:`~olmolike.exceptions.RankLostError` naming it.
     """
     if not is_distributed():
         return
+    rank = get_rank()  # before the groups end: then every process is rank 0
     if every_rank:
         try:
             barrier_every_group()
@@ -48,8 +56,9 @@ def teardown_distributed(*, every_rank: bool = True) -> None:
             lost = find_lost_ranks(e)
             if lost is None:
                 raise
-            raise RankLostError(f"{lost}; rank {get_rank()} was ending its run") from e
+            raise RankLostError(f"{lost}; rank {rank} was ending its run") from e
     stop_failure_monitor()
+    let_others_report()  # if this process holds the job's store, which ends with the group
     dist.destroy_process_group()
     wait_for_idle_gloo_workers()
 

@@ -62,19 +62,35 @@ __all__ = [
 
 
 def check_tensor_parallel_degree(config: TransformerConfig, degree: int) -> None:
-    """Every split dimension must divide evenly by the tensor-parallel degree."""
-    sizes = {"n_heads": config.n_heads, "n_kv_heads": config.kv_heads}
-    if not all(config.is_moe_layer(i) for i in range(config.n_layers)):
-        sizes["mlp hidden size"] = config.hidden_size
-    sizes["vocab_size"] = config.vocab_size
-    for name, size in sizes.items():
-        if size % degree:
-            raise ConfigurationError(
-                f"tensor parallelism over {degree} ranks splits the model's {name} ({size}) "
-                f"evenly, but {degree} does not divide it; choose a tp degree that does "
-                "(pad vocab_size to a multiple of it)",
-                path="train_module.tp_config.degree",
+    """Every split dimension must divide evenly by the tensor-parallel degree; the error
+    names the dimension that does not, and its own fix."""
+    hidden = "mlp_hidden_size" if config.mlp_hidden_size is not None else "mlp_multiple_of"
+    sizes = {
+        "n_heads": (config.n_heads, "model.n_heads"),
+        "n_kv_heads": (config.kv_heads, "model.n_kv_heads"),
+    }
+    if not all(config.is_moe_layer(i) for i in range(config.n_layers)):  # experts: not split
+        sizes["MLP hidden size"] = (config.hidden_size, f"model.{hidden}")
+    sizes["vocab_size"] = (config.vocab_size, "model.vocab_size")
+    for name, (size, field) in sizes.items():
+        if size % degree == 0:
+            continue
+        if name == "vocab_size":
+            padded = -(-size // degree) * degree
+            fix = f"pad model.vocab_size to a multiple of {degree} (e.g. {padded})"
+        elif name == "MLP hidden size" and config.mlp_hidden_size is None:
+            fix = (
+                f"set model.mlp_hidden_size to a multiple of {degree} (or mlp_multiple_of, "
+                f"which rounds it, to one)"
             )
+        else:
+            fix = f"change {field} to a multiple of {degree}"
+        raise ConfigurationError(
+            f"tensor parallelism over {degree} ranks splits the model's {name} ({size}) "
+            f"evenly, but {degree} does not divide it; choose a tp degree that divides {size}, "
+            f"or {fix}",
+            path="train_module.tp_config.degree",
+        )
 
 
 def apply_tensor_parallel(model: Transformer, mesh: DeviceMesh) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import sys
 
 import torch.distributed as dist
 
@@ -17,6 +18,7 @@ from ..distributed.failure import (
     install_error_hook,
     install_exit_on_error,
     rank_failed,
+    report_rank_failure,
     start_failure_monitor,
 )
 from ..distributed.teardown import teardown_at_exit, teardown_distributed
@@ -72,6 +74,7 @@ def prepare_training_environment(
     timeout: datetime.timedelta = datetime.timedelta(minutes=15),
     log_filter_type: LogFilterType | None = None,
     shared_filesystem: bool | None = None,
+    frozen_rank_timeout: datetime.timedelta | None = None,
 ) -> None:
     """Set up logging, the process group (under a launcher such as torchrun) and RNG seeds.
 
@@ -88,6 +91,13 @@ def prepare_training_environment(
         ``rank0_only``).
     :param shared_filesystem: whether local checkpoint/work directories are on a drive shared by
         all nodes (e.g. NFS). Ranks of a single node always share their local filesystem.
+    :param frozen_rank_timeout: how long a rank's heartbeat may be silent before the others
+        name it frozen (stopped, or stuck in uninterruptible I/O) and the job ends, instead of
+        waiting in their collectives for ``timeout`` (default: ``$OLMOLIKE_FROZEN_RANK_TIMEOUT``
+        seconds, else 120 s; zero or infinite: never; negative: refused). The heartbeat comes
+        from a thread that keeps beating while the training thread computes, saves, compiles
+        or sits in a debugger.
+        See docs/failures.md.
     """
     if log_filter_type is not None:  # before anything is set up
         log_filter_type = check_choice(log_filter_type, LogFilterType, "log_filter_type")
@@ -95,8 +105,9 @@ def prepare_training_environment(
     install_error_hook()
     if backend is not None and launched_distributed():
         init_distributed(backend, timeout)
-        start_failure_monitor(get_rank())
-        install_exit_on_error()
+        install_exit_on_error()  # first: the monitor refuses a bad timeout once per job
+        frozen = frozen_rank_timeout.total_seconds() if frozen_rank_timeout is not None else None
+        start_failure_monitor(get_rank(), frozen)
     teardown_at_exit()  # any process group: also when the script never reaches its teardown
     set_shared_filesystem(shared_filesystem)
     setup_logging(log_filter_type)  # after the process group: records carry the rank
@@ -121,11 +132,16 @@ def teardown_training_environment() -> None:
     finish releasing their last ops: one that does so while the interpreter exits aborts the
     process (see :mod:`olmolike.distributed.quiesce`). Nothing that uses a group is left
     running at exit. After this rank failed (a ``finally:`` on the way out of an error), no
-    barrier: the other ranks may be gone.
+    barrier: the other ranks may be gone; the error is reported to the other ranks first,
+    while the job's store still runs (it may end with this rank's group), so that the job's
+    first failing rank alone prints it.
 
     :func:`prepare_training_environment` also registers this to run when the interpreter
     exits, so a script that skips it (``fit()`` raised ``SystemExit(143)`` after a SIGTERM,
     an early ``sys.exit``) still exits with its own status; calling it is still the clean
     way to end a script that goes on without the process groups.
     """
+    failing = sys.exc_info()[1]  # the error a `finally:` around the run is on the way out of
+    if failing is not None and not isinstance(failing, SystemExit):
+        report_rank_failure(failing)
     teardown_distributed(every_rank=not rank_failed())

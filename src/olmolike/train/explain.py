@@ -24,7 +24,7 @@ from ..distributed.failure import find_lost_ranks
 from ..distributed.utils import get_rank
 from ..exceptions import DiskFullError, RankLostError
 
-__all__ = ["describe_interrupt", "explain_failure", "last_checkpoint"]
+__all__ = ["describe_interrupt", "explain_failure", "last_checkpoint", "stopped_at"]
 
 _RESUME = "run the same command again to resume"
 
@@ -52,10 +52,12 @@ def explain_failure(
     lost = find_lost_ranks(exc)
     if lost is None:
         return exc
-    return RankLostError(
-        f"{lost}; rank {get_rank()} stopped at step {step}; {last_checkpoint(save_folder)}: "
-        f"{_RESUME}"
-    )
+    return RankLostError(f"{lost}; {stopped_at(step, save_folder)}")
+
+
+def stopped_at(step: int, save_folder: str) -> str:
+    """Where this rank stopped, and what a resume starts from, as a phrase."""
+    return f"rank {get_rank()} stopped at step {step}; {last_checkpoint(save_folder)}: {_RESUME}"
 
 
 def describe_interrupt(exc: BaseException, step: int, save_folder: str) -> str:
@@ -65,8 +67,12 @@ def describe_interrupt(exc: BaseException, step: int, save_folder: str) -> str:
     saving = isinstance(exc, SaveFailedError) or bool(
         frames & {"save", "save_async", "save_checkpoint", "save_checkpoint_async", "_save"}
     )
-    what = f"a checkpoint save at step {step} (left incomplete)" if saving else f"step {step}"
-    return f"second SIGINT during {what}; {last_checkpoint(save_folder)}: {_RESUME}"
+    last = last_checkpoint(save_folder)
+    what = f"step {step}"
+    if saving:  # another rank may have committed it before the SIGINT reached this one
+        done = last.endswith(f"/step{step}")
+        what = f"a checkpoint save at step {step}" + ("" if done else " (left incomplete)")
+    return f"second SIGINT during {what}; {last}: {_RESUME}"
 
 
 def _disk_full(exc: SaveFailedError) -> bool:

@@ -9,22 +9,25 @@ made for the trainer. It gets the components and functions it calls, never the t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from ..distributed.failure import report_rank_failure
+from ..distributed.failure import report_rank_failure, set_failure_context
 from ..distributed.utils import destroy_group, is_distributed
 from ..exceptions import OLMoLikeError
 from .background_ops import BookkeepingRunner
 from .cancellation import CancelCoordinator, log_failure
 from .checkpoint.run import RunCheckpoints
-from .explain import explain_failure
+from .explain import explain_failure, stopped_at
 from .step_results import StepResults
 
 __all__ = ["RunScope"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -66,10 +69,14 @@ class RunScope:
                 "the process groups it made; build a new trainer to train or evaluate again"
             )
         self.error = None
+        # For the line of a rank that the failure monitor ends (another rank froze).
+        set_failure_context(lambda: stopped_at(self.step(), self.save_folder))
         try:
             yield
         except BaseException as exc:
             self.cancel.error = exc
+            if self.cancel.aborted:
+                self._settle_saves()
             self.error = explain_failure(
                 exc, self.step(), self.save_folder, interrupted=self.cancel.aborted
             )
@@ -79,7 +86,20 @@ class RunScope:
                 raise self.error from exc
             raise
         finally:
-            self._close()
+            try:
+                self._close()
+            finally:
+                set_failure_context(None)
+
+    def _settle_saves(self) -> None:
+        """After a second Ctrl-C, before the line that names the newest complete checkpoint
+        is composed: the saves in flight finish (every rank waits for its own, so none
+        leaves another's agreement short) or fail. Before, a save could commit after the
+        line named an older checkpoint. A further Ctrl-C stops waiting."""
+        try:
+            self.step_results.settle_saves()
+        except KeyboardInterrupt:
+            log.info("Stopped waiting for the checkpoint saves in flight (another SIGINT)")
 
     def _report(self, exc: BaseException) -> None:
         first = report_rank_failure(exc)  # a later rank's failure follows from the first's

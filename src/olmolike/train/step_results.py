@@ -126,6 +126,12 @@ class StepResults:
                 raise error
             self.hooks("post_checkpoint_saved", path)
 
+    def settle_saves(self) -> None:
+        """Wait until every save in flight has finished or failed, delivering nothing (the
+        run is aborting): then the save folder's newest marked checkpoint is final, and a
+        line that names it stays true."""
+        futures_wait([future for _, future in self.pending_saves])
+
     def _saves_done(self) -> int:
         """How many saves of this run have finished on this rank so far."""
         done = self.saves_taken

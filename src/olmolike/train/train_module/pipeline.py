@@ -47,6 +47,7 @@ from ...exceptions import ConfigurationError
 from ...nn.functional import cross_entropy_loss
 from ...nn.moe import aux_loss_weight
 from ...nn.transformer import Transformer
+from ...nn.transformer_config import TransformerConfig
 from ...nn.transformer_stage import TransformerParts, TransformerStage
 from ..common import ReduceType
 from .train_module import agree_counts, microbatch_rows
@@ -57,7 +58,7 @@ from .transformer import (
     _pipelined,
 )
 
-__all__ = ["PipelineTransformerTrainModule"]
+__all__ = ["PipelineTransformerTrainModule", "check_pipeline"]
 
 
 def _group_key(index: int, group: dict[str, Any]) -> Any:
@@ -70,6 +71,31 @@ log = logging.getLogger(__name__)
 
 _CACHED_SCHEDULES = 4
 """Schedules kept for reuse; each holds receive buffers for one micro-batch shape."""
+
+
+def check_pipeline(config: TransformerTrainModuleConfig, model: TransformerConfig, tp: int) -> None:
+    """What a pipeline of ``config.pp_config`` refuses for ``model`` with ``tp``-way tensor
+    parallelism: no process group needed, so it is said before any is made."""
+    assert config.pp_config is not None
+    if model.tie_weights:
+        raise ConfigurationError(
+            "tie_weights shares the embedding with the output head, but they live on the "
+            "first and last pipeline stages; set model.tie_weights=false to pipeline",
+            path="model.tie_weights",
+        )
+    split_layers(model.n_layers, config.pp_config.num_stages)  # too few layers?
+    if tp > 1 and model.max_sequence_length % tp:
+        # The stages pass each rank an equal sequence shard: every sequence is padded to a
+        # multiple of tp, which must still fit the model's positions.
+        padded = -(-model.max_sequence_length // tp) * tp
+        raise ConfigurationError(
+            f"under pipeline parallelism every sequence is padded to a multiple of the "
+            f"tensor-parallel degree ({tp}), so one of max_sequence_length "
+            f"({model.max_sequence_length}) tokens would become {padded}, longer than the "
+            f"model's positions; set model.max_sequence_length to a multiple of {tp} "
+            f"(e.g. {padded})",
+            path="model.max_sequence_length",
+        )
 
 
 class PipelineTransformerTrainModule(TransformerTrainModule):
@@ -125,14 +151,8 @@ class PipelineTransformerTrainModule(TransformerTrainModule):
                 f"{type(model).__name__}",
                 path="train_module.pp_config",
             )
-        if model.config.tie_weights:
-            raise ConfigurationError(
-                "tie_weights shares the embedding with the output head, but they live on the "
-                "first and last pipeline stages; set model.tie_weights=false to pipeline",
-                path="model.tie_weights",
-            )
-        assert config.pp_config is not None
-        split_layers(model.config.n_layers, config.pp_config.num_stages)  # too few layers?
+        tp = config.tp_config.degree if config.tp_config is not None else 1
+        check_pipeline(config, model.config, tp)
 
     def _place(self, model: Transformer, dp: DataParallelConfig | None) -> None:
         """Put the stages on the device, shard each over the data dimensions (every stage is

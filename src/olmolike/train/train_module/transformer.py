@@ -149,21 +149,42 @@ class TransformerTrainModuleConfig(Config):
         if not 0.0 <= self.label_smoothing < 1.0:
             raise self._invalid("label_smoothing", "must be in [0, 1)")
 
-    def parallel_degrees(self, world_size: int | None = None) -> ParallelDegrees:
-        """How many ranks each parallelism spans on ``world_size`` ranks (default: the run's).
+    def parallel_degrees(
+        self, world_size: int | None = None, *, local_world_size: int | None = None
+    ) -> ParallelDegrees:
+        """How many ranks each parallelism spans on ``world_size`` ranks (default: the run's),
+        ``local_world_size`` of them per node (default: this node's).
 
         :raises ConfigurationError: degrees that do not multiply to the world size.
         """
         world = get_world_size() if world_size is None else world_size
         dp = self.dp_config or DataParallelConfig(name=DataParallelType.ddp)
         pp = _degree(self.pp_config)
-        return dp.degrees(
-            world,
-            pp=pp,
-            cp=_degree(self.cp_config),
-            tp=_degree(self.tp_config),
-            ep=_degree(self.ep_config),
-        )
+        try:
+            return dp.degrees(
+                world,
+                pp=pp,
+                cp=_degree(self.cp_config),
+                tp=_degree(self.tp_config),
+                ep=_degree(self.ep_config),
+                local_world_size=local_world_size,
+            )
+        except ConfigurationError as e:  # name the fields in full, as other errors do
+            if e.path:  # one of dp_config's
+                raise e.under("train_module.dp_config") from None
+            set_ = [
+                f"train_module.{name}_config.degree"
+                for name, config in (
+                    ("pp", self.pp_config),
+                    ("cp", self.cp_config),
+                    ("tp", self.tp_config),
+                    ("ep", self.ep_config),
+                )
+                if _degree(config) > 1
+            ]
+            if len(set_) != 1:
+                raise ConfigurationError(e.reason, path="train_module") from None
+            raise ConfigurationError(e.reason, path=set_[0]) from None
 
     def build(
         self,
