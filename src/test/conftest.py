@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +50,18 @@ _share_the_cores()
 
 
 @pytest.fixture(autouse=True)
-def _reset_root_logging() -> None:
-    """Keep a test's logging set-up from leaking into the next one."""
-    logging.getLogger().setLevel(logging.INFO)
+def _reset_root_logging() -> Iterator[None]:
+    """Keep a test's logging set-up from leaking into the next one: its level, and a handler
+    it installed (``setup_logging`` in the test's process writes to the stderr pytest captured
+    for that test, closed once it ends: a later test's log line then printed a "Logging error"
+    traceback into that test's stderr, which one-line checks count; seen in the full suite)."""
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    before = set(root.handlers)
+    yield
+    for handler in list(root.handlers):
+        if handler not in before and not type(handler).__module__.startswith("_pytest"):
+            root.removeHandler(handler)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

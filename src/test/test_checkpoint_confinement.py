@@ -73,7 +73,8 @@ def outside(folder: Path, how: str) -> None:
 
 REFUSALS = {
     "../ name": r"names a shard file '\.\./\.\./elsewhere.*not a plain file name inside",
-    "absolute name": r"names a shard file '/.*elsewhere.*not a plain file name inside",
+    # (a long name is cut short in the line: the tmp path's length decides where)
+    "absolute name": r"names a shard file '/.*not a plain file name inside",
     "symbolic link": r"symbolic link",
 }
 

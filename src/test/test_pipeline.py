@@ -278,7 +278,10 @@ def test_too_few_layers_is_refused_with_the_fix() -> None:
         rank_microbatch_size=SEQ_LEN,
         pp_config=PipelineParallelConfig(degree=2, schedule="interleaved_1f1b", stages_per_rank=4),
     )
-    with pytest.raises(ConfigurationError, match=r"lower pp_config\.degree or pp_config\.stages"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"lower train_module\.pp_config\.degree or train_module\.pp_config\.stages",
+    ):
         config.build(model_config().build(init_device="meta"))
 
 
