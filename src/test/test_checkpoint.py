@@ -252,7 +252,7 @@ def test_fine_tune_from_weights_only(tmp_path: Path) -> None:
         load_trainer_state=False,
         load_optim_state=False,
     )
-    trainer._load_on_start()
+    trainer._checkpoints.resume(trainer.load_checkpoint)
     assert trainer.checkpoint_loaded and trainer.global_step == 0
     assert all(torch.equal(a, b) for a, b in zip(params(trainer), params(source)))
     assert trainer.train_module.optim.state == {}  # type: ignore[attr-defined]
@@ -307,7 +307,7 @@ def test_load_path_over_http_as_an_archive(tmp_path: Path) -> None:
         trainer = build_trainer(
             tmp_path / "new", num_instances=48, max_duration=Duration.steps(3), load_path=url
         )
-        trainer._load_on_start()
+        trainer._checkpoints.resume(trainer.load_checkpoint)
     finally:
         server.shutdown()
         server.server_close()

@@ -18,7 +18,7 @@ from ..config import check_choice_fields
 from ..data.data_loader import DataLoaderBase
 from ..distributed.utils import get_rank, get_world_size, is_distributed
 from ..exceptions import ConfigurationError, DataError
-from ..utils import get_rng_state, move_to_device, set_rng_state
+from ..utils import move_to_device
 from . import durations
 from .background_ops import BookkeepingRunner, build_bookkeeping
 from .callbacks.callback import CALLBACK_HOOKS, Callback
@@ -39,14 +39,13 @@ from .metric_buffer import MetricBuffer, _record_ce_loss, _record_metric, metric
 from .run_scope import RunScope
 from .step_results import StepResults
 from .train_module import TrainModule
+from .trainer_state import TrainerStateDict, load_trainer_state_dict, trainer_state_dict
 
 __all__ = ["Trainer", "TrainerStateDict"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-CPU = torch.device("cpu")
-TrainerStateDict = dict[str, Any]
 ALL_HOOKS = CALLBACK_HOOKS + EXTRA_HOOKS
 
 
@@ -171,7 +170,9 @@ class Trainer:
             runner=self._bookkeeping,
             cancel=self._cancel,
             hooks=self._hooks,
-            device=self.device if is_distributed() and not self.async_bookkeeping else CPU,
+            device=self.device
+            if is_distributed() and not self.async_bookkeeping
+            else torch.device("cpu"),
             metrics_collect_interval=self.metrics_collect_interval,
             cancel_check_interval=self.cancel_check_interval,
             train_timeout_seconds=self.train_timeout_seconds,
@@ -376,31 +377,11 @@ class Trainer:
 
     def state_dict(self) -> TrainerStateDict:
         """Trainer state (not model or optimizer): counters, data position, RNG, callbacks."""
-        return {
-            "global_step": self.global_step,
-            "global_train_tokens_seen": self.global_train_tokens_seen,
-            "global_train_petaflops": self.global_train_petaflops,
-            "epoch": self.epoch,
-            "world_size": get_world_size(),
-            "data_loader": self.data_loader.state_dict(),
-            "rng": get_rng_state(),
-            "callbacks": {name: cb.state_dict() for name, cb in self.callbacks.items()},
-        }
+        return trainer_state_dict(self)
 
     def load_state_dict(self, state_dict: TrainerStateDict) -> None:
         """Restore trainer state saved by :meth:`state_dict`."""
-        self.global_step = state_dict["global_step"]
-        self.global_train_tokens_seen = state_dict["global_train_tokens_seen"]
-        self.global_train_petaflops = state_dict["global_train_petaflops"]
-        self.epoch = state_dict["epoch"]
-        self.data_loader.load_state_dict(state_dict["data_loader"])
-        if state_dict.get("world_size", get_world_size()) == get_world_size():
-            set_rng_state(state_dict["rng"])
-        else:
-            log.warning("World size changed since the checkpoint: RNG states are not restored")
-        for name, cb_state in state_dict.get("callbacks", {}).items():
-            if name in self.callbacks:
-                self.callbacks[name].load_state_dict(cb_state)
+        load_trainer_state_dict(self, state_dict)
 
     # -- checkpoints and files ---------------------------------------------------------------
 
@@ -495,9 +476,6 @@ class Trainer:
         )
         return True
 
-    def _load_on_start(self) -> None:
-        self._checkpoints.resume(self.load_checkpoint)
-
     def write_file(self, name: str, contents: str | bytes, dir: str | Path | None = None) -> str:
         """Write ``contents`` to ``name`` under ``dir`` (default: the save folder)."""
         return io.write_file(dir or self.save_folder, name, contents, overwrite=self.save_overwrite)
@@ -519,7 +497,7 @@ class Trainer:
     def fit(self) -> None:
         """Train until ``max_duration`` or ``hard_stop`` is reached or the run is canceled."""
         with self._cancel.signals_cancel(), self._scope.running():
-            self._load_on_start()
+            self._checkpoints.resume(self.load_checkpoint)
             self._stop_step()  # an unknown step count is a clear error now, not mid-run
             self._fit()
         exit_if_signaled(self._cancel.reason, self.global_step, self.save_folder)
