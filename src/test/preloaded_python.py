@@ -266,6 +266,11 @@ def _run(request: dict[str, Any], fds: list[int], base_path: list[str]) -> None:
     mode, target, args = request["mode"], request["target"], request["args"]
     first = {"-c": "", "-m": os.getcwd()}.get(mode, os.path.dirname(os.path.realpath(target)))
     sys.path[:] = [first, *extra, *base_path]
+    if any(os.path.isfile(os.path.join(p, "sitecustomize.py")) for p in extra):
+        # As the interpreter's start imports it (a test's hook into every process of a job:
+        # kill_points); an error in it fails the command.
+        sys.modules.pop("sitecustomize", None)
+        __import__("sitecustomize")
     code = 0
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = __builtins__
