@@ -197,6 +197,7 @@ def launch_nodes(script: Path, url: str, work: Path, steps: int) -> list[str]:
         nproc_per_node=1,
         env={"TEST_FSSPEC_CONF": json.dumps(store_settings())},
         timeout=240,
+        preloaded=True,  # about the store and the launch, not how an interpreter starts
     )
 
 
