@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from testutils import Crash, CrashAtStep, build_trainer
+from testutils import Crash, CrashAtStep, build_trainer, preloaded_sinks
 
 from olmolike.exceptions import ConfigurationError
 from olmolike.train import Duration, Trainer
@@ -25,6 +25,12 @@ from aim.sdk.index_manager import RepoIndexManager
 pytestmark = pytest.mark.timeout(600)  # a hang guard: Aim starts slowly on a busy machine
 
 Points = list[tuple[int, float]]
+
+
+@pytest.fixture(autouse=True)
+def forked_sinks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Aim sinks run forked from the preloaded server, not in a fresh interpreter."""
+    preloaded_sinks(monkeypatch)
 
 
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from testutils import build_trainer, patient
+from testutils import build_trainer, patient, preloaded_sinks
 
 from olmolike.exceptions import ConfigurationError
 from olmolike.train import Duration, Trainer
@@ -30,6 +30,12 @@ def quiet_offline_wandb(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
     monkeypatch.delenv("WANDB_MODE", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def forked_sinks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The W&B sinks run forked from the preloaded server, not in a fresh interpreter."""
+    preloaded_sinks(monkeypatch)
 
 
 def train(save: Path, steps: int, callback: WandBCallback, **kwargs: Any) -> Trainer:
