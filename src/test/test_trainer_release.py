@@ -9,7 +9,7 @@ import gc
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -71,6 +71,7 @@ def test_staging_buffers_are_freed_when_their_save_does_not_happen(
     """Buffers are prepared at step 3 for the save at step 4. With saves switched off at step 4
     (a NaN loss, seen by the stability monitor) they are freed right away; after an error
     at step 4, or with ``keep_staging_buffers``, they are freed when the trainer is done."""
+    existing = set(threading.enumerate())
     staged = staged_copies(monkeypatch)
     callbacks: dict[str, Callback] = {
         "checkpointer": CheckpointerCallback(
@@ -92,7 +93,7 @@ def test_staging_buffers_are_freed_when_their_save_does_not_happen(
             trainer.fit()
     else:
         trainer.fit()
-    thread_names()  # after an error the writer thread is stopped without waiting: let it end
+    thread_names(existing)  # after an error the writer is stopped without waiting: let it end
     assert_freed(staged)
 
 
@@ -110,13 +111,15 @@ class RecordsClose(Callback):
         self.closed.append(True)
 
 
-def thread_names() -> list[str]:
+def thread_names(existing: Collection[threading.Thread] = ()) -> list[str]:
     """This process's threads, but those of which it has one anyway. Workers told to stop
-    without waiting (after an error nothing waits for a peer) are given time to end."""
+    without waiting (after an error nothing waits for a peer) are given time to end; those in
+    ``existing`` (alive before the test: an earlier test's, in a pytest worker) are not waited
+    for, which cost a test in the suite its whole ``patient(10)``."""
     threads = [t for t in threading.enumerate() if not t.name.startswith(PROCESS_WIDE)]
     deadline = time.monotonic() + patient(10)
     for thread in threads:
-        if thread.name.startswith(("bookkeeping-", "checkpoint-")):
+        if thread.name.startswith(("bookkeeping-", "checkpoint-")) and thread not in existing:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
     return sorted(t.name for t in threads if t.is_alive())
 
@@ -124,7 +127,8 @@ def thread_names() -> list[str]:
 def test_a_close_hook_that_raises_still_releases_everything(tmp_path: Path) -> None:
     """The lease is released, the heartbeat and bookkeeping threads end, and the other
     callbacks are closed too: a second trainer on the folder runs in the same process."""
-    threads_before = thread_names()
+    existing = set(threading.enumerate())
+    threads_before = thread_names(existing)
     recorder = RecordsClose()
     trainer = build_trainer(
         tmp_path,
@@ -135,7 +139,7 @@ def test_a_close_hook_that_raises_still_releases_everything(tmp_path: Path) -> N
     with pytest.raises(RuntimeError, match="close failed"):
         trainer.fit()
     assert recorder.closed == [True]
-    assert thread_names() == threads_before  # no lease-heartbeat, no bookkeeping threads
+    assert thread_names(existing) == threads_before  # no lease-heartbeat, no bookkeeping threads
     second = build_trainer(tmp_path, max_duration=Duration.steps(4))
     second.fit()  # not refused with SaveFolderInUseError naming this very process
     assert second.global_step == 4
