@@ -71,19 +71,30 @@ def launch_two_nodes(
     nproc_per_node: int,
     env: dict[str, str] | None = None,
     timeout: float = 300,
+    preloaded: bool = False,
 ) -> list[str]:
     """Run a job of two nodes on this machine: one ``torchrun --nnodes=2`` per node with a
     c10d rendezvous on 127.0.0.1, node ``n`` running ``node_args(n)`` (the script and its
     arguments) on ``nproc_per_node`` ranks, with ``env`` added. Each node's output, in node
-    order; a node that fails fails the test with the end of its output."""
+    order; a node that fails fails the test with the end of its output. ``preloaded``: the
+    launchers and ranks run under :func:`preloaded_python.torchrun` (~0.2 CPU s each instead
+    of a fresh interpreter's ~6)."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2"]
     rendezvous = ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes"]
+
+    def torchrun(node: int) -> list[str]:
+        options = ["--nnodes=2", f"--nproc_per_node={nproc_per_node}", f"--node_rank={node}"]
+        if preloaded:
+            import preloaded_python
+
+            return preloaded_python.torchrun(*options, *rendezvous)
+        return [sys.executable, "-m", "torch.distributed.run", *options, *rendezvous]
+
+    launchers = [torchrun(node) for node in range(2)]  # the server's path now in os.environ
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     nodes = [
         subprocess.Popen(
-            [*torchrun, f"--nproc_per_node={nproc_per_node}", f"--node_rank={node}", *rendezvous,
-             *node_args(node)],
+            [*launchers[node], *node_args(node)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )
         for node in range(2)
