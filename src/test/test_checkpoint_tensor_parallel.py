@@ -111,14 +111,14 @@ def run_every_case(root: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def spawned(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str | None]]:
+def spawned() -> dict[str, tuple[Path, str | None]]:
     """Per backend: the folder of one spawned group that ran every case, and how it ended
     (None: every rank exited cleanly). Spawned (not forked from the tests' server): the ranks
     end as an interpreter does, where a gloo worker left releasing DTensor's work aborts."""
     return {}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # the first test of a backend runs every case
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "take_step_before_checkpoint",
