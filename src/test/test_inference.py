@@ -7,11 +7,11 @@ import json
 import shlex
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import preloaded_python
 import pytest
 import torch
 from testutils import patient
@@ -288,13 +288,9 @@ def test_cli_generate_split_without_a_launcher_says_how_and_that_command_samples
     assert error.startswith("error: tp: splits the model over 2 ranks: start them with ")
     command = shlex.split(error.split("start them with ", 1)[1])
     assert command[:3] == ["olmolike", "generate", "--nproc-per-node=2"]
-    # ``olmolike`` is ``python -m olmolike`` (olmolike.cli:main both): run under the preloaded
-    # stand-in, the launcher costs no fresh interpreter (its ranks still start as it starts them).
+    olmolike = str(Path(sys.executable).with_name("olmolike"))
     split = subprocess.run(
-        [*preloaded_python.command(), "-m", "olmolike", *command[1:]],
-        capture_output=True,
-        text=True,
-        timeout=patient(180),
+        [olmolike, *command[1:]], capture_output=True, text=True, timeout=patient(180)
     )
     assert split.returncode == 0, split.stderr
     assert split.stdout == alone
