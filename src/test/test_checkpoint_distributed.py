@@ -42,10 +42,16 @@ def run(
     steps: int = STEPS,
     cancel_at: int | None = None,
     load_path: str | None = None,
+    no_checkpoints: bool = False,
 ) -> dict[str, Any]:
     record = Record(cancel_at=cancel_at)
     trainer = build_trainer(
-        save, num_instances=48, fsdp=fsdp, max_duration=Duration.steps(steps), load_path=load_path
+        save,
+        num_instances=48,
+        fsdp=fsdp,
+        max_duration=Duration.steps(steps),
+        load_path=load_path,
+        no_checkpoints=no_checkpoints,
     )
     trainer.add_callback("record", record)
     trainer.fit()
@@ -58,11 +64,26 @@ def run(
     }
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The uninterrupted run of ``STEPS`` steps (saving nothing) with DDP or FSDP2, each run
+    once for the tests that compare with it."""
+    runs: dict[bool, list[dict[str, Any]]] = {}
+
+    def get(fsdp: bool) -> list[dict[str, Any]]:
+        if fsdp not in runs:
+            save = str(tmp_path_factory.mktemp("full"))
+            runs[fsdp] = run_distributed_test(run, args=(save, fsdp, STEPS, None, None, True))
+        return runs[fsdp]
+
+    return get
+
+
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
 def test_interrupted_and_resumed_run_matches_the_uninterrupted_one(
-    tmp_path: Path, fsdp: bool
+    tmp_path: Path, fsdp: bool, uninterrupted: Any
 ) -> None:
-    full = run_distributed_test(run, args=(str(tmp_path / "full"), fsdp))
+    full = uninterrupted(fsdp)
     first = run_distributed_test(run, args=(str(tmp_path / "split"), fsdp, STEPS, 4))
     assert Checkpointer.latest_checkpoint(tmp_path / "split").endswith("step4")
     second = run_distributed_test(run, args=(str(tmp_path / "split"), fsdp))
@@ -127,10 +148,12 @@ def killed_run(save: str) -> None:
     trainer.fit()
 
 
-def test_sigkill_after_a_checkpoint_then_resume_with_fsdp2(tmp_path: Path) -> None:
+def test_sigkill_after_a_checkpoint_then_resume_with_fsdp2(
+    tmp_path: Path, uninterrupted: Any
+) -> None:
     from testutils import run_distributed
 
-    full = run_distributed_test(run, args=(str(tmp_path / "full"), True))
+    full = uninterrupted(True)
     outcomes = run_distributed(killed_run, args=(str(tmp_path / "split"),))
     assert [o.exitcode for o in outcomes] == [-9, -9]
     assert Checkpointer.latest_checkpoint(tmp_path / "split").endswith("step4")

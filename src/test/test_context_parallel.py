@@ -197,7 +197,9 @@ def train(
     record = Record()
     callbacks: dict[str, Callback] = {"record": record}
     if save_interval is not None:
-        callbacks["checkpointer"] = CheckpointerCallback(save_interval=save_interval)
+        callbacks["checkpointer"] = CheckpointerCallback(
+            save_interval=save_interval, pre_train_checkpoint=False
+        )
     TrainerConfig(
         save_folder=str(save),
         max_duration=Duration.steps(steps),

@@ -146,7 +146,9 @@ def train(
     record = Record()
     callbacks: dict[str, Callback] = {"record": record}
     if save_folder is not None:
-        callbacks["checkpointer"] = CheckpointerCallback(save_interval=2)
+        callbacks["checkpointer"] = CheckpointerCallback(
+            save_interval=2, pre_train_checkpoint=False
+        )
         tokenizer = TokenizerConfig().as_config_dict()
         config = {"model": model.as_config_dict(), "tokenizer": tokenizer}
         callbacks["config_saver"] = ConfigSaverCallback(config=config)

@@ -72,8 +72,13 @@ def model_config(hf_dir: str) -> TransformerConfig:
 
 
 def run(
-    hf_dir: str, init_weights: str, save_folder: str, layout: dict[str, Any] | None = None
+    hf_dir: str,
+    init_weights: str,
+    save_folder: str,
+    layout: dict[str, Any] | None = None,
+    save: bool = False,
 ) -> Probe:
+    """``save``: a checkpoint at the last step (the one other runs load), else none."""
     module = TransformerTrainModuleConfig(
         rank_microbatch_size=2 * SEQ_LEN,
         optim=AdamWConfig(lr=1e-2),
@@ -90,12 +95,18 @@ def run(
         dp_rank=get_rank(group),
     )
     probe = Probe()
+    callbacks: dict[str, Callback] = {"probe": probe}
+    if save:
+        callbacks["checkpointer"] = CheckpointerCallback(
+            save_interval=STEPS, pre_train_checkpoint=False
+        )
     TrainerConfig(
         save_folder=save_folder,
         max_duration=Duration.steps(STEPS),
         metrics_collect_interval=1,
         device="cpu",
-        callbacks={"probe": probe, "checkpointer": CheckpointerCallback(save_interval=STEPS)},
+        callbacks=callbacks,
+        no_checkpoints=not save,
     ).build(module, loader, dp_process_group=group).fit()
     return probe
 
@@ -117,7 +128,7 @@ def test_hf_weights_load_into_tp_and_pp_layouts_as_into_one_process(tmp_path: Pa
     hf_dir = str(tmp_path / "hf")
     save_hf_model(tmp_path / "hf", "olmo2", vocab_size=VOCAB, eos_token_id=VOCAB - 1)
     hf_state = load_hf_model(hf_dir).state_dict()
-    one = run(hf_dir, hf_dir, str(tmp_path / "one"))
+    one = run(hf_dir, hf_dir, str(tmp_path / "one"), save=True)
     checkpoint = str(tmp_path / "one" / f"step{STEPS}")
     trained = run(hf_dir, checkpoint, str(tmp_path / "again")).held
     per_rank = run_distributed_test(_layouts, 4, args=(hf_dir, checkpoint), timeout=540)

@@ -122,7 +122,9 @@ def train(
     record = Record()
     callbacks: dict[str, Callback] = {"record": record}
     if save_folder is not None:
-        callbacks["checkpointer"] = CheckpointerCallback(save_interval=2)
+        callbacks["checkpointer"] = CheckpointerCallback(
+            save_interval=2, pre_train_checkpoint=False
+        )
     trainer = TrainerConfig(
         save_folder=save_folder or broadcast_object(tempfile.mkdtemp()),
         metrics_collect_interval=collect,

@@ -80,13 +80,16 @@ def _experiment(tmp_path: Path) -> Path:
 
 
 def _launch(script: Path, experiment: Path, overrides: list[str], work: Path) -> list[str]:
-    """Both nodes' output; each node is one ``torchrun`` with two ranks."""
+    """Both nodes' output; each node is one ``torchrun`` with two ranks, launcher and ranks
+    forked from the preloaded server (the test is about the layout and the resume, not how an
+    interpreter starts)."""
     return launch_two_nodes(
         lambda node: [
             str(script), str(experiment), *overrides, f"--trainer.work_dir={work / f'node{node}'}"
         ],
         nproc_per_node=2,
         env={"OLMOLIKE_SHARED_FILESYSTEM": "1"},
+        preloaded=True,
     )  # fmt: skip
 
 

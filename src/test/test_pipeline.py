@@ -154,7 +154,9 @@ def train(
             eval_on_finish=True,
         )
     if save_interval is not None:
-        callbacks["checkpointer"] = CheckpointerCallback(save_interval=save_interval)
+        callbacks["checkpointer"] = CheckpointerCallback(
+            save_interval=save_interval, pre_train_checkpoint=False
+        )
     trainer = TrainerConfig(
         save_folder=save_folder,
         metrics_collect_interval=1,
@@ -318,7 +320,7 @@ def _two_rank_cases(single_checkpoint: str, eval_data: str) -> dict[str, Any]:
     # Stop after step 2 (a checkpoint), then resume in a new trainer to the end.
     folder = broadcast_object(tempfile.mkdtemp())
     train(folder, steps=2, pp=pp, save_interval=2)
-    out["resumed"] = train(folder, pp=pp, save_interval=2)
+    out["resumed"] = train(folder, pp=pp)  # resumes from the folder; saves nothing more
     out["pp_checkpoint"] = f"{folder}/step2"
     try:  # a trainer over all ranks would give the two stages different batches
         train(broadcast_object(tempfile.mkdtemp()), pp=pp, dp_group_for_trainer=False)

@@ -7,11 +7,11 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import preloaded_python
 import pytest
 import testutils
 import torch
@@ -414,14 +414,19 @@ def test_cli_reports_errors_with_exit_code_2(
 
 # -- memory ------------------------------------------------------------------------------------
 
-# Runs in a fresh process, so that nothing the tests above allocated counts. It measures the
-# peak RSS (VmHWM) one unshard adds. Not ``getrusage().ru_maxrss``: a child inherits its
+# Runs in a process of its own (a preloaded command: forked from a server that imported torch
+# and olmolike and ran no test), so that nothing the tests above allocated counts. It measures
+# the peak RSS (VmHWM) one unshard adds. Not ``getrusage().ru_maxrss``: a child inherits its
 # parent's peak through fork and exec, so in a child of pytest it starts at pytest's peak
 # (hundreds of MiB) and can't see a 32 MiB model. The peak is reset through clear_refs after
 # a warm-up unshard of a tiny checkpoint, whose first-use costs (lazy imports: FakeTensorMode
-# alone adds ~28 MiB the first time) are no data.
+# alone adds ~28 MiB the first time) are no data. glibc's mmap threshold is fixed with
+# mallopt (M_MMAP_THRESHOLD = -3), as MALLOC_MMAP_THRESHOLD_ fixes it in a process that glibc
+# starts (a forked one keeps its server's allocator).
 CHILD = """
-import json, sys
+import ctypes, json, sys
+libc = ctypes.CDLL(None)
+libc.mallopt(-3, 65536)
 from olmolike.distributed.unshard import UnshardStrategy, unshard_checkpoint
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -439,6 +444,7 @@ else:
         source, target, unshard_strategy=strategy, quiet=True, **options
     )
 run(warm, out + "-warm")
+libc.malloc_trim(0)  # free heap pages (the server's among them) leave RSS: reuse shows
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # VmHWM := VmRSS
 before = peak_rss()
@@ -471,7 +477,15 @@ def peak_growth(checkpoints: tuple[Path, Path], out: Path, options: Any) -> int:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     warm, big = checkpoints
     result = subprocess.run(
-        [sys.executable, "-c", CHILD, str(warm), str(big), str(out), json.dumps(options)],
+        [
+            *preloaded_python.command(),
+            "-c",
+            CHILD,
+            str(warm),
+            str(big),
+            str(out),
+            json.dumps(options),
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -499,8 +513,9 @@ def peak_growth(checkpoints: tuple[Path, Path], out: Path, options: Any) -> int:
 def test_unsharding_streams_one_tensor_at_a_time(
     big_checkpoints: tuple[Path, Path], tmp_path: Path, options: dict[str, Any]
 ) -> None:
-    # Streaming holds about two copies of the largest tensor (DCP reads a stored tensor, then
-    # copies it into the one we asked for): 8 MiB, measured 7.8-8.0. Holding the model would
+    # Streaming holds at most two copies of the largest tensor (DCP reads a stored tensor, then
+    # copies it into the one we asked for): up to 8 MiB (measured 4.2-4.4 MiB, in a fresh
+    # interpreter as under the preloaded stand-in). Holding the model would
     # add at least its 32 MiB (the control below measures that); half of it divides the two.
     growth = peak_growth(big_checkpoints, tmp_path / "out", options)
     assert growth < MODEL_BYTES // 2

@@ -346,18 +346,22 @@ def test_train_lm_starts_from_an_hf_folder(tmp_path: Path) -> None:
 # -- two ranks ---------------------------------------------------------------------------
 
 
-def _load_on_ranks(source: str, dp: str) -> dict[str, torch.Tensor]:
+def _load_on_ranks(sources: list[str], dp: str) -> list[dict[str, torch.Tensor]]:
+    """Each source loaded into a fresh model (seeded apart on each rank) under ``dp``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from olmolike.distributed.parallel import apply_ddp, apply_fsdp
 
-    model: torch.nn.Module = config_of_source(source).build(seed=10 + get_rank())
-    if dp == "fsdp":
-        apply_fsdp(model, init_device_mesh("cpu", (get_world_size(),)))
-    else:
-        model = apply_ddp(model)
-    load_pretrained_weights(model, source)
-    return state_of(model)
+    states = []
+    for source in sources:
+        model: torch.nn.Module = config_of_source(source).build(seed=10 + get_rank())
+        if dp == "fsdp":
+            apply_fsdp(model, init_device_mesh("cpu", (get_world_size(),)))
+        else:
+            model = apply_ddp(model)
+        load_pretrained_weights(model, source)
+        states.append(state_of(model))
+    return states
 
 
 def config_of_source(source: str) -> TransformerConfig:
@@ -365,19 +369,33 @@ def config_of_source(source: str) -> TransformerConfig:
     return config_of(source) if hf.exists() else config_of(Path(source).parent / "hf")
 
 
+@pytest.fixture(scope="module")
+def hf_folder_and_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, dict[str, torch.Tensor]]:
+    """A Hugging Face folder and the save folder of a 2-step run from its config, each with
+    the weights one process reads from it (built once for both layouts)."""
+    tmp_path = tmp_path_factory.mktemp("two_ranks")
+    save_hf_model(tmp_path / "hf", "olmo2", tie_word_embeddings=True)
+    base, _ = build_run(tmp_path / "base", config_of(tmp_path / "hf"), init_weights=None, steps=2)
+    base.fit()
+    return {
+        str(tmp_path / "hf"): state_of(load_hf_model(tmp_path / "hf")),
+        str(tmp_path / "base"): state_of(model_of(base)),
+    }
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("dp", ["fsdp", "ddp"])
-def test_two_ranks_load_hf_weights_and_checkpoints(tmp_path: Path, dp: str) -> None:
-    save_hf_model(tmp_path / "hf", "olmo2", tie_word_embeddings=True)
-    reference = state_of(load_hf_model(tmp_path / "hf"))
-    for state in run_distributed_test(_load_on_ranks, 2, args=(str(tmp_path / "hf"), dp)):
-        assert_same_state(state, reference)
-    base, _ = build_run(tmp_path / "base", config_of(tmp_path / "hf"), init_weights=None, steps=2)
-    base.fit()
-    reference = state_of(model_of(base))
-    for state in run_distributed_test(_load_on_ranks, 2, args=(str(tmp_path / "base"), dp)):
-        assert_same_state(state, reference)
+def test_two_ranks_load_hf_weights_and_checkpoints(
+    hf_folder_and_checkpoint: dict[str, dict[str, torch.Tensor]], dp: str
+) -> None:
+    sources = list(hf_folder_and_checkpoint)
+    for states in run_distributed_test(_load_on_ranks, 2, args=(sources, dp)):
+        assert len(states) == len(sources)
+        for state, source in zip(states, sources, strict=True):
+            assert_same_state(state, hf_folder_and_checkpoint[source])
 
 
 def _error_on_ranks(source: str) -> str:
