@@ -320,7 +320,7 @@ def _become(request: dict[str, Any], fds: list[int], base_path: list[str]) -> An
         )
         for fd in (1, 2)
     )
-    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr  # type: ignore[misc]
     # A main process of its own, with the default start method, as a fresh interpreter has
     # (the server may be a fork server's child): the command may start processes.
     mp_process._current_process = _MainProcess()  # type: ignore[attr-defined]

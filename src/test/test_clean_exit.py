@@ -43,9 +43,11 @@ def _torchrun(tmp_path: Path, *, crash: bool) -> subprocess.CompletedProcess[str
     script = tmp_path / "train.py"
     test_dir = str(Path(__file__).parent)
     script.write_text(textwrap.dedent(SCRIPT.format(test_dir=test_dir, crash=crash)))
-    torchrun = preloaded_python.torchrun("--nproc-per-node=2", real_exit=True)
+    torchrun = preloaded_python.torchrun(
+        "--nproc-per-node=2", f"--master-port={free_port()}", real_exit=True
+    )
     return subprocess.run(
-        [*torchrun, f"--master-port={free_port()}", str(script), str(tmp_path / "run")],
+        [*torchrun, str(script), str(tmp_path / "run")],
         capture_output=True,
         text=True,
         timeout=patient(180),
@@ -219,8 +221,10 @@ def _preempt(tmp_path: Path, *, torchrun: bool) -> tuple[list[str], str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     port = free_port()
     if torchrun:
-        launcher = preloaded_python.torchrun("--nproc-per-node=2", real_exit=True)
-        commands = [([*launcher, f"--master-port={port}", *run], env)]
+        launcher = preloaded_python.torchrun(
+            "--nproc-per-node=2", f"--master-port={port}", real_exit=True
+        )
+        commands = [([*launcher, *run], env)]
     else:
         python = preloaded_python.command(real_exit=True)
         commands = [([*python, *run], {**env, **launcher_env(r, 2, port)}) for r in (0, 1)]

@@ -75,9 +75,11 @@ def test_an_olmolike_error_escaping_a_script_is_one_line(tmp_path: Path) -> None
 def test_under_torchrun_the_line_is_printed_once_per_job(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    torchrun = preloaded_python.torchrun("--nproc-per-node=2", real_exit=True)
+    torchrun = preloaded_python.torchrun(
+        "--nproc-per-node=2", f"--master-port={free_port()}", real_exit=True
+    )
     result = subprocess.run(
-        [*torchrun, f"--master-port={free_port()}", str(script)],
+        [*torchrun, str(script)],
         capture_output=True,
         text=True,
         timeout=patient(150),
