@@ -95,7 +95,7 @@ def test_the_real_interpreter_s_endings_are_what_these_cases_mean() -> None:
     assert "Error in sys.excepthook" in statuses["exception-in-excepthook"][2]
     assert statuses["exception-kept-until-finalisation"][1] == "freed\n"
     forked = preloaded_python.command()
-    for name in ("c-atexit-handler", "c-stdio-flushed-at-exit", "module-teardown"):
+    for name in ("c-atexit-handler", "module-teardown"):
         assert _run(forked, ENDINGS[name]) != statuses[name], name
 
 
