@@ -224,7 +224,11 @@ def _serve(path: str, ready: Any, real_exit: bool) -> tuple[dict[str, Any], list
         for key, _ in selector.select():
             if key.fileobj is listener:
                 client, _ = listener.accept()
-                received = _receive(client)
+                try:  # a client that died while it asked must not end the server
+                    received = _receive(client)
+                except (OSError, ValueError):
+                    client.close()
+                    continue
                 if received is None:
                     continue
                 for stream in (sys.stdout, sys.stderr):
@@ -243,8 +247,14 @@ def _serve(path: str, ready: Any, real_exit: bool) -> tuple[dict[str, Any], list
                     _run(*received, base_path)
                 for fd in received[1]:
                     os.close(fd)
-                client.sendall(f"pid {pid}\n".encode())
                 running[pid] = client
+                try:
+                    client.sendall(f"pid {pid}\n".encode())
+                except OSError:  # its client is gone already: so is the command
+                    del running[pid]
+                    client.close()
+                    os.kill(pid, signal.SIGKILL)
+                    continue
                 selector.register(client, selectors.EVENT_READ, pid)
             elif key.fileobj == wake_read:
                 os.read(wake_read, 4096)

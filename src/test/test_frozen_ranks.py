@@ -19,7 +19,6 @@ import threading
 import time
 from pathlib import Path
 
-import preloaded_python
 import pytest
 import torch.distributed as dist
 from test_failure_lines import _rank_pids, write_experiment
@@ -119,10 +118,7 @@ def _run_with_a_frozen_rank(
     left, and what the frozen one printed. The frozen rank is resumed and killed at the end."""
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT.format(test_dir=TEST_DIR)))
-    # The stand-in whose commands end as the interpreter ends: the rank left's status is the
-    # subject. (The frozen rank stops itself; killing its stand-in kills it.)
-    python = preloaded_python.command(real_exit=True)
-    command = [*python, str(script), str(tmp_path / "run"), where, str(frozen)]
+    command = [sys.executable, str(script), str(tmp_path / "run"), where, str(frozen)]
     monkeypatch.setenv(rank_monitor.FROZEN_ENV, str(TIMEOUT))  # the ranks inherit it
     ranks = start_ranks(command)
     left = ranks[1 - frozen]
