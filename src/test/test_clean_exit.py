@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import threading
 from pathlib import Path
 
+import preloaded_python
 import pytest
 from testutils import free_port, launcher_env, patient, start_ranks
 
@@ -43,9 +43,11 @@ def _torchrun(tmp_path: Path, *, crash: bool) -> subprocess.CompletedProcess[str
     script = tmp_path / "train.py"
     test_dir = str(Path(__file__).parent)
     script.write_text(textwrap.dedent(SCRIPT.format(test_dir=test_dir, crash=crash)))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+    torchrun = preloaded_python.torchrun(
+        "--nproc-per-node=2", f"--master-port={free_port()}", real_exit=True
+    )
     return subprocess.run(
-        [*torchrun, f"--master-port={free_port()}", str(script), str(tmp_path / "run")],
+        [*torchrun, str(script), str(tmp_path / "run")],
         capture_output=True,
         text=True,
         timeout=patient(180),
@@ -120,8 +122,9 @@ def _in_flight_failures(tmp_path: Path, ending: str, status: int, attempts: int)
     script = tmp_path / "in_flight.py"
     script.write_text(IN_FLIGHT_SCRIPT.replace("ENDING", ending))
     failures = []
+    python = preloaded_python.command(real_exit=True)
     for attempt in range(attempts):
-        ranks = start_ranks([sys.executable, str(script)], stderr=subprocess.PIPE)
+        ranks = start_ranks([*python, str(script)], stderr=subprocess.PIPE)
         for rank, proc in enumerate(ranks):
             try:
                 out, err = proc.communicate(timeout=patient(120))
@@ -218,10 +221,13 @@ def _preempt(tmp_path: Path, *, torchrun: bool) -> tuple[list[str], str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     port = free_port()
     if torchrun:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
-        commands = [([*launcher, f"--master-port={port}", *run], env)]
+        launcher = preloaded_python.torchrun(
+            "--nproc-per-node=2", f"--master-port={port}", real_exit=True
+        )
+        commands = [([*launcher, *run], env)]
     else:
-        commands = [([sys.executable, *run], {**env, **launcher_env(r, 2, port)}) for r in (0, 1)]
+        python = preloaded_python.command(real_exit=True)
+        commands = [([*python, *run], {**env, **launcher_env(r, 2, port)}) for r in (0, 1)]
     procs = [
         subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for cmd, e in commands

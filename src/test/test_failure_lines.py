@@ -16,6 +16,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import preloaded_python
 import pytest
 from testutils import free_port, patient, start_ranks
 
@@ -23,6 +24,14 @@ from olmolike.train.checkpoint import Checkpointer
 
 TEST_DIR = str(Path(__file__).parent)
 INFO = re.compile(r"^\S+ \S+ (\[rank\d+\] )?INFO ")
+
+
+def _python() -> list[str]:
+    """``python`` for the scripts: :mod:`preloaded_python`'s stand-in whose commands end as
+    the interpreter ends (the one line at exit is the subject). The launchers' tests run
+    the real one: the ranks' parenthood (``_rank_pids``, an unreaped rank) is their subject;
+    so does the full disk's, whose command runs in a namespace of its own."""
+    return preloaded_python.command(real_exit=True)
 
 
 def failure_lines(output: str) -> list[str]:
@@ -99,7 +108,7 @@ def test_a_killed_rank_is_one_line_on_the_rank_left(tmp_path: Path, killed: int)
     left must not call it once rank 0 is gone (each call prints a C++ stack trace)."""
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(KILLED_SCRIPT.format(test_dir=TEST_DIR)))
-    ranks = start_ranks([sys.executable, str(script), str(tmp_path / "run"), str(killed)])
+    ranks = start_ranks([*_python(), str(script), str(tmp_path / "run"), str(killed)])
     left = ranks[1 - killed]
     output = _output_of(left, ranks, timeout=150)
     assert ranks[killed].returncode == -signal.SIGKILL
@@ -136,7 +145,7 @@ def test_a_rank_killed_before_the_teardown_barrier_is_one_line(tmp_path: Path, k
     read its rank after its groups had ended)."""
     script = tmp_path / "end.py"
     script.write_text(END_SCRIPT)
-    ranks = start_ranks([sys.executable, str(script), str(killed)])
+    ranks = start_ranks([*_python(), str(script), str(killed)])
     left = 1 - killed
     output = _output_of(ranks[left], ranks, timeout=120)
     assert ranks[left].returncode == 1
@@ -377,7 +386,7 @@ def test_a_second_ctrl_c_is_one_line_naming_the_last_checkpoint(tmp_path: Path, 
     traceback from an ``atexit`` callback after the line."""
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(CTRL_C_SCRIPT.format(test_dir=TEST_DIR)))
-    result = run([sys.executable, str(script), str(tmp_path / "run"), when])
+    result = run([*_python(), str(script), str(tmp_path / "run"), when])
     assert result.returncode in (130, -signal.SIGINT), result.stdout[-3000:]
     lines = failure_lines(result.stdout)
     # The first Ctrl-C's records: it asked to cancel, and the run stopped at step 3.
@@ -444,7 +453,7 @@ def test_a_second_ctrl_c_names_the_checkpoint_an_async_save_in_flight_completes(
     Before: it named step 2 (composed at once), and step 4's marker landed after it."""
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SLOW_SAVE_SCRIPT.format(test_dir=TEST_DIR)))
-    ranks = start_ranks([sys.executable, str(script), str(tmp_path / "run")])
+    ranks = start_ranks([*_python(), str(script), str(tmp_path / "run")])
     try:
         outputs = [rank.communicate(timeout=patient(200))[0] for rank in ranks]
     finally:

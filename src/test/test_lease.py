@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import preloaded_python
 import pytest
 from remote_servers import RemoteStore
 from testutils import build_trainer, patient
@@ -178,7 +179,8 @@ def test_the_lease_of_a_sigkilled_run_on_this_host_is_taken_over(tmp_path: Path)
     script = tmp_path / "hold.py"
     src = str(Path(__file__).parents[1])
     script.write_text(textwrap.dedent(KILLED_HOLDER.format(src=src)))
-    result = subprocess.run([sys.executable, str(script), folder], timeout=patient(120))
+    python = preloaded_python.command(real_exit=True)
+    result = subprocess.run([*python, str(script), folder], timeout=patient(120))
     assert result.returncode == -signal.SIGKILL
     assert records(folder)[0]["run_id"] == "killed-run"
     lease = SaveFolderLease(folder, run="restart")  # long before the hour-long timeout
@@ -231,8 +233,9 @@ def test_a_trainer_on_a_folder_in_use_is_refused_then_runs_once_it_is_released(
     save, ready, release = tmp_path / "run", tmp_path / "ready", tmp_path / "release"
     script = tmp_path / "hold.py"
     script.write_text(textwrap.dedent(HOLDING_RUN.format(test_dir=str(Path(__file__).parent))))
+    python = preloaded_python.command(real_exit=True)  # the holder's pid is not the subject
     holder = subprocess.Popen(
-        [sys.executable, str(script), str(save), str(ready), str(release)],
+        [*python, str(script), str(save), str(ready), str(release)],
         env={**os.environ, "OLMOLIKE_RUN_ID": "the-first-run", "OMP_NUM_THREADS": "1"},
     )
     try:

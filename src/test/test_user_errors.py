@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
+import preloaded_python
 import pytest
 from testutils import build_trainer, free_port, patient
 
@@ -25,6 +25,12 @@ finally:
     teardown_training_environment()
 """
 MESSAGE = "error: trainer.max_duration.value: must be >= 1, got 0"
+
+
+def _python() -> list[str]:
+    """``python``: :mod:`preloaded_python`'s stand-in whose commands end as the interpreter
+    ends (the one line is printed as the process ends)."""
+    return preloaded_python.command(real_exit=True)
 
 
 def test_a_save_folder_that_is_a_file_is_a_config_error(tmp_path: Path) -> None:
@@ -54,7 +60,7 @@ def test_an_olmolike_error_escaping_a_script_is_one_line(tmp_path: Path) -> None
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=patient(120)
+        [*_python(), str(script)], capture_output=True, text=True, timeout=patient(120)
     )
     assert result.returncode == 1
     (line,) = result.stderr.splitlines()
@@ -69,9 +75,11 @@ def test_an_olmolike_error_escaping_a_script_is_one_line(tmp_path: Path) -> None
 def test_under_torchrun_the_line_is_printed_once_per_job(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+    torchrun = preloaded_python.torchrun(
+        "--nproc-per-node=2", f"--master-port={free_port()}", real_exit=True
+    )
     result = subprocess.run(
-        [*torchrun, f"--master-port={free_port()}", str(script)],
+        [*torchrun, str(script)],
         capture_output=True,
         text=True,
         timeout=patient(150),
@@ -171,7 +179,7 @@ def test_a_refused_layout_is_one_line_before_any_rank_starts(experiment: Path, c
     Broken pipe` (64-68 lines); a TP x PP run with a sequence of max_sequence_length tokens
     not a multiple of the tp degree crashed at its first step with a 75-line traceback."""
     overrides, expected = REFUSED_LAYOUTS[case]
-    command = [sys.executable, "-m", "olmolike", "train", "--nproc-per-node=4", str(experiment)]
+    command = [*_python(), "-m", "olmolike", "train", "--nproc-per-node=4", str(experiment)]
     result = subprocess.run(
         [*command, *overrides],
         capture_output=True,
@@ -193,7 +201,7 @@ def test_a_refusal_from_the_ranks_themselves_is_one_line_per_job(experiment: Pat
     Before: 4 lines and 4 `TCPStore ... Broken pipe` stack dumps."""
     from testutils import start_ranks
 
-    command = [sys.executable, "-m", "olmolike", "train", str(experiment)]
+    command = [*_python(), "-m", "olmolike", "train", str(experiment)]
     ranks = start_ranks([*command, "--train_module.tp_config.degree=3"], ranks=4)
     outputs = []
     for rank in ranks:
@@ -222,7 +230,7 @@ def test_the_hsdp_error_names_its_field_in_full() -> None:
 
 @pytest.mark.timeout(180)
 def test_a_bad_frozen_rank_timeout_is_one_line_before_any_rank_starts(experiment: Path) -> None:
-    command = [sys.executable, "-m", "olmolike", "train", "--nproc-per-node=4", str(experiment)]
+    command = [*_python(), "-m", "olmolike", "train", "--nproc-per-node=4", str(experiment)]
     result = subprocess.run(
         command,
         capture_output=True,
