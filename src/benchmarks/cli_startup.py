@@ -10,7 +10,7 @@ and prints for each the median wall time and the median CPU time (user + system,
 the ratio of the top-level help's wall time to ``python -c pass``'s. A ratio near 1-5 means
 the help imports nothing heavy; importing torch alone makes it ~50-150x on a 2-core CPU.
 
-Run it with ``python src/benchmarks/cli_startup.py`` (``--quick``: fewer rounds). It always
+Run it with ``python src/benchmarks/cli_startup.py`` (``--quick``: one round). It always
 exits 0: it measures, it does not test (``src/test/test_cli_help.py`` checks that no help
 imports torch or matplotlib).
 """
@@ -46,9 +46,9 @@ def times(command: list[str], env: dict[str, str]) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15, help="runs of each command")
-    parser.add_argument("--quick", action="store_true", help="3 rounds: a smoke check")
+    parser.add_argument("--quick", action="store_true", help="1 round: a smoke check")
     args = parser.parse_args()
-    rounds = 3 if args.quick else args.rounds
+    rounds = 1 if args.quick else args.rounds
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),

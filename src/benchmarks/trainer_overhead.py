@@ -560,7 +560,9 @@ def main() -> None:
         for size in sizes:
             results.append(measure(size, settings))
             console.print(rounds_table(results[-1]))
-            lockstep_steps = 20 if args.quick else size.lockstep_steps
+            # --quick: the warm-up steps, then one window of metrics_collect_interval (5)
+            # steps (the window median needs one), and the step that closes it.
+            lockstep_steps = settings.warmup_steps + 6 if args.quick else size.lockstep_steps
             lockstep[size.name] = [
                 measure_lockstep(size, lockstep_steps, settings.warmup_steps, save_folder)
                 for _ in range(1 if args.quick else args.lockstep_runs)

@@ -407,14 +407,19 @@ def report(ranks: int, threads: int, rounds: list[dict[str, dict[str, float]]]) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small model, 1 round: smoke check")
+    parser.add_argument(
+        "--quick", action="store_true", help="small model, 1 round, 1 thread: smoke check"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="rounds of alternating runs")
     parser.add_argument("--size", choices=sorted(SIZES), default="64M")
     parser.add_argument(
         "--ranks", type=int, nargs="+", default=[1, 2], help="cases to run: 1 and/or 2 ranks"
     )
     parser.add_argument(
-        "--threads", type=int, nargs="+", default=[1, 2], help="cases to run: torch threads"
+        "--threads",
+        type=int,
+        nargs="+",
+        help="cases to run: torch threads (default: 1 and 2; 1 with --quick)",
     )
     parser.add_argument(
         "--baseline",
@@ -424,6 +429,8 @@ def main() -> None:
     parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    # --quick runs each code path once: both rank counts (one process, FSDP2), one thread.
+    args.threads = args.threads or ([1] if args.quick else [1, 2])
     if min(args.rounds, *args.ranks, *args.threads) < 1:
         parser.error("--rounds, --ranks and --threads take numbers >= 1")
     if args.worker:
