@@ -337,3 +337,20 @@ def test_checkpoint_tools_load_without_the_trainer() -> None:
         timeout=patient(120),
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_pipelining_is_imported_only_when_a_pipeline_is_built() -> None:
+    # torch.distributed.pipelining imports torch._dynamo (~1 CPU s): every CLI command and every
+    # process that fails on its config before training would pay it at start-up.
+    code = (
+        "import sys, olmolike.train, olmolike.cli, olmolike.experiment, olmolike.plan\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.pipelining')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=patient(120),
+    )
+    assert out.stdout.strip() == "[]", out.stdout

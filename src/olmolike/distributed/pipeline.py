@@ -18,24 +18,19 @@ import itertools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleLoopedBFS,
-)
-from torch.distributed.pipelining.schedules import _PipelineSchedule
-from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from ..config import Config, StrEnum
 from ..exceptions import ConfigurationError
 from .expert_parallel import clip_grads_with_norm, grad_norm
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 __all__ = [
     "PipelineParallelConfig",
@@ -157,8 +152,18 @@ def build_schedule(
 ) -> _PipelineSchedule:
     """The schedule over this rank's stages; gradients are left unscaled (see the module doc).
     Without ``loss_fn`` it runs forwards only (evaluation)."""
-    stages: list[_PipelineStageBase] = [
-        _Stage(module, index, config.num_stages, device, group=group)
+    # Imported here: torch.distributed.pipelining imports torch._dynamo (~1 CPU s), which a
+    # process without a pipeline (every CLI command, most runs) would pay at start-up.
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleLoopedBFS,
+    )
+
+    stage_class = _stage_class()
+    stages = [
+        stage_class(module, index, config.num_stages, device, group=group)
         for module, index in zip(stage_modules, stage_indices)
     ]
     if loss_fn is None:  # forwards only: the order of the backwards does not matter
@@ -171,18 +176,24 @@ def build_schedule(
     return single(stages[0], n_microbatches, loss_fn, scale_grads=False)
 
 
-class _Stage(PipelineStage):
-    """A stage that tells its module when a forward only infers shapes.
+@cache
+def _stage_class() -> type:
+    """torch's ``PipelineStage``, told when a forward only infers shapes (defined when the
+    first schedule is built, see :func:`build_schedule`).
 
     A schedule's first step runs each stage once on placeholder inputs (the first stage on
     the first micro-batch) to learn its output shapes, before the real micro-batches. A
     module with a ``shape_inference()`` context manager runs that forward inside it: a
     mixture of experts then adds no auxiliary loss and counts no routing for it."""
+    from torch.distributed.pipelining import PipelineStage
 
-    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
-        probe = getattr(self.submod, "shape_inference", None)
-        with probe() if callable(probe) else contextlib.nullcontext():
-            return super()._prepare_forward_infra(*args, **kwargs)
+    class _Stage(PipelineStage):
+        def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+            probe = getattr(self.submod, "shape_inference", None)
+            with probe() if callable(probe) else contextlib.nullcontext():
+                return super()._prepare_forward_infra(*args, **kwargs)
+
+    return _Stage
 
 
 @torch.no_grad()

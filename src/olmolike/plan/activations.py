@@ -54,8 +54,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
-
 from ..distributed.pipeline import PipelineScheduleType, split_layers
 from ..nn import TransformerConfig
 from ..train.train_module.transformer import ActivationCheckpointingConfig
@@ -182,6 +180,9 @@ def pipeline_actions(layout: Layout, microbatches: int, pp_rank: int) -> list[tu
             + [(stage, False), (stage, True)] * (n - warmup)
             + [(stage, False)] * warmup
         )
+    # Imported here, as in distributed/pipeline.py: pipelining imports torch._dynamo.
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
     rounds = max(1, n // layout.pp)
     schedule = SimpleNamespace(  # the attributes torch's interleaved order is computed from
         n_local_stages=layout.stages_per_rank,
