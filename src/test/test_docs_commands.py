@@ -16,7 +16,8 @@ the repository's ``src``, ``Makefile`` and ``docs``; every other block is a test
 run in a copy of the workspace that block left (later pages use its runs/stdlib-demo and
 data/stdlib), so that the blocks spread over the test processes. A block must not need what
 another block (but the first) wrote. ``python`` and ``olmolike`` in the blocks are
-:mod:`preloaded_python`'s stand-ins: the same commands, without importing torch again.
+:mod:`preloaded_python`'s stand-ins: the same commands, without importing torch again;
+``torchrun``'s launcher and ranks run under them too.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -132,8 +132,9 @@ def adapt(command: str, extra: list[str], venv: Path) -> str:
 
 
 def workspace(root: Path) -> tuple[Path, dict[str, str]]:
-    """A directory laid out like a checkout, with ``python`` and ``olmolike`` (preloaded
-    stand-ins) and ``torchrun`` on PATH; ``root/venv`` stands in for `make install`'s."""
+    """A directory laid out like a checkout, with ``python``, ``olmolike`` and ``torchrun``
+    (preloaded stand-ins; torchrun starts its ranks with the ``python`` here, through
+    ``PYTHON_EXEC``) on PATH; ``root/venv`` stands in for `make install`'s."""
     work = root / "work"
     work.mkdir()
     for name in ["src", "Makefile", "pyproject.toml", "constraints.txt", "docs"]:
@@ -142,10 +143,11 @@ def workspace(root: Path) -> tuple[Path, dict[str, str]]:
     bindir.mkdir(parents=True)
     (root / "venv" / ".installed-stamp").touch()
     python = shlex.join(preloaded_python.command())
+    ranks_python = shlex.quote(str(bindir / "python"))
     for name, how in [
         ("python", python),
         ("olmolike", f"{python} -m olmolike"),
-        ("torchrun", f"{shlex.quote(sys.executable)} -m torch.distributed.run"),
+        ("torchrun", f"env PYTHON_EXEC={ranks_python} {python} -m torch.distributed.run"),
     ]:
         # Scripts, not symlinks: a symlinked venv python would not find its site-packages.
         (bindir / name).write_text(f'#!/bin/sh\nexec {how} "$@"\n')

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from testutils import run_distributed_test
 
 from olmolike.nn.functional import DPOOutput, dpo_loss, sequence_log_probs
-from olmolike.testing import run_distributed_test
 
 trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
@@ -165,8 +165,7 @@ def test_two_ranks_equal_trl_on_the_whole_batch(tmp_path: Path) -> None:
         trainer, model, batch = _trl_setup(trl_loss, label_smoothing, tmp_path / loss_type)
         expected[loss_type] = _trl_loss_and_grads(trainer, model, batch)
     # _trl_setup seeds the same model and batch every time: the last serves every case.
-    # Spawned, not forked: the TRL trainer above has started threads, and a forked child of a
-    # threaded process can hang on a lock one of them held.
-    run_distributed_test(
-        _two_ranks, world_size=2, func_args=(model, batch, expected), start_method="spawn"
-    )
+    # Ranks from the fork server (as if spawned), not forked from here: the TRL trainer above
+    # has started threads, and a forked child of a threaded process can hang on a lock one of
+    # them held.
+    run_distributed_test(_two_ranks, 2, args=(model, batch, expected), timeout=300)

@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from testutils import run_distributed_test
 
 from olmolike.nn import log_probs_of_labels
-from olmolike.testing import run_distributed_test
 from olmolike.train.train_module.grpo import (
     GRPOLossConfig,
     group_advantages,
@@ -366,9 +366,7 @@ def test_two_ranks_equal_trl_on_two_ranks(model_dir: Path, tmp_path: Path) -> No
         loss, grads, _ = trl_reference(trainer, case, world=2)
         expected[case.id] = (loss, grads)
         model = trainer.model
-    # Every trainer loads the same saved model: the last serves every case. Spawned, not
-    # forked: the TRL trainers above have started threads, and a forked child of a threaded
-    # process can hang on a lock one of them held.
-    run_distributed_test(
-        _two_ranks, world_size=2, func_args=(model, expected), start_method="spawn"
-    )
+    # Every trainer loads the same saved model: the last serves every case. Ranks from the
+    # fork server (as if spawned), not forked from here: the TRL trainers above have started
+    # threads, and a forked child of a threaded process can hang on a lock one of them held.
+    run_distributed_test(_two_ranks, 2, args=(model, expected), timeout=300)
