@@ -18,6 +18,10 @@ sys.path.insert(0, str(HERE / "_ext"))
 sys.path.insert(0, str(HERE.parent / "src"))  # the checkout's sources, installed or not
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # autodoc imports torch; it computes nothing
 
+# olmolike imports torch's pipelining only when it builds a schedule; the annotations that name
+# its classes resolve (as plain text, like every torch name) against the imported module.
+import torch.distributed.pipelining  # noqa: E402, F401
+
 project = "olmolike"
 copyright = "the olmolike authors"
 author = "the olmolike authors"

@@ -29,8 +29,8 @@ from ..config import Config, StrEnum
 from ..exceptions import ConfigurationError
 from .expert_parallel import clip_grads_with_norm, grad_norm
 
-if TYPE_CHECKING:
-    from torch.distributed.pipelining.schedules import _PipelineSchedule
+if TYPE_CHECKING:  # imported when a schedule is built (see build_schedule)
+    import torch.distributed.pipelining.schedules
 
 __all__ = [
     "PipelineParallelConfig",
@@ -149,7 +149,7 @@ def build_schedule(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
     group: dist.ProcessGroup,
     device: torch.device,
-) -> _PipelineSchedule:
+) -> torch.distributed.pipelining.schedules._PipelineSchedule:
     """The schedule over this rank's stages; gradients are left unscaled (see the module doc).
     Without ``loss_fn`` it runs forwards only (evaluation)."""
     # Imported here: torch.distributed.pipelining imports torch._dynamo (~1 CPU s), which a
