@@ -339,13 +339,14 @@ def _public_functions() -> Iterator[tuple[str, Any]]:
 
 
 def _hints(fn: Any) -> dict[str, Any]:
-    """The annotations of ``fn`` that resolve (some name ``TYPE_CHECKING``-only classes)."""
+    """The annotations of ``fn`` that resolve (some name ``TYPE_CHECKING``-only classes, or a
+    class of a module olmolike imports only when it is used: torch's pipelining)."""
     namespace = vars(inspect.getmodule(fn))
     out = {}
     for key, annotation in fn.__annotations__.items():
         try:
             out[key] = eval(annotation, namespace) if isinstance(annotation, str) else annotation
-        except NameError:
+        except (NameError, AttributeError):
             continue
     return out
 

@@ -3,6 +3,7 @@ experiment file that ``olmolike train`` trains, and the checkpoint generates and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -25,13 +26,15 @@ SEQ = 32
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Ten small files of code, one or more of them held out for validation."""
     root = tmp_path_factory.mktemp("corpus")
-    files = []
     for n in range(10):
-        files.append(root / f"part{n}.py")
-        files[-1].write_text(
+        (root / f"part{n}.py").write_text(
             "".join(f"def f{i}(x):\n    return x * {i} + {n}\n\n" for i in range(60))
         )
-    prepared = prepare_data(files, root / "data", val_fraction=0.3)
+    # Relative paths: the validation split hashes each source's name as given, and a tmp path
+    # (its pytest-N and corpusN parts change from run to run) held out no file in ~3% of runs.
+    files = [Path(f"part{n}.py") for n in range(10)]
+    with contextlib.chdir(root):
+        prepared = prepare_data(files, Path("data"), val_fraction=0.3)
     assert prepared.paths("val")
     return root / "data"
 
