@@ -113,7 +113,7 @@ SIZES = (
         seq_len=128,
         batch_size=2,
         steps=120,
-        target=0.97,
+        target=0.98,
         lockstep_steps=1000,
     ),
     Size(
@@ -305,14 +305,18 @@ class LockstepHand(Callback):
     hand_s: list[float] = field(default_factory=list)
     _mark: float | None = None
     _params: list[nn.Parameter] = field(default_factory=list)
+    _calls: int = 0
 
     priority = -100
 
+    def train(self, model: nn.Module, optim: torch.optim.Optimizer) -> None:
+        """Take hand-written steps on ``model`` and ``optim`` (the trainer's own)."""
+        self.model, self.optim, self._params = model, optim, list(model.parameters())
+
     def post_step(self) -> None:
-        assert self.model is not None and self.optim is not None
-        if not self._params:
-            self._params = list(self.model.parameters())
-        batch = self.batches[(self.trainer.global_step - 1) % len(self.batches)]
+        # Its own bookkeeping counts as the trainer's time: kept to a few plain operations.
+        batch = self.batches[self._calls % len(self.batches)]
+        self._calls += 1
         start = time.perf_counter()
         if self._mark is not None:
             self.trainer_s.append(start - self._mark)
@@ -345,7 +349,7 @@ def measure_lockstep(size: Size, steps: int, warmup: int, save_folder: str) -> L
     )
     probe = LockstepHand(batches=[b.clone() for b in instances.split(size.batch_size)])
     trainer, model = build_trainer(size, instances, save_folder, {"lockstep": probe})
-    probe.model, probe.optim = model, trainer.train_module.optim  # type: ignore[attr-defined]
+    probe.train(model, trainer.train_module.optim)  # type: ignore[attr-defined]
     trainer.fit()
     pairs = list(zip(probe.trainer_s, probe.hand_s[1:]))[warmup:]
     ratios = [hand / trainer for trainer, hand in pairs]

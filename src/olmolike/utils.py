@@ -144,6 +144,14 @@ def move_to_device(obj: T, device: torch.device) -> T:
         if obj.device == device:
             return obj
         return obj.to(device, non_blocking=obj.is_pinned())  # type: ignore[return-value]
+    if isinstance(obj, dict):
+        for value in obj.values():
+            if type(value) is not torch.Tensor or value.device != device:
+                break
+        else:
+            # A batch of tensors already there (every step on the CPU), without a call per
+            # tensor; still a new dict, as below: hooks edit the step's batch, not the loader's.
+            return dict(obj)  # type: ignore[return-value]
     if isinstance(obj, Mapping):
         return {k: move_to_device(v, device) for k, v in obj.items()}  # type: ignore[return-value]
     if isinstance(obj, (list, tuple)):

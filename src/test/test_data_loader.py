@@ -51,6 +51,33 @@ def test_ranks_split_each_global_batch_disjointly() -> None:
         assert a + b == full
 
 
+def test_a_batch_size_change_mid_epoch_reads_on_at_the_same_position_on_every_rank() -> None:
+    (order,) = epoch_rows(loader(global_batch_size=20 * SEQ), 1)  # the whole epoch's order
+
+    def rank_rows(rank: int) -> list[list[int]]:
+        dl = loader(global_batch_size=2 * SEQ, dp_world_size=2, dp_rank=rank)
+        dl.reshuffle(1)
+        batches = iter(dl)
+        rows = [next(batches)["input_ids"][:, 0].tolist() for _ in range(2)]
+        dl.global_batch_size = 4 * SEQ  # 4 of the 20 instances read
+        return rows + [batch["input_ids"][:, 0].tolist() for batch in batches]
+
+    for rank in (0, 1):
+        small = [[order[2 * b + rank]] for b in range(2)]
+        large = [order[4 + 4 * b + 2 * rank : 6 + 4 * b + 2 * rank] for b in range(4)]
+        assert rank_rows(rank) == small + large
+
+
+def test_a_batch_edited_in_place_leaves_the_data_and_the_next_epoch_alone() -> None:
+    dl = loader(shuffle=False)
+    dl.reshuffle(1)
+    for batch in dl:
+        batch["input_ids"].zero_()
+    dl.reset()
+    assert torch.equal(dl.instances, instances())
+    assert [r for b in epoch_rows(dl, 2) for r in b] == [i * SEQ for i in range(20)]
+
+
 def test_state_dict_resumes_at_the_next_batch() -> None:
     dl = loader()
     dl.reshuffle(2)

@@ -27,7 +27,7 @@ from olmolike.train.utils import (
     move_metrics,
     reduce_metrics,
 )
-from olmolike.utils import format_float, format_int, format_timedelta
+from olmolike.utils import format_float, format_int, format_timedelta, move_to_device
 
 REDUCE_TYPES = {
     "train/loss": ReduceType.mean,
@@ -123,6 +123,19 @@ def test_move_metrics_keeps_order_and_moves_only_other_devices() -> None:
     assert moved[2]["a"] is source[2]["a"]  # already there: not copied
     on_cpu = move_metrics({1: {"c": source[1]["c"]}}, torch.device("cpu"))
     assert on_cpu[1]["c"] is source[1]["c"]
+
+
+def test_move_to_device_gives_a_new_batch_of_the_same_tensors_where_nothing_moves() -> None:
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    batch = {"input_ids": torch.ones(2, 3), "index": torch.arange(2)}
+    moved = move_to_device(batch, cpu)
+    assert moved is not batch  # a hook edits the step's batch, not the loader's
+    assert moved.keys() == batch.keys() and all(moved[k] is batch[k] for k in batch)
+    mixed = {"input_ids": torch.ones(2, 3, device=meta), "index": torch.arange(2)}
+    moved = move_to_device(mixed, meta)
+    assert moved["input_ids"] is mixed["input_ids"] and moved["index"].device == meta
+    nested = {"pair": [torch.ones(1)], "n": 3}
+    assert move_to_device(nested, meta)["pair"][0].device == meta
 
 
 def test_env_rng_states_restore_reproduces_draws() -> None:

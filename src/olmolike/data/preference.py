@@ -232,8 +232,8 @@ class PreferenceDataLoader(TokenTensorDataLoader):
     are looked up by).
     """
 
-    def _make_batch(self, rows: torch.Tensor, indices: torch.Tensor) -> Batch:
-        return {**split_pair_rows(rows), "index": indices}
+    def _make_batch(self, rows: torch.Tensor, order: torch.Tensor, window: slice) -> Batch:
+        return {**split_pair_rows(rows), "index": order[window]}
 
 
 def split_pair_rows(rows: torch.Tensor) -> Batch:

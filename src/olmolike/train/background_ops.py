@@ -193,6 +193,8 @@ class BookkeepingRunner:
     def poll(self, step: int) -> None:
         """At the end of ``step``: deliver every distributed op due by now, waiting for it, and
         every finished non-distributed op; each in submission order. Re-raises failures."""
+        if not self._agreed and not self._local:
+            return  # most steps: asked without the lock (only this thread takes ops off)
         while True:
             with self._lock:
                 if not self._agreed or self._agreed[0].due_step > step:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -106,11 +105,18 @@ class MetricBuffer:
         except TypeError:  # an unhashable choice: _declare says what is wrong with it
             declared = None
         full_name = metric_name(name, namespace) if declared is None else declared[0]
-        value = _as_metric_value(full_name, value)  # a refused value declares nothing
+        # A float or a 0-dim tensor outside autograd is stored as it is (the common case, run
+        # for every metric of every step without a call); a refused value declares nothing.
+        if type(value) is not float and (
+            type(value) is not torch.Tensor or value.dim() or value.requires_grad
+        ):
+            value = _as_metric_value(full_name, value)
         if declared is None:
             declared = self._declare(how, full_name)
-        metrics = self._steps.setdefault(step, {})
-        if full_name in metrics:
+        metrics = self._steps.get(step)
+        if metrics is None:
+            metrics = self._steps[step] = {}
+        elif full_name in metrics:
             value = self._merge(full_name, step, metrics[full_name], value, declared[1])
         metrics[full_name] = value
 
@@ -185,9 +191,19 @@ class MetricBuffer:
 
 
 class _RecordsMetrics(Protocol):
-    """The trainer or the train module: what :func:`_record_metric` records for."""
+    """The trainer or the train module: what :func:`_record_ce_loss` records with."""
 
-    record_metric: Callable[..., None]
+    def record_metric(
+        self,
+        name: str,
+        value: MetricValue,
+        reduce_type: ReduceType | None = None,
+        namespace: str | None = None,
+    ) -> None: ...
+
+
+class _HoldsMetrics(Protocol):
+    """The trainer: what :func:`_record_metric` records into."""
 
     def _metric_buffer(self) -> tuple[MetricBuffer, int]:
         """The buffer records go to, and the step they belong to."""
@@ -195,7 +211,7 @@ class _RecordsMetrics(Protocol):
 
 
 def _record_metric(
-    self: _RecordsMetrics,
+    self: _HoldsMetrics,
     name: str,
     value: MetricValue,
     reduce_type: ReduceType | None = None,

@@ -193,19 +193,21 @@ class CheckpointerCallback(Callback, name="checkpointer"):
         return old
 
     def post_step(self) -> None:
-        if not self.active:
-            self._discard_prepared()  # saves were switched off (e.g. the stability monitor)
+        trainer = self.trainer
+        if not self.enabled or trainer.no_checkpoints:  # not self.active (read every step)
+            if self._prepared_for is not None:  # saves were switched off (stability monitor)
+                self._discard_prepared()
             return
-        step = self.trainer.global_step
+        step = trainer.global_step
         if self.save_async and self.saves_at(step + 1) and self._prepared_for is None:
             # Buffers of the next save, allocated while this step's successor runs.
-            self.trainer.checkpointer.prepare_async_staging(self.trainer.train_module)
+            trainer.checkpointer.prepare_async_staging(trainer.train_module)
             self._prepared_for = step + 1
         permanent = self._permanent_due(step)
         ephemeral = not permanent and self._ephemeral_due(step)
         # Asked only when it matters: most steps neither save nor hold prepared buffers.
         due = permanent or ephemeral or self._prepared_for == step
-        if due and self.trainer.training_complete:
+        if due and trainer.training_complete:
             return  # post_train saves the final checkpoint, and as a permanent one
         if permanent or ephemeral:
             self._save(ephemeral=ephemeral)

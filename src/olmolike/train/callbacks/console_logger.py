@@ -60,8 +60,11 @@ class ConsoleLoggerCallback(Callback, name="console_logger"):
         self._start = (time.monotonic(), self.step)
 
     def post_step(self) -> None:
-        step = self.step
-        if step % self.log_interval == 0 and not self._metrics_step(step):
+        step = self.trainer.global_step
+        # Not a step whose metrics are logged (_metrics_step, without the call: every step).
+        if step % self.log_interval == 0 and step % (
+            self.metrics_log_interval or self.log_interval
+        ):
             log.info("[step=%d/%s,epoch=%d]%s", step, *self._progress(self.trainer.epoch))
 
     def _progress(self, *between: Any) -> tuple[Any, ...]:

@@ -16,8 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ...distributed.checkpoint import apply_model_and_optim_state_dict, model_and_optim_state_dict
 from ...distributed.utils import AgreedCounts, agree_counts, get_world_size, is_distributed
 from ...exceptions import ConfigurationError
-from ..common import ReduceType
-from ..metric_buffer import MetricBuffer, _record_ce_loss, _record_metric
+from ..common import MetricMergeStrategy, ReduceType
+from ..metric_buffer import MetricBuffer, MetricValue, _record_ce_loss
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -121,14 +121,24 @@ class TrainModule(ABC):
         del seq_len
         return None
 
-    # The trainer's: into its metric buffer, directly (the step's metrics take no detour).
-    record_metric = _record_metric
-    record_ce_loss = _record_ce_loss
+    def record_metric(
+        self,
+        name: str,
+        value: MetricValue,
+        reduce_type: ReduceType | None = None,
+        namespace: str | None = None,
+        merge_strategy: MetricMergeStrategy = MetricMergeStrategy.warn,
+    ) -> None:
+        """As ``Trainer.record_metric``: into the trainer's metric buffer, directly (the
+        step's metrics take no detour; this runs for every metric of every step)."""
+        buffer, trainer = self._metrics, self._trainer
+        if buffer is None or trainer is None:
+            buffer, step = self.trainer._metric_buffer()
+        else:
+            step = trainer.global_step
+        buffer.record(step, name, value, reduce_type, merge_strategy, namespace=namespace)
 
-    def _metric_buffer(self) -> tuple[MetricBuffer, int]:
-        if self._metrics is None or self._trainer is None:
-            return self.trainer._metric_buffer()
-        return self._metrics, self._trainer.global_step
+    record_ce_loss = _record_ce_loss
 
     def record_loss(
         self, value: float | torch.Tensor, reduce_type: ReduceType | None = None
@@ -266,7 +276,9 @@ def labels_from_batch(batch: dict[str, Any], ignore_index: int) -> torch.Tensor:
     labels = batch.get("labels")
     if labels is None:
         labels = F.pad(batch["input_ids"][..., 1:], (0, 1), value=ignore_index)
-    return labels.long()  # cross-entropy needs int64 targets; token files are often int32
+    # Cross-entropy needs int64 targets; token files are often int32 (asked first: .long() is
+    # a tensor op even when it changes nothing).
+    return labels if labels.dtype == torch.int64 else labels.long()
 
 
 class BasicTrainModule(ModelAndOptimTrainModule):
@@ -327,11 +339,10 @@ class BasicTrainModule(ModelAndOptimTrainModule):
         input_ids = batch["input_ids"]
         labels = labels_from_batch(batch, self.label_ignore_index)
         rows = microbatch_rows(input_ids, self.rank_microbatch_size, "rank_microbatch_size")
-        if self._dp_group is None and input_ids.shape[0] <= rows:
-            slices = [slice(0, input_ids.shape[0])]  # one process, one micro-batch: as agreed
-        else:
+        slices = None  # one process, one micro-batch: nothing to agree on
+        if self._dp_group is not None or input_ids.shape[0] > rows:
             slices, _ = agreed_microbatches(input_ids.shape[0], rows, self._dp_group)
-        if len(slices) == 1 and not is_padding(slices[0]):
+        if slices is None or (len(slices) == 1 and not is_padding(slices[0])):
             # One micro-batch, the common case: cross-entropy's own mean over the non-ignored
             # tokens is the same sum / count, bit for bit, without the separate count and
             # division ops (~0.1 ms a step on a small CPU model).
@@ -343,7 +354,11 @@ class BasicTrainModule(ModelAndOptimTrainModule):
             )
             loss.backward()
             mean_loss = loss.detach()
-            if not self._has_labels_by_construction(batch, input_ids):
+            # Some label is surely not ignored, known without a tensor op, if the labels are
+            # shifted token ids of 2+ tokens and the ignore index is negative (never a token).
+            if not (
+                "labels" not in batch and self.label_ignore_index < 0 and input_ids.shape[-1] >= 2
+            ):
                 # With every label ignored the mean is 0/0 = NaN (the gradients are 0): report
                 # the 0 of the micro-batch path, not a NaN that looks like divergence (a real
                 # NaN from diverged weights must stay visible, so not nan_to_num).
@@ -355,12 +370,6 @@ class BasicTrainModule(ModelAndOptimTrainModule):
             mean_loss = self._accumulate(input_ids, labels, slices, num_tokens)
         if not dry_run:
             self.record_ce_loss(mean_loss, ReduceType.mean)
-
-    def _has_labels_by_construction(self, batch: dict[str, Any], input_ids: torch.Tensor) -> bool:
-        """Whether some label is surely not ignored, known without a tensor op: labels shifted
-        from the token ids of sequences of 2+ tokens, with a negative (never a token) ignore
-        index."""
-        return "labels" not in batch and self.label_ignore_index < 0 and input_ids.shape[-1] >= 2
 
     def _accumulate(
         self,
