@@ -249,13 +249,11 @@ class TokenTensorDataLoader(FixedLengthDataLoader):
         return self.seq_len
 
     @property
-    def total_batches(self) -> int | None:
-        return self._batches_per_epoch
-
-    @property
     def _batches_per_epoch(self) -> int:
         # instances // instances_per_batch, asked twice a step: without the property calls.
         return self.instances.shape[0] // (self._global_batch_size // self.seq_len)
+
+    total_batches = _batches_per_epoch  # one property: epoch_finished asks it every step
 
     @property
     def fingerprint(self) -> str:

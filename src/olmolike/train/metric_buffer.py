@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -191,19 +192,9 @@ class MetricBuffer:
 
 
 class _RecordsMetrics(Protocol):
-    """The trainer or the train module: what :func:`_record_ce_loss` records with."""
+    """The trainer or the train module: what :func:`_record_metric` records for."""
 
-    def record_metric(
-        self,
-        name: str,
-        value: MetricValue,
-        reduce_type: ReduceType | None = None,
-        namespace: str | None = None,
-    ) -> None: ...
-
-
-class _HoldsMetrics(Protocol):
-    """The trainer: what :func:`_record_metric` records into."""
+    record_metric: Callable[..., None]
 
     def _metric_buffer(self) -> tuple[MetricBuffer, int]:
         """The buffer records go to, and the step they belong to."""
@@ -211,7 +202,7 @@ class _HoldsMetrics(Protocol):
 
 
 def _record_metric(
-    self: _HoldsMetrics,
+    self: _RecordsMetrics,
     name: str,
     value: MetricValue,
     reduce_type: ReduceType | None = None,

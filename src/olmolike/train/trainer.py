@@ -265,8 +265,6 @@ class Trainer:
         )
 
     def _stop_step(self) -> int:
-        if self.hard_stop is None and self.max_duration.unit == DurationUnit.steps:
-            return self.max_duration.value  # asked every step: no progress to read
         return durations.stop_step(self.max_duration, self.hard_stop, self._progress())
 
     @property
@@ -283,7 +281,11 @@ class Trainer:
 
     @property
     def training_complete(self) -> bool:
-        return self._cancel.canceled or self.global_step >= self._stop_step()
+        if self._cancel.canceled:
+            return True
+        if self.hard_stop is None and self.max_duration.unit == DurationUnit.steps:
+            return self.global_step >= self.max_duration.value  # asked every step: no call
+        return self.global_step >= self._stop_step()
 
     @property
     def training_progress(self) -> TrainingProgress:

@@ -16,8 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ...distributed.checkpoint import apply_model_and_optim_state_dict, model_and_optim_state_dict
 from ...distributed.utils import AgreedCounts, agree_counts, get_world_size, is_distributed
 from ...exceptions import ConfigurationError
-from ..common import MetricMergeStrategy, ReduceType
-from ..metric_buffer import MetricBuffer, MetricValue, _record_ce_loss
+from ..common import ReduceType
+from ..metric_buffer import MetricBuffer, _record_ce_loss, _record_metric
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -121,24 +121,14 @@ class TrainModule(ABC):
         del seq_len
         return None
 
-    def record_metric(
-        self,
-        name: str,
-        value: MetricValue,
-        reduce_type: ReduceType | None = None,
-        namespace: str | None = None,
-        merge_strategy: MetricMergeStrategy = MetricMergeStrategy.warn,
-    ) -> None:
-        """As ``Trainer.record_metric``: into the trainer's metric buffer, directly (the
-        step's metrics take no detour; this runs for every metric of every step)."""
-        buffer, trainer = self._metrics, self._trainer
-        if buffer is None or trainer is None:
-            buffer, step = self.trainer._metric_buffer()
-        else:
-            step = trainer.global_step
-        buffer.record(step, name, value, reduce_type, merge_strategy, namespace=namespace)
-
+    # The trainer's: into its metric buffer, directly (the step's metrics take no detour).
+    record_metric = _record_metric
     record_ce_loss = _record_ce_loss
+
+    def _metric_buffer(self) -> tuple[MetricBuffer, int]:
+        if self._metrics is None or self._trainer is None:
+            return self.trainer._metric_buffer()
+        return self._metrics, self._trainer.global_step
 
     def record_loss(
         self, value: float | torch.Tensor, reduce_type: ReduceType | None = None
