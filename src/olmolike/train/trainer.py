@@ -16,14 +16,14 @@ import torch.distributed as dist
 from .. import io
 from ..config import check_choice_fields
 from ..data.data_loader import DataLoaderBase
-from ..distributed.utils import get_rank, get_world_size, is_distributed
+from ..distributed.utils import get_rank, get_world_size
 from ..exceptions import ConfigurationError, DataError
 from ..utils import move_to_device
 from . import durations
 from .background_ops import BookkeepingRunner, build_bookkeeping
-from .callbacks.callback import CALLBACK_HOOKS, Callback
+from .callbacks.callback import Callback
 from .callbacks.evaluator import evaluator_callbacks
-from .callbacks.hooks import EXTRA_HOOKS, HookCaller
+from .callbacks.hooks import HookCaller
 from .callbacks.speed_monitor import speed_of
 from .cancellation import CancelCoordinator, exit_if_signaled
 from .checkpoint import Checkpointer
@@ -39,6 +39,7 @@ from .metric_buffer import MetricBuffer, _record_ce_loss, _record_metric, metric
 from .run_scope import RunScope
 from .step_results import StepResults
 from .train_module import TrainModule
+from .trainer_parts import build_parts
 from .trainer_state import TrainerStateDict, load_trainer_state_dict, trainer_state_dict
 
 __all__ = ["Trainer", "TrainerStateDict"]
@@ -46,7 +47,6 @@ __all__ = ["Trainer", "TrainerStateDict"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-ALL_HOOKS = CALLBACK_HOOKS + EXTRA_HOOKS
 
 
 @dataclass
@@ -151,41 +151,13 @@ class Trainer:
             raise
 
     def _wire(self) -> None:
-        """Build the components and attach the train module and the callbacks."""
-        # Asked when a step needs it: a callback may replace the train module's method.
-        self._flops = durations.FlopCounter(lambda n: self.train_module.num_flops_per_token(n))
-        self._cancel = CancelCoordinator(rank=get_rank(), world_size=get_world_size())
-        self._hooks = HookCaller(self.callbacks.values(), ALL_HOOKS, Callback)
-        self._checkpoints = RunCheckpoints(
-            checkpointer=self.checkpointer,
-            train_module=self.train_module,
-            save_folder=self.save_folder,
-            work_dir=self.work_dir,
-            load_path=self.load_path,
-            load_strategy=self.load_strategy,
-            load_trainer_state=self.load_trainer_state,
-            load_optim_state=self.load_optim_state,
-        )
-        self._step_results = StepResults(
-            runner=self._bookkeeping,
-            cancel=self._cancel,
-            hooks=self._hooks,
-            device=self.device
-            if is_distributed() and not self.async_bookkeeping
-            else torch.device("cpu"),
-            metrics_collect_interval=self.metrics_collect_interval,
-            cancel_check_interval=self.cancel_check_interval,
-            train_timeout_seconds=self.train_timeout_seconds,
-        )
-        self._scope = RunScope(
-            checkpoints=self._checkpoints,
-            step_results=self._step_results,
-            bookkeeping=self._bookkeeping,
-            call_each=self._hooks.call_each,
-            owned_groups=self.owned_process_groups,
-            step=lambda: self.global_step,
-            save_folder=self.save_folder,
-            cancel=self._cancel,
+        """Build the components (``trainer_parts.py``), attach the train module and callbacks."""
+        parts = build_parts(self, self._bookkeeping)
+        self._flops, self._cancel, self._hooks = parts.flops, parts.cancel, parts.hooks
+        self._checkpoints, self._step_results, self._scope = (
+            parts.checkpoints,
+            parts.step_results,
+            parts.scope,
         )
         self.train_module._attach_trainer(self, self._step_results.metrics)
         self._hooks.attach(self, self.callbacks.values(), self.callbacks.values())
